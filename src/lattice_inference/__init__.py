@@ -1,0 +1,1 @@
+"""lattice-inference: lossless speculative decoding for Hugging Face causal LMs."""
