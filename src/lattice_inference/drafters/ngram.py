@@ -1,0 +1,264 @@
+"""N-gram (prompt lookup) drafting with an incremental hash index.
+
+The drafter looks for an earlier occurrence of the history's last ``n`` tokens (``n`` from ``max_ngram`` down
+to ``min_ngram``) and proposes the tokens that followed it, like vLLM's ``NgramProposer`` and Hugging Face's
+``PromptLookupCandidateGenerator``. The history is the prompt followed by every accepted token.
+
+Instead of scanning the history on every proposal (O(history) per step, as the reference and HF do), the
+drafter keeps one dict per n-gram length mapping each n-gram to the position of its first (or most recent)
+occurrence. Indexing costs O(max_ngram) per appended token and a proposal costs O(max_ngram + max_draft),
+independent of the history length.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Literal, overload
+
+from lattice_inference.errors import ConfigError, TokenError
+
+__all__ = ["MatchPolicy", "NgramDrafter", "NgramIndex", "TokenView", "validate_token_ids"]
+
+MatchPolicy = Literal["first", "recent"]
+_POLICIES: tuple[str, ...] = ("first", "recent")
+
+
+def validate_token_ids(token_ids: Iterable[int], what: str = "token ids") -> list[int]:
+    """Return ``token_ids`` as a list of Python ints, or raise :class:`TokenError`.
+
+    Accepts anything that iterates to integers (ints, numpy integers, 0-d integer tensors). Bools, floats and
+    negative values are rejected; the error names the offending value and its index.
+    """
+    out: list[int] = []
+    for i, tok in enumerate(token_ids):
+        if isinstance(tok, bool):
+            raise TokenError(f"{what}: element {i} is a bool ({tok!r}); expected a non-negative int")
+        try:
+            value = operator.index(tok)
+        except TypeError:
+            raise TokenError(
+                f"{what}: element {i} is {tok!r} of type {type(tok).__name__}; expected a non-negative int"
+            ) from None
+        if value < 0:
+            raise TokenError(f"{what}: element {i} is {value}; token ids must be non-negative")
+        out.append(value)
+    return out
+
+
+def _check_ngram_range(min_ngram: int, max_ngram: int) -> None:
+    for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name} must be an int, got {value!r}")
+        if value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+    if min_ngram > max_ngram:
+        raise ConfigError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
+
+
+def _check_policy(match: str) -> None:
+    if match not in _POLICIES:
+        raise ConfigError(f"match must be one of {', '.join(map(repr, _POLICIES))}; got {match!r}")
+
+
+class TokenView(Sequence[int]):
+    """A read-only, zero-copy view of a token list owned by an index or drafter."""
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, tokens: list[int]) -> None:
+        self._tokens = tokens
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return self._tokens[index]
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tokens)
+
+    def __repr__(self) -> str:
+        return f"TokenView(len={len(self._tokens)})"
+
+
+class NgramIndex:
+    """Incremental index of the n-grams of a growing token list.
+
+    For every ``n`` in ``[min_ngram, max_ngram]`` it maps each n-gram (as a tuple) to the position of its
+    **last** token in its first (``keep="first"``, leftmost) or most recent (``keep="recent"``) occurrence.
+    :meth:`extend` costs O(max_ngram) per appended token; :meth:`lookup` costs O(n).
+
+    Args:
+        min_ngram: shortest indexed n-gram length (>= 1).
+        max_ngram: longest indexed n-gram length (>= min_ngram).
+        keep: ``"first"`` to keep the leftmost occurrence, ``"recent"`` to keep the latest one.
+    """
+
+    __slots__ = ("_maps", "_tokens", "keep", "max_ngram", "min_ngram")
+
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 5, keep: MatchPolicy = "first") -> None:
+        _check_ngram_range(min_ngram, max_ngram)
+        _check_policy(keep)
+        self.min_ngram = min_ngram
+        self.max_ngram = max_ngram
+        self.keep: MatchPolicy = keep
+        self._tokens: list[int] = []
+        # _maps[n] is the dict for n-grams of length n (entries below min_ngram are unused).
+        self._maps: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
+
+    def __len__(self) -> int:
+        """Number of indexed tokens."""
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> TokenView:
+        """The indexed tokens (read-only view)."""
+        return TokenView(self._tokens)
+
+    def extend(self, token_ids: Iterable[int]) -> None:
+        """Append ``token_ids`` and index every n-gram that ends at one of them.
+
+        Raises:
+            TokenError: a token id is negative or not an integer (nothing is appended then).
+        """
+        self._extend_trusted(validate_token_ids(token_ids))
+
+    def _extend_trusted(self, token_ids: list[int]) -> None:
+        """:meth:`extend` for a list already validated by :func:`validate_token_ids`."""
+        tokens = self._tokens
+        maps = self._maps
+        lo, hi = self.min_ngram, self.max_ngram
+        first = self.keep == "first"
+        for tok in token_ids:
+            tokens.append(tok)
+            end = len(tokens) - 1
+            top = min(hi, end + 1)
+            for n in range(lo, top + 1):
+                key = tuple(tokens[end - n + 1 :])
+                if first:
+                    maps[n].setdefault(key, end)
+                else:
+                    maps[n][key] = end
+
+    def lookup(self, pattern: Sequence[int]) -> int | None:
+        """Return the end position (index of the last token) of the kept occurrence of ``pattern``, or None.
+
+        Raises:
+            ConfigError: ``len(pattern)`` lies outside ``[min_ngram, max_ngram]``.
+        """
+        n = len(pattern)
+        if not self.min_ngram <= n <= self.max_ngram:
+            raise ConfigError(
+                f"pattern length {n} is outside the indexed range [{self.min_ngram}, {self.max_ngram}]"
+            )
+        return self._maps[n].get(tuple(pattern))
+
+
+class NgramDrafter:
+    """Prompt-lookup drafter over the whole history (prompt and accepted output); implements ``Drafter``.
+
+    For ``n`` from ``max_ngram`` down to ``min_ngram`` (clamped to the history length), the last ``n`` history
+    tokens are looked up among the occurrences that end before the last history position (so the trailing
+    self-match never counts). The first ``n`` with a match wins and the tokens that followed that occurrence
+    are proposed, at most ``min(max_draft, max_tokens)`` of them, cut before the first EOS token (EOS must
+    only ever come from the target model).
+
+    Args:
+        max_ngram: longest suffix length tried (>= 1).
+        min_ngram: shortest suffix length tried (>= 1, <= max_ngram).
+        max_draft: most tokens proposed per call (>= 1).
+        match: ``"first"`` uses the leftmost earlier occurrence (reference, vLLM and HF behaviour; it also has
+            the longest continuation); ``"recent"`` uses the most recent earlier occurrence.
+        eos_token_ids: token ids that end a draft (excluded from it).
+
+    Cost: ``extend`` is O(1) per token (indexing is deferred to ``propose``, O(max_ngram) per new token);
+    ``propose`` is O(max_ngram + max_draft) beyond that, independent of the history length.
+    """
+
+    def __init__(
+        self,
+        max_ngram: int = 5,
+        min_ngram: int = 2,
+        max_draft: int = 4,
+        match: MatchPolicy = "first",
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        _check_ngram_range(min_ngram, max_ngram)
+        if isinstance(max_draft, bool) or not isinstance(max_draft, int):
+            raise ConfigError(f"max_draft must be an int, got {max_draft!r}")
+        if max_draft < 1:
+            raise ConfigError(f"max_draft must be >= 1, got {max_draft}")
+        _check_policy(match)
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.max_draft = max_draft
+        self.match: MatchPolicy = match
+        self.eos_token_ids: frozenset[int] = frozenset(validate_token_ids(eos_token_ids, "eos_token_ids"))
+        self._history: list[int] = []
+        # Invariant after _catch_up(): the index holds history[:-1], i.e. only n-grams ending at positions
+        # <= len(history) - 2, so every match found has at least one continuation token.
+        self._index = NgramIndex(min_ngram, max_ngram, keep=match)
+
+    @property
+    def history(self) -> TokenView:
+        """The token history: prompt followed by accepted tokens (read-only view)."""
+        return TokenView(self._history)
+
+    def __len__(self) -> int:
+        """Length of the history."""
+        return len(self._history)
+
+    def reset(self, prompt_ids: Sequence[int]) -> None:
+        """Start a new generation whose history is ``prompt_ids``.
+
+        Raises:
+            TokenError: a token id is negative or not an integer.
+        """
+        prompt = validate_token_ids(prompt_ids, "prompt_ids")
+        self._history = prompt
+        self._index = NgramIndex(self.min_ngram, self.max_ngram, keep=self.match)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append accepted tokens to the history.
+
+        Raises:
+            TokenError: a token id is negative or not an integer (nothing is appended then).
+        """
+        self._history.extend(validate_token_ids(token_ids))
+
+    def _catch_up(self) -> None:
+        target = len(self._history) - 1
+        done = len(self._index)
+        if done < target:
+            self._index._extend_trusted(self._history[done:target])
+
+    def propose(self, max_tokens: int) -> list[int]:
+        """Return up to ``min(max_draft, max_tokens)`` tokens likely to follow the history (possibly none).
+
+        ``max_tokens <= 0`` returns an empty list.
+        """
+        k = min(self.max_draft, max_tokens)
+        history = self._history
+        size = len(history)
+        if k <= 0 or size < 2:
+            return []
+        self._catch_up()
+        maps = self._index._maps
+        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
+            end = maps[n].get(tuple(history[size - n :]))
+            if end is not None:
+                draft = history[end + 1 : end + 1 + k]
+                eos = self.eos_token_ids
+                if eos:
+                    for i, tok in enumerate(draft):
+                        if tok in eos:
+                            return draft[:i]
+                return draft
+        return []

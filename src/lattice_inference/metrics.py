@@ -1,0 +1,96 @@
+"""Acceptance and speed metrics of one generation.
+
+Definitions follow vLLM so numbers are comparable: a *draft* is a verification round with at least one drafted
+token; *acceptance rate* is accepted drafted tokens over drafted tokens; *mean acceptance length* is
+``1 + accepted / drafts`` (tokens emitted per drafted round, counting the target's own token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenerationMetrics:
+    """Counters and timings collected while generating; derived rates are properties."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    """Target forward passes after prefill (one per verification round or plain step)."""
+    drafts: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    """Drafted tokens the target accepted (excludes the target's own correction or bonus token)."""
+    accepted_per_position: list[int] = field(default_factory=list)
+    """``accepted_per_position[i]``: rounds in which draft position ``i`` was accepted."""
+    drafted_per_position: list[int] = field(default_factory=list)
+    """``drafted_per_position[i]``: rounds whose draft had a token at position ``i``."""
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        """Count one verification round that drafted ``drafted`` tokens and accepted ``accepted`` of them."""
+        self.target_forwards += 1
+        if drafted == 0:
+            return
+        self.drafts += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        grow = drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafted tokens / drafted tokens (0.0 when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """``1 + accepted / drafts`` as vLLM reports it (1.0 when nothing was drafted)."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """Share of rounds drafting position ``i`` in which it was accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens / decode seconds (the first token comes from prefill but is counted, as the issue says)."""
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """All counters and derived rates, JSON-ready."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "drafts": self.drafts,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+            "acceptance_per_position": self.acceptance_per_position,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+    def summary(self) -> str:
+        """One human-readable line."""
+        return (
+            f"{self.new_tokens} tokens in {self.decode_s:.2f}s ({self.tokens_per_s:.1f} tok/s), "
+            f"prefill {self.prompt_tokens} tokens in {self.prefill_s:.2f}s, {self.target_forwards} target forwards, "
+            f"acceptance {self.acceptance_rate:.1%} ({self.accepted_tokens}/{self.drafted_tokens}), "
+            f"mean acceptance length {self.mean_acceptance_length:.2f}"
+        )
