@@ -60,7 +60,7 @@ class GenerationMetrics:
     @property
     def acceptance_per_position(self) -> list[float]:
         """Share of rounds drafting position ``i`` in which it was accepted."""
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=True)]
 
     @property
     def tokens_per_s(self) -> float:

@@ -36,9 +36,7 @@ def verify_greedy(draft: Sequence[int], choices: Sequence[int]) -> Verdict:
     ``len(draft) + 1``.
     """
     if len(choices) != len(draft) + 1:
-        raise ValueError(
-            f"need {len(draft) + 1} target choices for a draft of {len(draft)}, got {len(choices)}"
-        )
+        raise ValueError(f"need {len(draft) + 1} target choices for a draft of {len(draft)}, got {len(choices)}")
     accepted = 0
     for d, c in zip(draft, choices, strict=False):
         if d != c:

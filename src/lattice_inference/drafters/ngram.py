@@ -155,9 +155,7 @@ class NgramIndex:
         """
         n = len(pattern)
         if not self.min_ngram <= n <= self.max_ngram:
-            raise ConfigError(
-                f"pattern length {n} is outside the indexed range [{self.min_ngram}, {self.max_ngram}]"
-            )
+            raise ConfigError(f"pattern length {n} is outside the indexed range [{self.min_ngram}, {self.max_ngram}]")
         return self._maps[n].get(tuple(pattern))
 
 
