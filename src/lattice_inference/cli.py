@@ -1,0 +1,158 @@
+"""The ``lattice`` command: lossless speculative generation from the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lattice_inference.errors import ConfigError, LatticeError, ModelLoadError
+
+METHODS = ("greedy", "ngram")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``lattice`` command."""
+    parser = argparse.ArgumentParser(prog="lattice", description="Lossless speculative decoding for Hugging Face LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text from a prompt, streaming it to stdout")
+    gen.add_argument("--model", help="Hugging Face model directory (or hub id where there is internet)")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
+    gen.add_argument("--method", default="ngram", help="greedy (plain decoding) or ngram (prompt lookup); default ngram")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="generation budget (default 256)")
+    gen.add_argument("--max-ngram", type=_positive_int, default=5, help="longest n-gram to match (default 5)")
+    gen.add_argument("--min-ngram", type=_positive_int, default=2, help="shortest n-gram to match (default 2)")
+    gen.add_argument("--max-draft", type=_positive_int, default=4, help="draft tokens per round (default 4)")
+    gen.add_argument("--match", choices=("first", "recent"), default="first", help="which earlier occurrence to copy")
+    gen.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
+    return parser
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        text = args.prompt
+    elif args.prompt_file == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read prompt file '{args.prompt_file}': {exc}") from exc
+    if not text.strip():
+        raise ConfigError("the prompt is empty")
+    return text
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    if args.method not in METHODS:
+        raise ConfigError(f"unknown method {args.method!r}; choose from {', '.join(METHODS)}")
+    if args.min_ngram > args.max_ngram:
+        raise ConfigError(f"--min-ngram ({args.min_ngram}) is larger than --max-ngram ({args.max_ngram})")
+
+
+def _default_model() -> str:
+    raise ModelLoadError("no --model given and this installation bundles no default model; pass --model DIR")
+
+
+def _prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:  # noqa: ANN001
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("--chat: this tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+    return list(tokenizer(text, add_special_tokens=True).input_ids)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from lattice_inference.decode import SpeculativeDecoder
+    from lattice_inference.drafters.ngram import NgramDrafter
+    from lattice_inference.loading import load_model
+    from lattice_inference.streaming import TextStream
+    from lattice_inference.targets import make_target
+
+    _check_options(args)
+    text = _read_prompt(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model or _default_model(), dtype=args.dtype)
+    prompt_ids = _prompt_ids(loaded.tokenizer, text, args.chat)
+    drafter = None
+    if args.method == "ngram":
+        drafter = NgramDrafter(
+            max_ngram=args.max_ngram,
+            min_ngram=args.min_ngram,
+            max_draft=args.max_draft,
+            match=args.match,
+            eos_token_ids=loaded.eos_token_ids,
+        )
+    decoder = SpeculativeDecoder(
+        make_target(loaded.model), drafter, max_draft=args.max_draft, eos_token_ids=loaded.eos_token_ids
+    )
+    stream = TextStream(loaded.tokenizer)
+    for chunk in decoder.stream(prompt_ids, args.max_new_tokens):
+        piece = stream.push(chunk)
+        if piece and not args.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    tail = stream.flush()
+    metrics = decoder.metrics
+    if args.json:
+        payload = {
+            "text": stream.text,
+            "token_ids": stream.token_ids,
+            "stop_reason": decoder.stop_reason,
+            "method": args.method,
+            "metrics": metrics.to_dict(),
+        }
+        sys.stdout.write(json.dumps(payload) + "\n")
+    else:
+        sys.stdout.write(tail + "\n")
+        sys.stdout.flush()
+        print(f"[{args.method}] {metrics.summary()}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lattice`` command; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except LatticeError as exc:
+        print(f"lattice: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lattice: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def run() -> None:
+    """Console-script wrapper: exit with `main`'s code."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,43 @@
+"""Incremental detokenisation: turn token chunks into text chunks as they are accepted.
+
+Byte-level tokenizers can split one character across tokens, so text is only released once it no longer ends
+in a partial character (U+FFFD), and always as the difference from what was already released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+
+class TextStream:
+    """Accumulates token ids and returns the newly completed text after each `push`."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self._released = 0
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add ``token_ids``; return the text they complete (possibly empty)."""
+        self.token_ids.extend(token_ids)
+        text = self._text()
+        if text.endswith("\ufffd"):
+            return ""
+        new, self._released = text[self._released :], len(text)
+        return new
+
+    def flush(self) -> str:
+        """Return whatever text is still held back (e.g. a trailing partial character)."""
+        text = self._text()
+        new, self._released = text[self._released :], len(text)
+        return new
+
+    @property
+    def text(self) -> str:
+        """All text decoded so far."""
+        return self._text()

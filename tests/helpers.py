@@ -1,0 +1,119 @@
+"""Shared test helpers: drafters and targets with known behaviour."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+
+class OracleDrafter:
+    """Drafts the true continuation ``reference`` (prompt + greedy output), corrupting some tokens.
+
+    ``corrupt`` is the chance that a draft position is replaced by a wrong token, so drafts are fully accepted,
+    partly accepted or rejected at once. ``max_len`` > the reference length drafts past the end (junk tokens).
+    """
+
+    def __init__(self, reference: Sequence[int], vocab: int, corrupt: float = 0.3, seed: int = 0) -> None:
+        self.reference = list(reference)
+        self.vocab = vocab
+        self.corrupt = corrupt
+        self.rng = random.Random(seed)
+        self.history: list[int] = []
+
+    def reset(self, prompt_ids: Sequence[int]) -> None:
+        self.history = list(prompt_ids)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        self.history.extend(token_ids)
+
+    def propose(self, max_tokens: int) -> list[int]:
+        n = len(self.history)
+        draft = []
+        for i in range(self.rng.randint(0, max_tokens)):
+            true = self.reference[n + i] if n + i < len(self.reference) else self.rng.randrange(self.vocab)
+            if self.rng.random() < self.corrupt:
+                true = (true + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+            draft.append(true)
+        return draft
+
+
+class RecordingTarget:
+    """Wraps a `Target` and records every forward (start position, tokens) and rollback."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner = inner
+        self.forwards: list[tuple[int, list[int]]] = []
+        self.rollbacks: list[int] = []
+
+    vocab_size = property(lambda self: self.inner.vocab_size)
+    max_positions = property(lambda self: self.inner.max_positions)
+    length = property(lambda self: self.inner.length)
+
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
+        self.forwards.append((0, list(token_ids)))
+        return self.inner.prefill(token_ids)
+
+    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
+        self.forwards.append((self.inner.length, list(token_ids)))
+        return self.inner.forward(token_ids)
+
+    def rollback(self, length: int) -> None:
+        self.rollbacks.append(length)
+        self.inner.rollback(length)
+
+
+class ContextKeyedTarget:
+    """A pure-Python `Target` whose next-token logits are a deterministic function of the whole context.
+
+    ``table`` maps a context suffix (tuple) to a forced next token; other contexts get a hash-based token from
+    a small vocabulary, so repeats happen and drafts fire.
+    """
+
+    def __init__(self, vocab: int = 12, seed: int = 0, forced: dict[tuple[int, ...], int] | None = None) -> None:
+        self.vocab = vocab
+        self.seed = seed
+        self.forced = forced or {}
+        self.tokens: list[int] = []
+
+    vocab_size = property(lambda self: self.vocab)
+    max_positions = property(lambda self: None)
+    length = property(lambda self: len(self.tokens))
+
+    def next_token(self, context: Sequence[int]) -> int:
+        for n in range(len(context), 0, -1):
+            hit = self.forced.get(tuple(context[-n:]))
+            if hit is not None:
+                return hit
+        return hash((self.seed, *context[-3:])) % self.vocab
+
+    def _logits(self, context: Sequence[int]) -> torch.Tensor:
+        out = torch.zeros(self.vocab)
+        out[self.next_token(context)] = 1.0
+        return out
+
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
+        self.tokens = list(token_ids)
+        return self._logits(self.tokens)
+
+    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
+        rows = []
+        for t in token_ids:
+            self.tokens.append(t)
+            rows.append(self._logits(self.tokens))
+        return torch.stack(rows)
+
+    def rollback(self, length: int) -> None:
+        assert 0 <= length <= len(self.tokens)
+        del self.tokens[length:]
+
+    def greedy(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+        ctx, out = list(prompt), []
+        while len(out) < max_new_tokens:
+            t = self.next_token(ctx)
+            if t == eos:
+                break
+            out.append(t)
+            ctx.append(t)
+        return out
