@@ -1,0 +1,376 @@
+"""The Qwen3-Next / Qwen3.5 MTP head: one forward, its KV cache, catch-up and chained drafting.
+
+The math follows the references exactly (vLLM ``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py``, transformers' Qwen3-Next
+and Qwen3.5 decoder layers; see ``shared/reference/mtp-semantics.md`` §2.1):
+
+    e = E[token];  x = W_fc @ [gnorm(e), gnorm(h_prev)]        # embedding FIRST; gnorm = x*rsqrt(mean x²+eps)*(1+w)
+    one decoder layer with full attention:
+        q_proj per head [query | gate]; q/k (1+w) norm, then partial NeoX RoPE on the first rotary_dim dims;
+        GQA (head h reads kv head h // (n_h / n_kv)); scale head_dim^-0.5; o = attn * sigmoid(gate); o_proj
+        MoE: fp32 softmax -> top-k -> renormalise, SwiGLU experts (gate rows first), sigmoid(w·y) shared expert;
+        or a dense SwiGLU MLP
+    h = gnorm(x, mtp.norm);  logits = lm_head @ h               # h (post-norm) is what the next step chains
+
+All seven RMSNorms are the zero-centred ``(1 + w)`` kind and run in float32; the router softmax and the attention
+softmax run in float32; matmuls run in the weights' dtype (float32 or bfloat16), mirroring transformers.
+
+Pairing and positions (vLLM convention, mtp-semantics §2.6): a call with the target's post-final-norm hidden ``h_t``
+of position ``t`` takes the token ``x_{t+1}`` and the position ``t`` and predicts ``x_{t+2}``. So MTP cache slot ``p``
+always holds the entry built from ``(h_p, x_{p+1})``, and a position must equal the current cache length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from lattice_inference.errors import ConfigError, TokenError
+from lattice_inference.mtp.config import MtpConfig
+from lattice_inference.mtp.weights import MtpWeights
+
+_INITIAL_CAPACITY = 256
+
+Tokens = Sequence[int] | torch.Tensor
+
+
+def gnorm(x: torch.Tensor, one_plus_w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm ``x * rsqrt(mean(x²) + eps) * (1 + w)`` in float32, cast back to ``x.dtype``.
+
+    ``one_plus_w`` is the precomputed float32 ``1 + w`` (exactly transformers' ``1.0 + weight.float()``).
+    """
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * one_plus_w).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """NeoX pairing: element ``i`` pairs with ``i + d/2``."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class MtpHead:
+    """One MTP head with its own position-indexed, single-layer KV cache.
+
+    Build it with :func:`lattice_inference.mtp.load_mtp_head` (from a checkpoint) or directly from an
+    ``MtpConfig`` and ``MtpWeights``. Calls must be contiguous with the cache: a forward at positions
+    ``p..p+n-1`` requires ``p == cache_len`` and sets ``cache_len = p + n``. ``rollback_cache_to(n)`` keeps
+    slots ``0..n-1``. Every input is validated before any state changes, so a rejected call changes nothing.
+    """
+
+    def __init__(self, config: MtpConfig, weights: MtpWeights, *, max_seq_len: int | None = None) -> None:
+        config.validate()
+        if max_seq_len is not None and max_seq_len <= 0:
+            raise ConfigError(f"max_seq_len must be positive, got {max_seq_len}")
+        self.config = config
+        self.max_seq_len = max_seq_len
+        self.dtype = weights.dtype
+        self.device = weights.fc.device
+        self.layout = weights.layout
+        w = weights
+        one = self._one_plus
+        self._w_pre_emb, self._w_pre_hid, self._w_final = (
+            one(w.pre_fc_norm_embedding),
+            one(w.pre_fc_norm_hidden),
+            one(w.norm),
+        )
+        self._w_in, self._w_post = one(w.input_layernorm), one(w.post_attention_layernorm)
+        self._w_qn, self._w_kn = one(w.q_norm), one(w.k_norm)
+        self._fc = w.fc
+        # q, k and v share one matmul; the rows split back into [q|gate per head], k, v.
+        self._qkv = torch.cat([w.q_proj, w.k_proj, w.v_proj], dim=0)
+        self._o = w.o_proj
+        self._embed = w.embed_tokens
+        self._lm_head = w.lm_head
+        if config.is_moe:
+            self._router = w.router
+            self._experts_gate_up = w.experts_gate_up
+            self._experts_down = w.experts_down
+            self._mlp_gate_up = torch.cat([w.shared_gate, w.shared_up], dim=0)  # type: ignore[list-item]
+            self._mlp_down = w.shared_down
+            self._shared_expert_gate = w.shared_expert_gate
+        else:
+            self._mlp_gate_up = torch.cat([w.mlp_gate, w.mlp_up], dim=0)  # type: ignore[list-item]
+            self._mlp_down = w.mlp_down
+        rd = config.rotary_dim
+        # Same expression as transformers' compute_default_rope_parameters (float32).
+        self._inv_freq = (1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))).to(self.device)
+        self._scale = config.head_dim**-0.5
+        capacity = _INITIAL_CAPACITY if max_seq_len is None else min(_INITIAL_CAPACITY, max_seq_len)
+        kv_shape = (capacity, config.num_key_value_heads, config.head_dim)
+        self._k = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
+        self._v = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
+        self._len = 0
+
+    def _one_plus(self, w: torch.Tensor) -> torch.Tensor:
+        return 1.0 + w.float()
+
+    # ------------------------------------------------------------------------------------------ cache
+
+    @property
+    def cache_len(self) -> int:
+        """Number of filled cache slots; the next forward must start at this position."""
+        return self._len
+
+    def reset_cache(self) -> None:
+        """Empty the cache (start of a generation)."""
+        self._len = 0
+
+    def rollback_cache_to(self, n: int) -> None:
+        """Keep only cache slots ``0..n-1`` (``0 <= n <= cache_len``)."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self._len:
+            raise ValueError(f"cannot roll the MTP cache back to {n!r}: it holds {self._len} entries")
+        self._len = n
+
+    def _reserve(self, needed: int) -> None:
+        cap = self._k.shape[0]
+        if needed <= cap:
+            return
+        new_cap = max(needed, 2 * cap)
+        if self.max_seq_len is not None:
+            new_cap = min(new_cap, self.max_seq_len)
+        for attr in ("_k", "_v"):
+            old = getattr(self, attr)
+            grown = torch.zeros((new_cap, *old.shape[1:]), dtype=old.dtype, device=old.device)
+            grown[: self._len] = old[: self._len]
+            setattr(self, attr, grown)
+
+    # ------------------------------------------------------------------------------------------ validation
+
+    def _check_tokens(self, token_ids: Tokens) -> torch.Tensor:
+        if isinstance(token_ids, torch.Tensor):
+            if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool or token_ids.dim() != 1:
+                raise TokenError(
+                    f"MTP token ids must be a 1-D integer tensor, got {token_ids.dtype} {list(token_ids.shape)}"
+                )
+            ids = token_ids.tolist()
+        else:
+            ids = list(token_ids)
+        if not ids:
+            raise TokenError("MTP forward needs at least one token")
+        vocab = self.config.vocab_size
+        for tok in ids:
+            if isinstance(tok, bool) or not isinstance(tok, int):
+                raise TokenError(f"MTP token id must be an int, got {tok!r}")
+            if tok < 0 or tok >= vocab:
+                raise TokenError(f"MTP token_id {tok} out of range: must be in [0, vocab_size {vocab})")
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def _check_positions(self, positions: Tokens, n: int) -> int:
+        pos = positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)
+        if len(pos) != n:
+            raise ValueError(f"got {len(pos)} positions for {n} tokens")
+        start = self._len
+        if pos != list(range(start, start + n)):
+            raise ValueError(
+                f"MTP positions must be contiguous with the cache: expected {start}..{start + n - 1} "
+                f"(cache_len {start}), got {pos[:4]}{'...' if len(pos) > 4 else ''}"
+            )
+        if self.max_seq_len is not None and start + n > self.max_seq_len:
+            raise ValueError(f"position {start + n - 1} >= max_seq_len {self.max_seq_len}: the MTP cache is full")
+        return start
+
+    def _check_hiddens(self, hiddens: torch.Tensor | Sequence[float], n: int, *, single: bool) -> torch.Tensor:
+        h = self.config.hidden_size
+        if not isinstance(hiddens, torch.Tensor):
+            hiddens = torch.tensor(hiddens, dtype=torch.float32)
+        if not hiddens.dtype.is_floating_point:
+            raise ValueError(f"previous_hidden must be a floating tensor, got {hiddens.dtype}")
+        expected = (h,) if single else (n, h)
+        if tuple(hiddens.shape) != expected:
+            what = "previous_hidden" if single else "hiddens"
+            raise ValueError(f"{what} has shape {list(hiddens.shape)}, expected {list(expected)} (hidden_size {h})")
+        return hiddens.reshape(n, h).to(device=self.device, dtype=self.dtype)
+
+    # ------------------------------------------------------------------------------------------ forward
+
+    @torch.inference_mode()
+    def forward_one(
+        self, token_id: int, position: int, previous_hidden: torch.Tensor | Sequence[float]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP step: ``(logits [V] float32, post-norm hidden [H] float32)``.
+
+        ``previous_hidden`` is the target's post-final-norm hidden ``h_t`` at ``position = t`` (or the hidden this
+        head returned for the previous position when chaining drafts); ``token_id`` is ``x_{t+1}``, the token that
+        follows position ``t``. The logits predict ``x_{t+2}``. ``position`` must equal ``cache_len``.
+        """
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise TokenError(f"MTP token_id must be an int, got {token_id!r}")
+        if isinstance(position, bool) or not isinstance(position, int):
+            raise ValueError(f"MTP position must be an int, got {position!r}")
+        ids = self._check_tokens([token_id])
+        start = self._check_positions([position], 1)
+        hid = self._check_hiddens(previous_hidden, 1, single=True)
+        logits, out = self._forward(ids, start, hid, want_logits=True)
+        assert logits is not None
+        return logits[0], out[0]
+
+    @torch.inference_mode()
+    def forward_many(
+        self,
+        token_ids: Tokens,
+        positions: Tokens,
+        hiddens: torch.Tensor,
+        *,
+        return_logits: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Batched form of ``forward_one`` over ``n`` contiguous positions (same results as ``n`` single calls).
+
+        Row ``i`` pairs ``hiddens[i]`` (target hidden at ``positions[i]``) with ``token_ids[i]`` (the token at
+        ``positions[i] + 1``). Returns ``(logits [n, V] float32 or None, hiddens [n, H] float32)``; pass
+        ``return_logits=False`` for cache catch-up, which needs no logits (they cost ``n * V * H``).
+        """
+        ids = self._check_tokens(token_ids)
+        n = int(ids.shape[0])
+        start = self._check_positions(positions, n)
+        hid = self._check_hiddens(hiddens, n, single=False)
+        return self._forward(ids, start, hid, want_logits=return_logits)
+
+    def prefill(self, hiddens: torch.Tensor, next_tokens: Tokens, start_position: int) -> None:
+        """Catch the cache up from target hiddens: slot ``start_position + i`` from ``(hiddens[i], next_tokens[i])``.
+
+        After a target prefill of ``x_0..x_{P-1}`` (hiddens ``h_0..h_{P-1}``) call
+        ``prefill(h[:P-1], x[1:P], 0)``; after a verification that accepted ``a`` drafts, call it with the
+        accepted positions' target hiddens and the tokens that follow them.
+        """
+        ids = self._check_tokens(next_tokens)
+        self.forward_many(ids, range(start_position, start_position + int(ids.shape[0])), hiddens, return_logits=False)
+
+    @torch.inference_mode()
+    def draft_tokens(
+        self,
+        next_token_id: int,
+        position: int,
+        hidden: torch.Tensor | Sequence[float],
+        num_tokens: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> list[int]:
+        """Draft up to ``num_tokens`` (default ``draft_length - 1``) tokens by chaining ``forward_one``.
+
+        ``next_token_id`` is ``x_{t+1}`` (the target's argmax at ``position = t``) and ``hidden`` the target's
+        post-norm ``h_t``. Step ``j`` feeds the previous draft with this head's own post-norm hidden at
+        ``t + j``. Stops early after drafting an EOS. Drafts are argmax (first index on ties, like torch).
+        """
+        count = self.config.num_drafts if num_tokens is None else num_tokens
+        if count < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {count}")
+        if isinstance(position, bool) or not isinstance(position, int) or position != self._len:
+            raise ValueError(f"MTP position {position!r} must equal cache_len {self._len}")
+        if self.max_seq_len is not None and position + count > self.max_seq_len:
+            raise ValueError(f"drafting {count} tokens from position {position} passes max_seq_len {self.max_seq_len}")
+        self._check_hiddens(hidden, 1, single=True)
+        eos = set(eos_token_ids)
+        drafts: list[int] = []
+        token, pos, h = next_token_id, position, hidden
+        for _ in range(count):
+            logits, h = self.forward_one(token, pos, h)
+            token = int(torch.argmax(logits))
+            drafts.append(token)
+            if token in eos:
+                break
+            pos += 1
+        return drafts
+
+    def _forward(
+        self, ids: torch.Tensor, start: int, hidden: torch.Tensor, *, want_logits: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        n = ids.shape[0]
+        n_h, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        emb = self._embed[ids]
+        x = F.linear(
+            torch.cat([gnorm(emb, self._w_pre_emb, eps), gnorm(hidden, self._w_pre_hid, eps)], dim=-1), self._fc
+        )
+        # ---- attention
+        residual = x
+        y = gnorm(x, self._w_in, eps)
+        qkv = F.linear(y, self._qkv)
+        q_dim, kv_dim = 2 * n_h * hd, n_kv * hd
+        qg = qkv[:, :q_dim].view(n, n_h, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(n, n_h * hd)
+        k = qkv[:, q_dim : q_dim + kv_dim].view(n, n_kv, hd)
+        v = qkv[:, q_dim + kv_dim :].view(n, n_kv, hd)
+        q = gnorm(q, self._w_qn, eps)
+        k = gnorm(k, self._w_kn, eps)
+        q, k = self._rope(q, k, start, n)
+        self._reserve(start + n)
+        self._k[start : start + n] = k
+        self._v[start : start + n] = v
+        attn = self._attend(q, start, n)
+        x = residual + F.linear(attn * torch.sigmoid(gate), self._o)
+        # ---- MLP
+        residual = x
+        y = gnorm(x, self._w_post, eps)
+        mlp = self._moe(y) if cfg.is_moe else self._swiglu(y, self._mlp_gate_up, self._mlp_down)
+        x = residual + mlp
+        out = gnorm(x, self._w_final, eps)
+        self._len = start + n
+        logits = F.linear(out, self._lm_head).float() if want_logits else None
+        return logits, out.float()
+
+    def _rope(self, q: torch.Tensor, k: torch.Tensor, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial NeoX RoPE on the first ``rotary_dim`` dims, cos/sin built like transformers (float32, then cast)."""
+        pos = torch.arange(start, start + n, device=self.device).float()
+        freqs = pos[:, None] * self._inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(q.dtype)[:, None, :]
+        sin = emb.sin().to(q.dtype)[:, None, :]
+        rd = self.config.rotary_dim
+
+        def apply(t: torch.Tensor) -> torch.Tensor:
+            rot, keep = t[..., :rd], t[..., rd:]
+            return torch.cat([rot * cos + rotate_half(rot) * sin, keep], dim=-1)
+
+        return apply(q), apply(k)
+
+    def _attend(self, q: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """Causal GQA attention of ``n`` new rows over cache slots ``0..start+n-1``; returns ``[n, n_h*hd]``."""
+        cfg = self.config
+        n_h, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        groups = n_h // n_kv
+        total = start + n
+        keys = self._k[:total].permute(1, 2, 0)  # [n_kv, hd, L]
+        values = self._v[:total].transpose(0, 1)  # [n_kv, L, hd]
+        qh = q.view(n, n_kv, groups, hd).permute(1, 2, 0, 3).reshape(n_kv, groups * n, hd)
+        scores = torch.matmul(qh, keys) * self._scale  # [n_kv, groups*n, L]
+        if n > 1:
+            row = torch.arange(n, device=self.device).repeat(groups)[:, None] + start
+            col = torch.arange(total, device=self.device)[None, :]
+            scores = scores.masked_fill(col > row, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        ctx = torch.matmul(probs, values)  # [n_kv, groups*n, hd]
+        return ctx.view(n_kv, groups, n, hd).permute(2, 0, 1, 3).reshape(n, n_h * hd)
+
+    @staticmethod
+    def _swiglu(y: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        gu = F.linear(y, gate_up)
+        inter = gu.shape[-1] // 2
+        return F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], down)
+
+    def _moe(self, y: torch.Tensor) -> torch.Tensor:
+        """Routed experts (softmax fp32 -> top-k -> renormalise) plus the sigmoid-gated shared expert."""
+        cfg = self.config
+        router_logits = F.linear(y, self._router)
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+        if cfg.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w = top_w.to(y.dtype)
+        out = torch.zeros_like(y)
+        flat = top_i.tolist()
+        by_expert: dict[int, list[tuple[int, int]]] = {}
+        for row, experts in enumerate(flat):
+            for slot, e in enumerate(experts):
+                by_expert.setdefault(e, []).append((row, slot))
+        for e in sorted(by_expert):
+            rows = [r for r, _ in by_expert[e]]
+            slots = [s for _, s in by_expert[e]]
+            rows_t = torch.tensor(rows, device=y.device)
+            h = self._swiglu(y[rows_t], self._experts_gate_up[e], self._experts_down[e])
+            h = h * top_w[rows_t, torch.tensor(slots, device=y.device), None]
+            out.index_add_(0, rows_t, h)
+        shared = self._swiglu(y, self._mlp_gate_up, self._mlp_down)
+        return out + torch.sigmoid(F.linear(y, self._shared_expert_gate)) * shared
