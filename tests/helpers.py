@@ -42,7 +42,7 @@ class OracleDrafter:
 class RecordingTarget:
     """Wraps a `Target` and records every forward (start position, tokens) and rollback."""
 
-    def __init__(self, inner) -> None:  # noqa: ANN001
+    def __init__(self, inner) -> None:
         self.inner = inner
         self.forwards: list[tuple[int, list[int]]] = []
         self.rollbacks: list[int] = []

@@ -95,8 +95,9 @@ def test_eos_inside_a_draft_stops_exactly_there():
     assert greedy[:3] == [4, 5, 9]
     drafter = OracleDrafter(prompt + greedy, vocab=12, corrupt=0.0)
     drafter.rng.randint = lambda a, b: b
-    result = SpeculativeDecoder(ContextKeyedTarget(vocab=12, seed=3, forced=model.forced), drafter,
-                                max_draft=4, eos_token_ids=[9]).generate(prompt, 20)
+    result = SpeculativeDecoder(
+        ContextKeyedTarget(vocab=12, seed=3, forced=model.forced), drafter, max_draft=4, eos_token_ids=[9]
+    ).generate(prompt, 20)
     assert result.token_ids == [4, 5]
     assert result.stop_reason == "eos"
 

@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
-    gen.add_argument("--method", default="ngram", help="greedy (plain decoding) or ngram (prompt lookup); default ngram")
+    gen.add_argument(
+        "--method", default="ngram", help="greedy (plain decoding) or ngram (prompt lookup); default ngram"
+    )
     gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="generation budget (default 256)")
     gen.add_argument("--max-ngram", type=_positive_int, default=5, help="longest n-gram to match (default 5)")
     gen.add_argument("--min-ngram", type=_positive_int, default=2, help="shortest n-gram to match (default 2)")
@@ -71,7 +73,7 @@ def _default_model() -> str:
     raise ModelLoadError("no --model given and this installation bundles no default model; pass --model DIR")
 
 
-def _prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:  # noqa: ANN001
+def _prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("--chat: this tokenizer has no chat template")
