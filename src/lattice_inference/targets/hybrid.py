@@ -1,0 +1,416 @@
+"""Target for hybrid Gated DeltaNet + attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) with exact rollback.
+
+Why a separate target: these models keep, next to the attention KV cache, a *recurrent* state per Gated DeltaNet
+(GDN) layer (a ``[heads, d_k, d_v]`` matrix updated by the delta rule at every token) plus a short conv state.
+transformers' ``Cache.crop(-n)`` after ``activate_past_recording()`` restores the conv state and the attention KV,
+but leaves the recurrent state as it was after the *last drafted* token, so a speculative decoder built on it is
+silently wrong after any rejection. `TransformersTarget` therefore refuses these models.
+
+How rollback works here:
+
+* ``prefill`` runs the model's normal path (the chunked delta-rule kernel) and keeps nothing extra.
+* ``forward`` of ``k <= max_recorded`` tokens runs every GDN layer with the token-by-token recurrent delta rule
+  (the same arithmetic, op for op, as transformers' ``torch_recurrent_gated_delta_rule``, which plain decoding uses
+  for one token), and keeps the recurrent state after every position. On CPU, for ``k <= 16``, this loop costs
+  less than the chunked kernel that transformers would otherwise use for ``k > 1``. The kernel is swapped in by
+  temporarily replacing the ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` names in the
+  model's modeling module; outside of ``forward`` (and in other threads) the originals run untouched.
+* ``rollback(length)`` inside the last forward copies the kept state after position ``length - 1`` into each GDN
+  layer's cache slot and crops the conv states and attention KV with ``Cache.crop`` (which is exact for them).
+* Fallbacks, both exact: a forward longer than ``max_recorded`` snapshots the recurrent states first and, on a
+  rollback into it, restores the snapshot and replays the accepted tokens; a rollback to before the last forward
+  re-prefills the kept token history.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from lattice_inference.errors import TokenError, UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
+"""transformers ``model_type`` values (top-level or of the text config) that `HybridTarget` accepts."""
+
+DEFAULT_MAX_RECORDED = 16
+"""Longest forward whose per-position recurrent states are kept (longer ones use snapshot-and-replay)."""
+
+_KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+
+
+def _model_types(model: PreTrainedModel) -> set[str]:
+    """The ``model_type`` of ``model``'s config and of its text config (they differ for multimodal wrappers)."""
+    config = model.config
+    types = {str(getattr(config, "model_type", ""))}
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        types.add(str(getattr(get_text(), "model_type", "")))
+    return types
+
+
+def _gdn_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """Every Gated DeltaNet mixer of ``model`` (modules whose class name ends in ``GatedDeltaNet``)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+
+
+def is_hybrid(model: PreTrainedModel) -> bool:
+    """Whether ``model`` is a supported hybrid GDN/attention model that `HybridTarget` should serve."""
+    return bool(_model_types(model) & SUPPORTED_MODEL_TYPES) and bool(_gdn_modules(model))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The recording kernel and its installation
+
+
+def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """The same L2 normalisation as transformers' GDN ``l2norm`` (FLA-compatible)."""
+    inv_norm = torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+    return x * inv_norm
+
+
+def recurrent_gated_delta_rule_with_states(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The gated delta rule token by token, returning ``(output, final_state, states)``.
+
+    Op for op the computation of transformers' ``torch_recurrent_gated_delta_rule`` (so ``k`` tokens here give the
+    same result as ``k`` one-token decode steps), except that it also returns ``states``: ``states[i]`` is the
+    fp32 recurrent state ``[batch, v_heads, d_k, d_v]`` after the first ``i`` tokens (``states[0]`` is a copy of
+    ``initial_state``). The loop allocates a new state tensor per token anyway, so keeping them costs memory only.
+    Shapes: ``query``/``key`` ``[batch, seq, k_heads, d_k]``, ``value`` ``[batch, seq, v_heads, d_v]``,
+    ``g``/``beta`` ``[batch, seq, v_heads]``.
+    """
+    initial_dtype = query.dtype
+    _, sequence_length, num_k_heads, _ = key.shape
+    num_v_heads = value.shape[-2]
+    if num_k_heads != num_v_heads:
+        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    query, key, value, beta, decay = [
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (query, key, value, beta, g)
+    ]
+    if use_qk_l2norm_in_kernel:
+        query = _l2norm(query, dim=-1, eps=1e-6)
+        key = _l2norm(key, dim=-1, eps=1e-6)
+    query = query / (query.shape[-1] ** 0.5)
+
+    state = initial_state.to(value)
+    states = [state.clone()]  # the cache updates its state tensor in place, so keep a private copy
+    core_attn_out = torch.zeros_like(value)
+    for i in range(sequence_length):
+        q_t, k_t, v_t = query[:, :, i], key[:, :, i], value[:, :, i]
+        decay_t = decay[:, :, i].exp()[..., None, None]
+        state = state * decay_t
+        beta_t = beta[:, :, i].unsqueeze(-1)
+        kv_mem = (state * k_t.unsqueeze(-1)).sum(dim=-2)
+        delta = (v_t - kv_mem) * beta_t
+        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        core_attn_out[:, :, i] = (state * q_t.unsqueeze(-1)).sum(dim=-2)
+        states.append(state)
+    core_attn_out = core_attn_out.transpose(1, 2).contiguous().to(initial_dtype)
+    return core_attn_out, state, states
+
+
+class _Recorder:
+    """Collects, during one model forward, the per-position recurrent states of every GDN layer.
+
+    The GDN kernel does not know its layer; it receives the layer's cached recurrent state as ``initial_state``,
+    so layers are identified by the identity of that tensor.
+    """
+
+    def __init__(self, layer_of_state: dict[int, int]) -> None:
+        self.layer_of_state = layer_of_state
+        self.states: dict[int, list[torch.Tensor]] = {}
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the recording kernel for one GDN call made as transformers' GDN forward makes it."""
+        initial_state = kwargs.get("initial_state")
+        if len(args) != 3 or initial_state is None or kwargs.get("cu_seqlens") is not None:
+            raise RuntimeError(
+                "unexpected Gated DeltaNet kernel call (positional args, missing initial state or packed "
+                "sequences); this transformers version is not supported by HybridTarget"
+            )
+        layer = self.layer_of_state.get(id(initial_state))
+        if layer is None:
+            raise RuntimeError("a Gated DeltaNet kernel was called with a recurrent state that is not in the cache")
+        out, final, states = recurrent_gated_delta_rule_with_states(
+            *args,
+            g=kwargs["g"],
+            beta=kwargs["beta"],
+            initial_state=initial_state,
+            use_qk_l2norm_in_kernel=bool(kwargs.get("use_qk_l2norm_in_kernel", False)),
+        )
+        self.states[layer] = states
+        return out, (final if kwargs.get("output_final_state", False) else None)
+
+
+_ACTIVE_RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("_ACTIVE_RECORDER", default=None)
+_PATCH_LOCK = threading.Lock()
+_PATCH_COUNT: dict[str, int] = {}
+_ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}
+
+
+def _make_dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A stand-in for a GDN kernel: the recording kernel while a recorder is active here, else ``original``."""
+
+    @functools.wraps(original)
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        recorder = _ACTIVE_RECORDER.get()
+        if recorder is None:
+            return original(*args, **kwargs)
+        return recorder.run(args, kwargs)
+
+    return dispatch
+
+
+@contextlib.contextmanager
+def _kernels_patched(modules: Sequence[ModuleType]) -> Iterator[None]:
+    """Install the dispatchers in ``modules`` for the duration of the block (reference-counted, thread-safe)."""
+    with _PATCH_LOCK:
+        for module in modules:
+            count = _PATCH_COUNT.get(module.__name__, 0)
+            if count == 0:
+                for name in _KERNEL_NAMES:
+                    original = getattr(module, name)
+                    _ORIGINALS[module.__name__, name] = original
+                    setattr(module, name, _make_dispatcher(original))
+            _PATCH_COUNT[module.__name__] = count + 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            for module in modules:
+                count = _PATCH_COUNT[module.__name__] - 1
+                _PATCH_COUNT[module.__name__] = count
+                if count == 0:
+                    for name in _KERNEL_NAMES:
+                        setattr(module, name, _ORIGINALS.pop((module.__name__, name)))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The target
+
+
+@dataclass
+class _Window:
+    """What the last forward left for rolling back into it: per-position states or a pre-forward snapshot."""
+
+    start: int
+    """Cache length before the forward."""
+    states: dict[int, list[torch.Tensor]] | None = None
+    """Per GDN cache layer, ``states[layer][i]`` = recurrent state after ``start + i`` tokens."""
+    snapshot: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per GDN cache layer, a copy of the recurrent state before the forward (used when ``states`` is None)."""
+
+
+class HybridTarget:
+    """A `Target` over a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM, rolling back attention KV, conv *and*
+    recurrent Gated DeltaNet state exactly.
+
+    ``max_recorded`` bounds the forward width for which per-position recurrent states are kept (each costs one
+    fp32 ``[v_heads, d_k, d_v]`` tensor per GDN layer: 1 MiB at 16 heads of 128); wider forwards use the chunked
+    kernel and snapshot-and-replay. See the module docstring for the mechanism.
+    """
+
+    def __init__(self, model: PreTrainedModel, *, max_recorded: int = DEFAULT_MAX_RECORDED) -> None:
+        types = _model_types(model)
+        if not types & SUPPORTED_MODEL_TYPES:
+            given = sorted(t for t in types if t)
+            raise UnsupportedModelError(
+                f"HybridTarget supports model types {sorted(SUPPORTED_MODEL_TYPES)}, got {given}"
+            )
+        gdn = _gdn_modules(model)
+        if not gdn:
+            raise UnsupportedModelError(f"model type {sorted(types)} has no Gated DeltaNet layers")
+        modules = {sys.modules[type(m).__module__] for m in gdn}
+        for module in modules:
+            missing = [name for name in _KERNEL_NAMES if not callable(getattr(module, name, None))]
+            if missing:
+                raise UnsupportedModelError(
+                    f"{module.__name__} does not define {missing}; this transformers version is not supported"
+                )
+        if max_recorded < 1:
+            raise ValueError(f"max_recorded must be at least 1, got {max_recorded}")
+        self.model = model.eval()
+        self.max_recorded = max_recorded
+        self.device = next(model.parameters()).device
+        self._modules = sorted(modules, key=lambda m: m.__name__)
+        self._vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self._max_positions = int(max_pos) if max_pos else None
+        self._cache: DynamicCache | None = None
+        self._length = 0
+        self._tokens: list[int] = []
+        self._window: _Window | None = None
+        self._uncommitted = False
+        """True while linear layers keep conv history from the last forward (trimmed by ``crop(0)``)."""
+
+    # -- Target protocol -------------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_positions(self) -> int | None:
+        return self._max_positions
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def cache(self) -> DynamicCache | None:
+        """The live transformers cache (for inspection in tests; do not modify)."""
+        return self._cache
+
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
+        if not token_ids:
+            raise TokenError("cannot prefill an empty prompt: at least one token is needed")
+        self._check_ids(token_ids)
+        self._reset()
+        logits = self._run(token_ids, logits_to_keep=1)[-1]
+        self._tokens = [int(t) for t in token_ids]
+        self._uncommitted = True
+        self._commit()
+        return logits
+
+    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
+        if self._cache is None:
+            raise RuntimeError("forward() called before prefill()")
+        if not token_ids:
+            raise TokenError("forward() needs at least one token")
+        self._check_ids(token_ids)
+        self._commit()
+        start = self._length
+        if start == 0:  # nothing cached (after rollback(0)): no state to record from; rollback re-prefills
+            logits = self._run(token_ids, logits_to_keep=0)
+        elif len(token_ids) <= self.max_recorded:
+            recorder = _Recorder(self._layer_of_state())
+            token = _ACTIVE_RECORDER.set(recorder)
+            try:
+                with _kernels_patched(self._modules):
+                    logits = self._run(token_ids, logits_to_keep=0)
+            finally:
+                _ACTIVE_RECORDER.reset(token)
+            if set(recorder.states) != set(self._linear_layers()):
+                raise RuntimeError("not every Gated DeltaNet layer ran the recording kernel")
+            self._window = _Window(start=start, states=recorder.states)
+        else:
+            with torch.inference_mode():
+                snapshot = {i: self._recurrent(i).clone() for i in self._linear_layers()}
+            logits = self._run(token_ids, logits_to_keep=0)
+            self._window = _Window(start=start, snapshot=snapshot)
+        self._tokens.extend(int(t) for t in token_ids)
+        self._uncommitted = True
+        return logits
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot roll back to length {length}: the cache holds {self._length} tokens")
+        if self._cache is None:
+            return
+        window = self._window
+        if length == self._length:
+            self._commit()
+        elif window is not None and length >= window.start and window.states is not None:
+            with torch.inference_mode():
+                for layer, states in window.states.items():
+                    self._recurrent(layer).copy_(states[length - window.start])
+                self._cache.crop(length - self._length)
+            self._set_length(length)
+        elif window is not None and length >= window.start:
+            replay = self._tokens[window.start : length]
+            with torch.inference_mode():
+                for layer, state in window.snapshot.items():
+                    self._recurrent(layer).copy_(state)
+                self._cache.crop(window.start - self._length)
+            self._set_length(window.start)
+            if replay:
+                self.forward(replay)
+                self._commit()
+        else:
+            history = self._tokens[:length]
+            self._reset()
+            if history:
+                self._run(history, logits_to_keep=1)
+                self._tokens = history
+                self._uncommitted = True
+                self._commit()
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _check_ids(self, token_ids: Sequence[int]) -> None:
+        for t in token_ids:
+            if not 0 <= t < self._vocab_size:
+                raise TokenError(f"token id {t} is outside the vocabulary of size {self._vocab_size}")
+
+    def _reset(self) -> None:
+        """Start from an empty cache that records conv history so that it can be cropped."""
+        self._cache = DynamicCache(config=self.model.config)
+        self._cache.activate_past_recording()
+        self._length = 0
+        self._tokens = []
+        self._window = None
+        self._uncommitted = False
+
+    def _run(self, token_ids: Sequence[int], logits_to_keep: int) -> torch.Tensor:
+        """One model forward over ``token_ids`` at positions ``length..``; returns logits ``[kept, vocab]``."""
+        assert self._cache is not None
+        n = len(token_ids)
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        positions = torch.arange(self._length, self._length + n, device=self.device).unsqueeze(0)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                cache=self._cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+        self._length += n
+        return out.logits[0]
+
+    def _commit(self) -> None:
+        """Forget the rollback window of the last forward and trim the conv history it needed."""
+        if self._cache is not None and self._uncommitted:
+            with torch.inference_mode():
+                self._cache.crop(0)
+        self._uncommitted = False
+        self._window = None
+
+    def _set_length(self, length: int) -> None:
+        self._length = length
+        del self._tokens[length:]
+        self._window = None
+        self._uncommitted = False
+
+    def _linear_layers(self) -> list[int]:
+        assert self._cache is not None
+        return [i for i, layer in enumerate(self._cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+    def _recurrent(self, layer: int) -> torch.Tensor:
+        assert self._cache is not None
+        state = self._cache.layers[layer].recurrent_states[0]
+        assert state is not None
+        return state
+
+    def _layer_of_state(self) -> dict[int, int]:
+        return {id(self._recurrent(i)): i for i in self._linear_layers()}
