@@ -69,6 +69,14 @@ def _check_options(args: argparse.Namespace) -> None:
         raise ConfigError(f"--min-ngram ({args.min_ngram}) is larger than --max-ngram ({args.max_ngram})")
 
 
+def quiet_transformers() -> None:
+    """Silence transformers' progress bars and info logs so stderr carries only our own lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def _default_model() -> str:
     raise ModelLoadError("no --model given and this installation bundles no default model; pass --model DIR")
 
@@ -95,6 +103,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     _check_options(args)
     text = _read_prompt(args)
+    quiet_transformers()
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model or _default_model(), dtype=args.dtype)

@@ -1,0 +1,118 @@
+"""The ``lattice`` command end to end on a toy model directory, including every bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lattice_inference.cli import main
+from lattice_inference.toy import save_toy_model_dir
+
+PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_toy_model_dir(tmp_path_factory.mktemp("toy") / "model", "qwen3", init_std=0.02, seed=1))
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main(["generate", *args, "--json"]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out)
+
+
+def test_json_output_and_ngram_equals_greedy(model_dir, capsys):
+    common = ["--model", model_dir, "--prompt", PROMPT, "--max-new-tokens", "48", "--dtype", "float32"]
+    greedy = run_json(capsys, *common, "--method", "greedy")
+    ngram = run_json(capsys, *common, "--method", "ngram", "--max-draft", "6")
+    assert ngram["token_ids"] == greedy["token_ids"]
+    assert ngram["text"] == greedy["text"]
+    assert len(ngram["token_ids"]) <= 48
+    m = ngram["metrics"]
+    for key in (
+        "prompt_tokens",
+        "new_tokens",
+        "target_forwards",
+        "drafts",
+        "drafted_tokens",
+        "accepted_tokens",
+        "acceptance_rate",
+        "mean_acceptance_length",
+        "accepted_per_position",
+        "prefill_s",
+        "decode_s",
+        "tokens_per_s",
+    ):
+        assert key in m, key
+    assert m["new_tokens"] == len(ngram["token_ids"])
+    assert m["prompt_tokens"] == len(PROMPT.encode())
+    assert m["target_forwards"] < greedy["metrics"]["target_forwards"]
+    assert greedy["metrics"]["drafts"] == 0
+
+
+def test_streams_text_and_prints_one_metrics_line(model_dir, capsys):
+    assert main(["generate", "--model", model_dir, "--prompt", PROMPT, "--max-new-tokens", "20"]) == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "tok/s" in lines[0] and "acceptance" in lines[0]
+    assert captured.out.endswith("\n")
+
+
+def test_prompt_file_and_chat(model_dir, tmp_path, capsys):
+    f = tmp_path / "p.txt"
+    f.write_text(PROMPT)
+    a = run_json(capsys, "--model", model_dir, "--prompt-file", str(f), "--max-new-tokens", "8")
+    b = run_json(capsys, "--model", model_dir, "--prompt", PROMPT, "--max-new-tokens", "8")
+    assert a["token_ids"] == b["token_ids"]
+    c = run_json(capsys, "--model", model_dir, "--prompt", PROMPT, "--max-new-tokens", "8", "--chat")
+    assert c["metrics"]["prompt_tokens"] > b["metrics"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/nonexistent/model"], "does not exist"),
+        (["--model", "{tmp}"], "no config.json"),
+        (["--prompt", "   "], "prompt is empty"),
+        (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
+        (["--max-new-tokens", "5000"], "exceeds the model's 2048 positions"),
+        (["--min-ngram", "4", "--max-ngram", "3"], "--min-ngram (4) is larger than --max-ngram (3)"),
+        (["--method", "beam"], "unknown method 'beam'"),
+    ],
+)
+def test_bad_input_one_line_error(model_dir, tmp_path, capsys, args, message):
+    base = {"--model": model_dir, "--prompt": PROMPT}
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    for flag, value in base.items():
+        if flag not in args and not (flag == "--prompt" and "--prompt-file" in args):
+            args = [flag, value, *args]
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag", ["--max-new-tokens", "--max-draft", "--max-ngram", "--min-ngram"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_non_positive_options_rejected(model_dir, capsys, flag, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", model_dir, "--prompt", PROMPT, flag, value])
+    assert exc.value.code == 2
+    assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_console_script_no_traceback(model_dir):
+    """The installed command exits non-zero with one line and no traceback on a bad directory."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lattice_inference.cli", "generate", "--model", "/nope", "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "lattice: error: model directory '/nope' does not exist"
