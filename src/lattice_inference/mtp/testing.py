@@ -145,7 +145,7 @@ def write_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     config = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
     (root / "config.json").write_text(json.dumps(config, indent=1))
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    tensors = {k: v.detach().clone().contiguous() for k, v in tensors.items()}
     if shards <= 1:
         save_file(tensors, str(root / "model.safetensors"))
         return root
