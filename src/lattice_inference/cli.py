@@ -8,9 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lattice_inference.api import METHODS
 from lattice_inference.errors import ConfigError, LatticeError, ModelLoadError
-
-METHODS = ("greedy", "ngram")
 
 
 def _positive_int(text: str) -> int:
@@ -32,9 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
-    gen.add_argument(
-        "--method", default="ngram", help="greedy (plain decoding) or ngram (prompt lookup); default ngram"
-    )
+    gen.add_argument("--method", default="ngram", help="greedy (plain decoding) or ngram (prompt lookup, default)")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="generation budget (default 256)")
     gen.add_argument("--max-ngram", type=_positive_int, default=5, help="longest n-gram to match (default 5)")
     gen.add_argument("--min-ngram", type=_positive_int, default=2, help="shortest n-gram to match (default 2)")
@@ -77,70 +74,51 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _default_model() -> str:
+def default_model_dir() -> str:
+    """The model bundled with the package, used when ``--model`` is not given."""
+    bundled = Path(__file__).parent / "default_model"
+    if (bundled / "config.json").is_file():
+        return str(bundled)
     raise ModelLoadError("no --model given and this installation bundles no default model; pass --model DIR")
-
-
-def _prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("--chat: this tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return list(ids)
-    return list(tokenizer(text, add_special_tokens=True).input_ids)
 
 
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from lattice_inference.decode import SpeculativeDecoder
-    from lattice_inference.drafters.ngram import NgramDrafter
-    from lattice_inference.loading import load_model
-    from lattice_inference.streaming import TextStream
-    from lattice_inference.targets import make_target
+    from lattice_inference.api import Generator
 
     _check_options(args)
     text = _read_prompt(args)
     quiet_transformers()
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model or _default_model(), dtype=args.dtype)
-    prompt_ids = _prompt_ids(loaded.tokenizer, text, args.chat)
-    drafter = None
-    if args.method == "ngram":
-        drafter = NgramDrafter(
-            max_ngram=args.max_ngram,
-            min_ngram=args.min_ngram,
-            max_draft=args.max_draft,
-            match=args.match,
-            eos_token_ids=loaded.eos_token_ids,
-        )
-    decoder = SpeculativeDecoder(
-        make_target(loaded.model), drafter, max_draft=args.max_draft, eos_token_ids=loaded.eos_token_ids
+    gen = Generator.from_pretrained(
+        args.model or default_model_dir(),
+        dtype=args.dtype,
+        method=args.method,
+        max_ngram=args.max_ngram,
+        min_ngram=args.min_ngram,
+        max_draft=args.max_draft,
+        match=args.match,
     )
-    stream = TextStream(loaded.tokenizer)
-    for chunk in decoder.stream(prompt_ids, args.max_new_tokens):
-        piece = stream.push(chunk)
-        if piece and not args.json:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-    tail = stream.flush()
-    metrics = decoder.metrics
+    prompt_ids = gen.encode(text, chat=args.chat)
     if args.json:
+        out = gen.generate(prompt_ids, args.max_new_tokens)
         payload = {
-            "text": stream.text,
-            "token_ids": stream.token_ids,
-            "stop_reason": decoder.stop_reason,
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "stop_reason": out.stop_reason,
             "method": args.method,
-            "metrics": metrics.to_dict(),
+            "metrics": out.metrics.to_dict(),
         }
         sys.stdout.write(json.dumps(payload) + "\n")
-    else:
-        sys.stdout.write(tail + "\n")
+        return 0
+    for piece in gen.stream(prompt_ids, args.max_new_tokens):
+        sys.stdout.write(piece)
         sys.stdout.flush()
-        print(f"[{args.method}] {metrics.summary()}", file=sys.stderr)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(f"[{args.method}] {gen.metrics.summary()}", file=sys.stderr)
     return 0
 
 

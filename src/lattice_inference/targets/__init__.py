@@ -5,11 +5,16 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from lattice_inference.targets.base import Target
+from lattice_inference.targets.hybrid import HybridTarget, is_hybrid
 from lattice_inference.targets.transformers import TransformersTarget
 
-__all__ = ["Target", "TransformersTarget", "make_target"]
+__all__ = ["HybridTarget", "Target", "TransformersTarget", "make_target"]
 
 
 def make_target(model: PreTrainedModel) -> Target:
-    """The right `Target` for ``model``: attention-cache models get `TransformersTarget`."""
+    """The right `Target` for ``model``: Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) get `HybridTarget`, whose
+    rollback restores recurrent state exactly; attention-cache models get `TransformersTarget`; anything else
+    with recurrent state is refused with `UnsupportedModelError`."""
+    if is_hybrid(model):
+        return HybridTarget(model)
     return TransformersTarget(model)

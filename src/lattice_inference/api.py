@@ -1,0 +1,137 @@
+"""The high-level Python API: load a model once, then generate text or token ids with a chosen method.
+
+    from lattice_inference import Generator
+    gen = Generator.from_pretrained("path/to/model", method="ngram")
+    out = gen.generate("Summarise: ...", max_new_tokens=200)
+    print(out.text, out.metrics.mean_acceptance_length)
+    for piece in gen.stream("..."):
+        print(piece, end="", flush=True)
+
+Every method emits exactly what plain greedy decoding (``method="greedy"``) emits; they differ in speed only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from lattice_inference.decode import SpeculativeDecoder
+from lattice_inference.drafters.base import Drafter
+from lattice_inference.drafters.ngram import NgramDrafter
+from lattice_inference.errors import ConfigError
+from lattice_inference.loading import load_model
+from lattice_inference.metrics import GenerationMetrics
+from lattice_inference.streaming import TextStream
+from lattice_inference.targets import make_target
+
+METHODS = ("greedy", "ngram")
+
+
+@dataclass
+class GenerationOutput:
+    """Generated text and token ids (without a final EOS), why generation stopped, and its metrics."""
+
+    text: str
+    token_ids: list[int]
+    stop_reason: str
+    metrics: GenerationMetrics
+
+
+class Generator:
+    """A model, its tokenizer and a speculative method, ready to generate.
+
+    ``method`` is ``greedy`` (plain decoding, the reference output) or ``ngram`` (prompt lookup over the prompt
+    and everything generated so far). ``max_ngram``/``min_ngram`` bound the n-gram lengths tried (longest
+    first), ``max_draft`` the tokens drafted per round, ``match`` which earlier occurrence is copied
+    (``first``, as vLLM and transformers, or ``recent``).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        method: str = "ngram",
+        max_ngram: int = 5,
+        min_ngram: int = 2,
+        max_draft: int = 4,
+        match: str = "first",
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        if method not in METHODS:
+            raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        if eos_token_ids is None:
+            eos = model.generation_config.eos_token_id
+            eos = eos if eos is not None else tokenizer.eos_token_id
+            eos_token_ids = [] if eos is None else list(eos) if isinstance(eos, list | tuple) else [eos]
+        self.model = model
+        self.tokenizer = tokenizer
+        self.method = method
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        drafter: Drafter | None = None
+        if method == "ngram":
+            drafter = NgramDrafter(
+                max_ngram=max_ngram,
+                min_ngram=min_ngram,
+                max_draft=max_draft,
+                match=match,
+                eos_token_ids=self.eos_token_ids,
+            )
+        self.decoder = SpeculativeDecoder(
+            make_target(model), drafter, max_draft=max_draft, eos_token_ids=self.eos_token_ids
+        )
+
+    @classmethod
+    def from_pretrained(cls, model: str, *, dtype: str = "auto", device: str = "cpu", **options: object) -> Generator:
+        """Load ``model`` (a local directory, or a hub id with internet) and build a generator over it."""
+        loaded = load_model(model, dtype=dtype, device=device)
+        return cls(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, **options)  # type: ignore[arg-type]
+
+    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        """Token ids of ``prompt``; text is wrapped in the chat template first when ``chat`` is true."""
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if not prompt.strip():
+            raise ConfigError("the prompt is empty")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ConfigError("chat=True: this tokenizer has no chat template")
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            return [int(t) for t in ids]
+        return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+
+    def stream_tokens(
+        self, prompt: str | Sequence[int], max_new_tokens: int = 256, chat: bool = False
+    ) -> Iterator[list[int]]:
+        """Yield chunks of generated token ids as each verification round accepts them."""
+        yield from self.decoder.stream(self.encode(prompt, chat), max_new_tokens)
+
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, chat: bool = False) -> Iterator[str]:
+        """Yield generated text as it is accepted (whole characters only)."""
+        text = TextStream(self.tokenizer)
+        for chunk in self.stream_tokens(prompt, max_new_tokens, chat):
+            piece = text.push(chunk)
+            if piece:
+                yield piece
+        tail = text.flush()
+        if tail:
+            yield tail
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, chat: bool = False) -> GenerationOutput:
+        """Generate to the end and return text, token ids, stop reason and metrics."""
+        ids = [t for chunk in self.stream_tokens(prompt, max_new_tokens, chat) for t in chunk]
+        return GenerationOutput(
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            token_ids=ids,
+            stop_reason=self.decoder.stop_reason,
+            metrics=self.decoder.metrics,
+        )
+
+    @property
+    def metrics(self) -> GenerationMetrics:
+        """Metrics of the most recent generation."""
+        return self.decoder.metrics
