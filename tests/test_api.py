@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3_5TextConfig, Qwen3_5ForCausalLM
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from lattice_inference import ConfigError, Generator, TokenError, UnsupportedModelError
 from lattice_inference.targets import HybridTarget, TransformersTarget, make_target
