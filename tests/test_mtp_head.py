@@ -394,3 +394,36 @@ def test_invalid_inputs_raise_and_leave_the_cache_alone(checkpoints) -> None:
         assert head.cache_len == 1
     assert issubclass(TokenError, ValueError)
     torch.testing.assert_close(head.forward_many([1], [1], h[None]), before, atol=0, rtol=0)
+
+
+def test_draft_tokens_chain_forward_one_and_draft_vocab_restricts_the_argmax(checkpoints) -> None:
+    path, cfg, _ = checkpoints["qwen3_next"]
+    head, ref = load_mtp_head(path), load_mtp_head(path)
+    h = torch.randn(cfg.hidden_size)
+    drafts = head.draft_tokens(5, 0, h, eos_token_ids=())
+    assert len(drafts) == cfg.num_drafts == 3 and head.cache_len == 3
+    tok, hid, expected, full_logits = 5, h, [], []
+    for pos in range(3):
+        logits, hid = ref.forward_one(tok, pos, hid)
+        tok = int(torch.argmax(logits))
+        expected.append(tok)
+        full_logits.append(logits)
+    assert drafts == expected
+    head.rollback_cache_to(0)
+    assert head.draft_tokens(5, 0, h, num_tokens=3, eos_token_ids=[expected[0]]) == expected[:1]  # stops at EOS
+    # Restricted vocabulary: the first draft is the argmax of the full logits over the allowed ids.
+    allowed = [i for i in range(cfg.vocab_size) if i != expected[0]][::2]
+    head.set_draft_vocab(allowed)
+    head.rollback_cache_to(0)
+    first = head.draft_tokens(5, 0, h, num_tokens=1)[0]
+    assert first == allowed[int(torch.argmax(full_logits[0][allowed]))] and first != expected[0]
+    head.set_draft_vocab(None)
+    head.rollback_cache_to(0)
+    assert head.draft_tokens(5, 0, h) == expected
+    with pytest.raises(TokenError, match="out of range"):
+        head.set_draft_vocab([0, cfg.vocab_size])
+    with pytest.raises(TokenError, match="at least one"):
+        head.set_draft_vocab([])
+    with pytest.raises(ValueError, match="must equal cache_len"):
+        head.draft_tokens(5, 1, h)
+    assert head.cache_len == 3

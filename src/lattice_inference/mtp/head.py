@@ -21,7 +21,7 @@ always holds the entry built from ``(h_p, x_{p+1})``, and a position must equal 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +103,8 @@ class MtpHead:
         self._k = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
         self._v = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
         self._len = 0
+        self._draft_ids: torch.Tensor | None = None
+        self._draft_head: torch.Tensor | None = None
 
     def _one_plus(self, w: torch.Tensor) -> torch.Tensor:
         return 1.0 + w.float()
@@ -260,18 +262,50 @@ class MtpHead:
             raise ValueError(f"MTP position {position!r} must equal cache_len {self._len}")
         if self.max_seq_len is not None and position + count > self.max_seq_len:
             raise ValueError(f"drafting {count} tokens from position {position} passes max_seq_len {self.max_seq_len}")
-        self._check_hiddens(hidden, 1, single=True)
+        if isinstance(next_token_id, bool) or not isinstance(next_token_id, int):
+            raise TokenError(f"MTP token_id must be an int, got {next_token_id!r}")
+        ids = self._check_tokens([next_token_id])
+        hid = self._check_hiddens(hidden, 1, single=True)
         eos = set(eos_token_ids)
         drafts: list[int] = []
-        token, pos, h = next_token_id, position, hidden
+        pos = position
         for _ in range(count):
-            logits, h = self.forward_one(token, pos, h)
-            token = int(torch.argmax(logits))
+            if self._draft_head is None:
+                logits, out = self._forward(ids, pos, hid, want_logits=True)
+                token = int(torch.argmax(logits[0]))  # type: ignore[index]
+            else:
+                _, out = self._forward(ids, pos, hid, want_logits=False)
+                token = int(self._draft_ids[int(torch.argmax(F.linear(out.to(self.dtype), self._draft_head)))])
             drafts.append(token)
             if token in eos:
                 break
+            ids = torch.tensor([token], dtype=torch.long, device=self.device)
+            hid = out.to(self.dtype)
             pos += 1
         return drafts
+
+    def set_draft_vocab(self, token_ids: Iterable[int] | torch.Tensor | None) -> None:
+        """Restrict the argmax of ``draft_tokens`` to ``token_ids`` (None: the whole vocabulary again).
+
+        Scoring a few tens of thousands of frequent tokens instead of the full vocabulary (FR-Spec, EAGLE-3's
+        draft vocabulary) cuts the largest cost of a draft step, the ``lm_head``. It changes which tokens are
+        drafted, never the output: every draft is verified by the target. ``forward_one`` / ``forward_many`` keep
+        returning full-vocabulary logits. Ties go to the smallest id, as with ``torch.argmax`` on full logits.
+        """
+        if token_ids is None:
+            self._draft_ids = None
+            self._draft_head = None
+            return
+        ids = sorted(set(token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids))
+        if not ids:
+            raise TokenError("the draft vocabulary must hold at least one token id")
+        vocab = self.config.vocab_size
+        if ids[0] < 0 or ids[-1] >= vocab:
+            bad = ids[0] if ids[0] < 0 else ids[-1]
+            raise TokenError(f"draft vocabulary token id {bad} out of range: must be in [0, vocab_size {vocab})")
+        index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        self._draft_ids = index
+        self._draft_head = self._lm_head.index_select(0, index)
 
     def _forward(
         self, ids: torch.Tensor, start: int, hidden: torch.Tensor, *, want_logits: bool

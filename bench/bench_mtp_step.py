@@ -1,0 +1,190 @@
+"""Cost of one MTP draft step (and of MTP cache catch-up) as a fraction of one target decode step.
+
+Target: random-weight Qwen3.5-0.8B-shaped text model in bfloat16 (hidden 1024, 24 layers = 18 Gated DeltaNet +
+6 full attention, 8 query / 2 KV heads of 256, delta-net 16/16 heads of 128, intermediate 3584, vocab 248320, tied
+embeddings); the shape is assumed, not read from a hub checkpoint. MTP head: the matching dense Qwen3.5 MTP layer
+(fc 2048 -> 1024, one gated-attention layer, SwiGLU 3584) sharing the target's tied embedding as its lm_head,
+bfloat16, random weights. Both caches hold a ``--prompt``-token context. ``torch.set_num_threads(--threads)``.
+
+Columns, timed round-robin so host noise hits all alike (median of ``--reps`` rounds after one warm-up round):
+
+* ``step``: one plain transformers decode step (1 token, ``logits_to_keep=1``), the unit of every ratio;
+* ``mtp draft``: one ``MtpHead.forward_one`` (full 248320-entry float32 logits) then a cache rollback;
+* ``mtp draft (top-N vocab)``: the same step with ``set_draft_vocab`` restricting the draft argmax to ``N`` token ids
+  (``--draft-vocab``; lossless, since every draft is verified by the target);
+* ``mtp catch-up k``: ``forward_many`` of k rows without logits (the per-verification cache rebuild), then rollback.
+
+Run: ``.venv/bin/python bench/bench_mtp_step.py`` (about 1-2 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, Qwen3_5TextConfig
+
+from lattice_inference.mtp import MtpConfig, MtpHead, MtpWeights
+
+CATCH_UP = (1, 4, 8)
+
+
+def qwen35_08b_config() -> Qwen3_5TextConfig:
+    """The assumed Qwen3.5-0.8B text shape (same as bench_hybrid_verify.py)."""
+    return Qwen3_5TextConfig(
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        mtp_num_hidden_layers=1,
+    )
+
+
+def random_mtp(cfg: MtpConfig, embed: torch.Tensor, std: float = 0.02) -> MtpWeights:
+    """Random dense MTP weights in bfloat16 sharing the target's tied embedding."""
+    h, hd, i = cfg.hidden_size, cfg.head_dim, int(cfg.intermediate_size or 0)
+    n_h, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape) * std).to(torch.bfloat16)
+
+    def zeros(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.bfloat16)
+
+    return MtpWeights(
+        fc=rnd(h, 2 * h),
+        pre_fc_norm_embedding=zeros(h),
+        pre_fc_norm_hidden=zeros(h),
+        norm=zeros(h),
+        input_layernorm=zeros(h),
+        post_attention_layernorm=zeros(h),
+        q_proj=rnd(2 * n_h * hd, h),
+        k_proj=rnd(n_kv * hd, h),
+        v_proj=rnd(n_kv * hd, h),
+        o_proj=rnd(h, n_h * hd),
+        q_norm=zeros(hd),
+        k_norm=zeros(hd),
+        embed_tokens=embed,
+        lm_head=embed,
+        layout="dense",
+        mlp_gate=rnd(i, h),
+        mlp_up=rnd(i, h),
+        mlp_down=rnd(h, i),
+    )
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", type=int, default=512, help="context length in tokens")
+    parser.add_argument("--reps", type=int, default=9, help="timed rounds (median reported)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--draft-vocab", type=int, default=32768, help="N for the restricted-vocabulary column")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print("command:", shlex.join([sys.executable, *sys.argv]))
+
+    torch.manual_seed(0)
+    hf_config = qwen35_08b_config()
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"target: {n_params / 1e6:.0f} M params, bfloat16, built in {time.perf_counter() - t0:.1f} s")
+    cfg = MtpConfig.from_hf_config(hf_config)
+    embed = model.get_input_embeddings().weight.detach()
+    head = MtpHead(cfg, random_mtp(cfg, embed))
+    limited = MtpHead(cfg, random_mtp(cfg, embed))
+    limited.set_draft_vocab(range(args.draft_vocab))
+    mtp_params = sum(t.numel() for t in (head._fc, head._qkv, head._o, head._mlp_gate_up, head._mlp_down))
+    print(f"MTP layer: {mtp_params / 1e6:.1f} M params + shared lm_head {embed.numel() / 1e6:.0f} M")
+
+    vocab, hidden = cfg.vocab_size, cfg.hidden_size
+    prompt = torch.randint(0, vocab, (args.prompt,)).tolist()
+    cache = DynamicCache(config=model.config)
+    length = 0
+
+    def target_step(ids: list[int]) -> None:
+        nonlocal length
+        with torch.inference_mode():
+            model(
+                input_ids=torch.tensor([ids]),
+                position_ids=torch.arange(length, length + len(ids)).unsqueeze(0),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        length += len(ids)
+
+    t0 = time.perf_counter()
+    target_step(prompt)
+    print(f"target prefill {args.prompt} tokens: {time.perf_counter() - t0:.2f} s")
+    hiddens = torch.randn(args.prompt, hidden).to(torch.bfloat16)
+    for h in (head, limited):
+        t0 = time.perf_counter()
+        h.prefill(hiddens[:-1], prompt[1:], 0)
+    print(f"MTP catch-up over the prompt ({args.prompt - 1} rows, no logits): {time.perf_counter() - t0:.2f} s")
+
+    def mtp_draft(h: MtpHead, restricted: bool) -> Callable[[], None]:
+        def run() -> None:
+            start = h.cache_len
+            if restricted:
+                h.draft_tokens(1, start, hiddens[-1], num_tokens=1)
+            else:
+                h.forward_one(1, start, hiddens[-1])
+            h.rollback_cache_to(start)
+
+        return run
+
+    def catch_up(k: int) -> Callable[[], None]:
+        def run() -> None:
+            start = head.cache_len
+            head.forward_many([1] * k, range(start, start + k), hiddens[:k], return_logits=False)
+            head.rollback_cache_to(start)
+
+        return run
+
+    columns: dict[str, Callable[[], None]] = {
+        "step": lambda: target_step([1]),
+        "mtp draft": mtp_draft(head, False),
+        f"mtp draft (top-{args.draft_vocab} vocab)": mtp_draft(limited, True),
+    }
+    for k in CATCH_UP:
+        columns[f"mtp catch-up {k}"] = catch_up(k)
+    times: dict[str, list[float]] = {name: [] for name in columns}
+    for rep in range(args.reps + 1):
+        for name, fn in columns.items():
+            seconds = timed(fn)
+            if rep:
+                times[name].append(seconds)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    step = med["step"]
+    print(f"\nmedian of {args.reps} rounds; one target decode step = {step * 1e3:.1f} ms (ratio 1.00)")
+    print("| column | ms | ratio to a decode step |")
+    print("|---|---|---|")
+    for name, seconds in med.items():
+        print(f"| {name} | {seconds * 1e3:.2f} | {seconds / step:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
