@@ -87,13 +87,16 @@ def recurrent_gated_delta_rule_with_states(
     beta: torch.Tensor,
     initial_state: torch.Tensor,
     use_qk_l2norm_in_kernel: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    states: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gated delta rule token by token, returning ``(output, final_state, states)``.
 
     Op for op the computation of transformers' ``torch_recurrent_gated_delta_rule`` (so ``k`` tokens here give the
-    same result as ``k`` one-token decode steps), except that it also returns ``states``: ``states[i]`` is the
-    fp32 recurrent state ``[batch, v_heads, d_k, d_v]`` after the first ``i`` tokens (``states[0]`` is a copy of
-    ``initial_state``). The loop allocates a new state tensor per token anyway, so keeping them costs memory only.
+    same result as ``k`` one-token decode steps, bit for bit given the same inputs), except that every
+    intermediate state is written to ``states[i]``, the fp32 recurrent state ``[batch, v_heads, d_k, d_v]`` after
+    the first ``i`` tokens (``states[0]`` is a copy of ``initial_state``; ``final_state`` is a view of
+    ``states[seq]``). Pass a buffer of at least ``seq + 1`` states in ``states`` to reuse memory across calls:
+    keeping freshly allocated 1 MiB tensors alive costs page faults that make the loop several times slower.
     Shapes: ``query``/``key`` ``[batch, seq, k_heads, d_k]``, ``value`` ``[batch, seq, v_heads, d_v]``,
     ``g``/``beta`` ``[batch, seq, v_heads]``.
     """
@@ -111,33 +114,37 @@ def recurrent_gated_delta_rule_with_states(
         key = _l2norm(key, dim=-1, eps=1e-6)
     query = query / (query.shape[-1] ** 0.5)
 
-    state = initial_state.to(value)
-    states = [state.clone()]  # the cache updates its state tensor in place, so keep a private copy
+    state_shape = (sequence_length + 1, *initial_state.shape)
+    if states is None or states.shape[0] < state_shape[0] or states.shape[1:] != initial_state.shape:
+        states = torch.empty(state_shape, dtype=value.dtype, device=value.device)
+    states = states[: sequence_length + 1]
+    states[0].copy_(initial_state)
     core_attn_out = torch.zeros_like(value)
     for i in range(sequence_length):
         q_t, k_t, v_t = query[:, :, i], key[:, :, i], value[:, :, i]
         decay_t = decay[:, :, i].exp()[..., None, None]
-        state = state * decay_t
+        state = torch.mul(states[i], decay_t, out=states[i + 1])
         beta_t = beta[:, :, i].unsqueeze(-1)
         kv_mem = (state * k_t.unsqueeze(-1)).sum(dim=-2)
         delta = (v_t - kv_mem) * beta_t
-        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        state.add_(k_t.unsqueeze(-1) * delta.unsqueeze(-2))
         core_attn_out[:, :, i] = (state * q_t.unsqueeze(-1)).sum(dim=-2)
-        states.append(state)
     core_attn_out = core_attn_out.transpose(1, 2).contiguous().to(initial_dtype)
-    return core_attn_out, state, states
+    return core_attn_out, states[sequence_length], states
 
 
 class _Recorder:
     """Collects, during one model forward, the per-position recurrent states of every GDN layer.
 
     The GDN kernel does not know its layer; it receives the layer's cached recurrent state as ``initial_state``,
-    so layers are identified by the identity of that tensor.
+    so layers are identified by the identity of that tensor. ``buffers`` (per layer, owned by the target and
+    reused across forwards) receive the states; a buffer too small is replaced by a larger one in place.
     """
 
-    def __init__(self, layer_of_state: dict[int, int]) -> None:
+    def __init__(self, layer_of_state: dict[int, int], buffers: dict[int, torch.Tensor]) -> None:
         self.layer_of_state = layer_of_state
-        self.states: dict[int, list[torch.Tensor]] = {}
+        self.buffers = buffers
+        self.states: dict[int, torch.Tensor] = {}
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the recording kernel for one GDN call made as transformers' GDN forward makes it."""
@@ -150,12 +157,18 @@ class _Recorder:
         layer = self.layer_of_state.get(id(initial_state))
         if layer is None:
             raise RuntimeError("a Gated DeltaNet kernel was called with a recurrent state that is not in the cache")
+        positions = args[1].shape[1] + 1
+        buffer = self.buffers.get(layer)
+        if buffer is None or buffer.shape[0] < positions or buffer.shape[1:] != initial_state.shape:
+            buffer = torch.empty((positions, *initial_state.shape), dtype=torch.float32, device=initial_state.device)
+            self.buffers[layer] = buffer
         out, final, states = recurrent_gated_delta_rule_with_states(
             *args,
             g=kwargs["g"],
             beta=kwargs["beta"],
             initial_state=initial_state,
             use_qk_l2norm_in_kernel=bool(kwargs.get("use_qk_l2norm_in_kernel", False)),
+            states=buffer,
         )
         self.states[layer] = states
         return out, (final if kwargs.get("output_final_state", False) else None)
@@ -214,8 +227,9 @@ class _Window:
 
     start: int
     """Cache length before the forward."""
-    states: dict[int, list[torch.Tensor]] | None = None
-    """Per GDN cache layer, ``states[layer][i]`` = recurrent state after ``start + i`` tokens."""
+    states: dict[int, torch.Tensor] | None = None
+    """Per GDN cache layer, ``states[layer][i]`` = recurrent state after ``start + i`` tokens (views of the
+    target's reusable buffers, valid until the next forward)."""
     snapshot: dict[int, torch.Tensor] = field(default_factory=dict)
     """Per GDN cache layer, a copy of the recurrent state before the forward (used when ``states`` is None)."""
 
@@ -259,6 +273,8 @@ class HybridTarget:
         self._length = 0
         self._tokens: list[int] = []
         self._window: _Window | None = None
+        self._buffers: dict[int, torch.Tensor] = {}
+        """Per GDN cache layer, storage for the per-position states of a forward (grows to the widest one)."""
         self._uncommitted = False
         """True while linear layers keep conv history from the last forward (trimmed by ``crop(0)``)."""
 
@@ -303,7 +319,7 @@ class HybridTarget:
         if start == 0:  # nothing cached (after rollback(0)): no state to record from; rollback re-prefills
             logits = self._run(token_ids, logits_to_keep=0)
         elif len(token_ids) <= self.max_recorded:
-            recorder = _Recorder(self._layer_of_state())
+            recorder = _Recorder(self._layer_of_state(), self._buffers)
             token = _ACTIVE_RECORDER.set(recorder)
             try:
                 with _kernels_patched(self._modules):

@@ -1,0 +1,156 @@
+"""Cost of verifying k draft tokens on a hybrid (Gated DeltaNet + attention) model, as a multiple of one decode step.
+
+Model: random-weight Qwen3.5-0.8B-shaped text model in bfloat16 (hidden 1024, 24 layers = 18 Gated DeltaNet +
+6 full attention, 8 query / 2 KV heads of 256, delta-net 16 key / 16 value heads of 128, intermediate 3584,
+vocab 248320, tied embeddings), prompt of ``--prompt`` random tokens, ``torch.set_num_threads(2)``.
+
+Measured, interleaved round-robin so that host noise hits every column alike (median of ``--reps`` rounds after
+one warm-up round):
+
+* ``step``: one plain transformers decode step (1 token, ordinary ``DynamicCache``: fused conv update and the
+  recurrent kernel), the unit of every ratio;
+* ``hybrid k``: `HybridTarget.forward` of k tokens (logits for all k) plus ``rollback(start + 1)``, i.e. every
+  draft rejected (restores the kept recurrent state after position 0 and crops KV and conv; any accepted length
+  costs the same);
+* ``hf k``: transformers' own path: a k-token forward on a recording cache (chunked delta-rule kernel for k > 1)
+  plus ``crop(-(k - 1))``; its recurrent state is then wrong, but this is what it costs.
+
+Each timed round leaves one more token in the cache (the accepted one), so the context grows by at most
+``reps + 1`` tokens over the run. Run: ``.venv/bin/python bench/bench_hybrid_verify.py`` (about 1-2 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, Qwen3_5TextConfig
+
+from lattice_inference.targets.hybrid import HybridTarget
+
+KS = (1, 2, 4, 8, 16)
+
+
+def qwen35_08b_config() -> Qwen3_5TextConfig:
+    """The assumed Qwen3.5-0.8B text shape (not read from a hub checkpoint)."""
+    return Qwen3_5TextConfig(
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
+
+
+class PlainDecoder:
+    """transformers' ordinary cached decoding, one token per forward (the baseline step)."""
+
+    def __init__(self, model: PreTrainedModel, prompt: list[int]) -> None:
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.length = 0
+        self.forward(prompt, logits_to_keep=1)
+
+    def forward(self, ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
+        pos = torch.arange(self.length, self.length + len(ids)).unsqueeze(0)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=torch.tensor([ids]),
+                position_ids=pos,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+        self.length += len(ids)
+        return out.logits[0]
+
+
+class HfVerifier(PlainDecoder):
+    """transformers' own speculative path: recording cache, k-token forward, ``crop``."""
+
+    def __init__(self, model: PreTrainedModel, prompt: list[int]) -> None:
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.cache.activate_past_recording()
+        self.length = 0
+        self.forward(prompt, logits_to_keep=1)
+        self.cache.crop(0)
+
+    def verify(self, ids: list[int]) -> None:
+        self.forward(ids)
+        self.cache.crop(1 - len(ids))
+        self.length -= len(ids) - 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", type=int, default=512, help="prompt length in tokens")
+    parser.add_argument("--reps", type=int, default=7, help="timed rounds (median reported)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print("command:", shlex.join([sys.executable, *sys.argv]))
+
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_config(qwen35_08b_config(), dtype=torch.bfloat16).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.0f} M params, bfloat16, built in {time.perf_counter() - t0:.1f} s")
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (args.prompt,)).tolist()
+
+    t0 = time.perf_counter()
+    plain = PlainDecoder(model, prompt)
+    prefill_s = time.perf_counter() - t0
+    hf = HfVerifier(model, prompt)
+    target = HybridTarget(model)
+    target.prefill(prompt)
+    print(f"prefill {args.prompt} tokens: {prefill_s:.2f} s ({args.prompt / prefill_s:.0f} tok/s)")
+
+    def plain_step(ids: list[int]) -> None:
+        plain.forward(ids)
+
+    def hybrid_verify(ids: list[int]) -> None:
+        start = target.length
+        target.forward(ids)
+        target.rollback(start + 1)
+
+    columns: list[tuple[str, int, Callable[[list[int]], None]]] = [("step", 1, plain_step)]
+    for k in KS:
+        columns += [(f"hybrid {k}", k, hybrid_verify), (f"hf {k}", k, hf.verify)]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in columns}
+    for rep in range(args.reps + 1):
+        for name, k, fn in columns:
+            ids = torch.randint(0, vocab, (k,)).tolist()
+            start = time.perf_counter()
+            fn(ids)
+            if rep:  # the first round is a warm-up
+                times[name].append(time.perf_counter() - start)
+
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    step = med["step"]
+    print(f"\nmedian of {args.reps} rounds; one plain decode step = {step * 1e3:.1f} ms (ratio 1.00)")
+    print("| k | HybridTarget verify+rollback ms | ratio | transformers forward+crop ms | ratio |")
+    print("|---|---|---|---|---|")
+    for k in KS:
+        h, f = med[f"hybrid {k}"], med[f"hf {k}"]
+        print(f"| {k} | {h * 1e3:.1f} | {h / step:.2f} | {f * 1e3:.1f} | {f / step:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
