@@ -190,6 +190,29 @@ def test_kernels_are_restored_after_forward(models: dict[str, PreTrainedModel]) 
     assert [getattr(modeling, name) for name in hybrid._KERNEL_NAMES] == before
 
 
+def test_failed_forward_restores_kernels_and_requires_prefill(
+    models: dict[str, PreTrainedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers.models.qwen3_next.modeling_qwen3_next as modeling
+
+    before = [getattr(modeling, name) for name in hybrid._KERNEL_NAMES]
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ArithmeticError("boom")
+
+    monkeypatch.setattr(hybrid, "recurrent_gated_delta_rule_with_states", broken)
+    target = HybridTarget(models["qwen3_next"])
+    target.prefill([1, 2, 3])
+    with pytest.raises(ArithmeticError):
+        target.forward([4, 5])
+    assert [getattr(modeling, name) for name in hybrid._KERNEL_NAMES] == before
+    with pytest.raises(RuntimeError):
+        target.forward([4])
+    monkeypatch.undo()
+    target.prefill([1, 2, 3])
+    assert target.forward([4, 5]).shape == (2, VOCAB)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Rollback exactness
 

@@ -302,7 +302,11 @@ class HybridTarget:
             raise TokenError("cannot prefill an empty prompt: at least one token is needed")
         self._check_ids(token_ids)
         self._reset()
-        logits = self._run(token_ids, logits_to_keep=1)[-1]
+        try:
+            logits = self._run(token_ids, logits_to_keep=1)[-1]
+        except BaseException:
+            self._invalidate()
+            raise
         self._tokens = [int(t) for t in token_ids]
         self._uncommitted = True
         self._commit()
@@ -315,25 +319,11 @@ class HybridTarget:
             raise TokenError("forward() needs at least one token")
         self._check_ids(token_ids)
         self._commit()
-        start = self._length
-        if start == 0:  # nothing cached (after rollback(0)): no state to record from; rollback re-prefills
-            logits = self._run(token_ids, logits_to_keep=0)
-        elif len(token_ids) <= self.max_recorded:
-            recorder = _Recorder(self._layer_of_state(), self._buffers)
-            token = _ACTIVE_RECORDER.set(recorder)
-            try:
-                with _kernels_patched(self._modules):
-                    logits = self._run(token_ids, logits_to_keep=0)
-            finally:
-                _ACTIVE_RECORDER.reset(token)
-            if set(recorder.states) != set(self._linear_layers()):
-                raise RuntimeError("not every Gated DeltaNet layer ran the recording kernel")
-            self._window = _Window(start=start, states=recorder.states)
-        else:
-            with torch.inference_mode():
-                snapshot = {i: self._recurrent(i).clone() for i in self._linear_layers()}
-            logits = self._run(token_ids, logits_to_keep=0)
-            self._window = _Window(start=start, snapshot=snapshot)
+        try:
+            logits = self._forward_keeping_window(token_ids)
+        except BaseException:
+            self._invalidate()  # the cache may hold a partial update
+            raise
         self._tokens.extend(int(t) for t in token_ids)
         self._uncommitted = True
         return logits
@@ -366,12 +356,47 @@ class HybridTarget:
             history = self._tokens[:length]
             self._reset()
             if history:
-                self._run(history, logits_to_keep=1)
+                try:
+                    self._run(history, logits_to_keep=1)
+                except BaseException:
+                    self._invalidate()
+                    raise
                 self._tokens = history
                 self._uncommitted = True
                 self._commit()
 
     # -- internals -------------------------------------------------------------------------------------------
+
+    def _forward_keeping_window(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Run ``token_ids`` and set the window that rollback will use (recorded states or a snapshot)."""
+        start = self._length
+        if start == 0:  # nothing cached (after rollback(0)): no state to record from; rollback re-prefills
+            return self._run(token_ids, logits_to_keep=0)
+        if len(token_ids) > self.max_recorded:
+            with torch.inference_mode():
+                snapshot = {i: self._recurrent(i).clone() for i in self._linear_layers()}
+            logits = self._run(token_ids, logits_to_keep=0)
+            self._window = _Window(start=start, snapshot=snapshot)
+            return logits
+        recorder = _Recorder(self._layer_of_state(), self._buffers)
+        context = _ACTIVE_RECORDER.set(recorder)
+        try:
+            with _kernels_patched(self._modules):
+                logits = self._run(token_ids, logits_to_keep=0)
+        finally:
+            _ACTIVE_RECORDER.reset(context)
+        if set(recorder.states) != set(self._linear_layers()):
+            raise RuntimeError("not every Gated DeltaNet layer ran the recording kernel")
+        self._window = _Window(start=start, states=recorder.states)
+        return logits
+
+    def _invalidate(self) -> None:
+        """Drop the cache after a failed forward; the next call must be ``prefill``."""
+        self._cache = None
+        self._length = 0
+        self._tokens = []
+        self._window = None
+        self._uncommitted = False
 
     def _check_ids(self, token_ids: Sequence[int]) -> None:
         for t in token_ids:
