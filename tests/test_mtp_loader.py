@@ -223,3 +223,22 @@ def test_validation_happens_before_any_read(moe, tmp_path: Path, monkeypatch: py
     plan = plan_load(index_checkpoint(write_checkpoint(tmp_path / "ok", hf, tensors)), cfg)
     assert plan.layout == "fused" and plan.embed is not None and plan.lm_head is not None
     assert json.loads((tmp_path / "ok" / "config.json").read_text())["model_type"] == "qwen3_5_moe"
+
+
+def test_head_checks_directly_built_weights(moe) -> None:
+    import dataclasses
+
+    from lattice_inference.mtp import MtpHead
+    from lattice_inference.mtp.weights import _assemble
+
+    _, cfg, tensors = moe
+    raw = {k: v for k, v in tensors.items() if k.startswith("mtp.")}
+    emb = tensors[embed_name("qwen3_5_moe")]
+    weights = _assemble(raw, "fused", cfg, emb, tensors["lm_head.weight"])
+    MtpHead(cfg, weights)
+    with pytest.raises(ModelLoadError, match=r"MTP weight lm_head has the wrong shape: expected \[160, 48\], actual"):
+        MtpHead(cfg, dataclasses.replace(weights, lm_head=emb[:-1]))
+    with pytest.raises(ModelLoadError, match=r"MTP weight q_norm is torch\.bfloat16"):
+        MtpHead(cfg, dataclasses.replace(weights, q_norm=weights.q_norm.bfloat16()))
+    with pytest.raises(ModelLoadError, match="MTP weight mlp_gate is missing"):
+        MtpHead(dataclasses.replace(cfg, num_experts=0, intermediate_size=8), weights)

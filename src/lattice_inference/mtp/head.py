@@ -45,6 +45,11 @@ def gnorm(x: torch.Tensor, one_plus_w: torch.Tensor, eps: float) -> torch.Tensor
     return (out * one_plus_w).to(x.dtype)
 
 
+def _one_plus(w: torch.Tensor) -> torch.Tensor:
+    """float32 ``1 + w`` of a zero-centred norm weight (transformers: ``1.0 + weight.float()``)."""
+    return 1.0 + w.float()
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """NeoX pairing: element ``i`` pairs with ``i + d/2``."""
     half = x.shape[-1] // 2
@@ -62,6 +67,7 @@ class MtpHead:
 
     def __init__(self, config: MtpConfig, weights: MtpWeights, *, max_seq_len: int | None = None) -> None:
         config.validate()
+        weights.validate(config)
         if max_seq_len is not None and max_seq_len <= 0:
             raise ConfigError(f"max_seq_len must be positive, got {max_seq_len}")
         self.config = config
@@ -70,7 +76,7 @@ class MtpHead:
         self.device = weights.fc.device
         self.layout = weights.layout
         w = weights
-        one = self._one_plus
+        one = _one_plus
         self._w_pre_emb, self._w_pre_hid, self._w_final = (
             one(w.pre_fc_norm_embedding),
             one(w.pre_fc_norm_hidden),
@@ -105,9 +111,6 @@ class MtpHead:
         self._len = 0
         self._draft_ids: torch.Tensor | None = None
         self._draft_head: torch.Tensor | None = None
-
-    def _one_plus(self, w: torch.Tensor) -> torch.Tensor:
-        return 1.0 + w.float()
 
     # ------------------------------------------------------------------------------------------ cache
 

@@ -112,6 +112,57 @@ class MtpWeights:
         """dtype of the projection weights."""
         return self.fc.dtype
 
+    def validate(self, cfg: MtpConfig) -> None:
+        """Check every tensor's shape against ``cfg`` and that all share one float dtype (``ModelLoadError``)."""
+        h, hd, n_h, n_kv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        shapes: dict[str, tuple[int, ...]] = {
+            "fc": (h, 2 * h),
+            "pre_fc_norm_embedding": (h,),
+            "pre_fc_norm_hidden": (h,),
+            "norm": (h,),
+            "input_layernorm": (h,),
+            "post_attention_layernorm": (h,),
+            "q_proj": (2 * n_h * hd, h),
+            "k_proj": (n_kv * hd, h),
+            "v_proj": (n_kv * hd, h),
+            "o_proj": (h, n_h * hd),
+            "q_norm": (hd,),
+            "k_norm": (hd,),
+            "embed_tokens": (cfg.vocab_size, h),
+            "lm_head": (cfg.vocab_size, h),
+        }
+        if cfg.is_moe:
+            e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            shapes |= {
+                "router": (e, h),
+                "experts_gate_up": (e, 2 * i, h),
+                "experts_down": (e, h, i),
+                "shared_gate": (s, h),
+                "shared_up": (s, h),
+                "shared_down": (h, s),
+                "shared_expert_gate": (1, h),
+            }
+        else:
+            i = int(cfg.intermediate_size or 0)
+            shapes |= {"mlp_gate": (i, h), "mlp_up": (i, h), "mlp_down": (h, i)}
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise ModelLoadError(f"MTP weights must be float32 or bfloat16, got {self.dtype}")
+        for field, expected in shapes.items():
+            tensor = getattr(self, field)
+            if tensor is None:
+                raise ModelLoadError(
+                    f"MTP weight {field} is missing (needed by a {'MoE' if cfg.is_moe else 'dense'} head)"
+                )
+            if tuple(tensor.shape) != expected:
+                raise ModelLoadError(
+                    f"MTP weight {field} has the wrong shape: expected {list(expected)}, actual {list(tensor.shape)}"
+                )
+            if tensor.dtype != self.dtype or tensor.device != self.fc.device:
+                raise ModelLoadError(
+                    f"MTP weight {field} is {tensor.dtype} on {tensor.device}; "
+                    f"expected {self.dtype} on {self.fc.device}"
+                )
+
 
 # --------------------------------------------------------------------------------------------- checkpoint index
 
