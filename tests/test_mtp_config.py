@@ -139,8 +139,12 @@ def test_nested_config_errors() -> None:
 
     with pytest.raises(ConfigError, match="dedicated MTP embeddings are not implemented"):
         MtpConfig.from_hf_config(nested(mtp_use_dedicated_embeddings=True))
+    with pytest.raises(ConfigError, match="dedicated MTP embeddings"):
+        MtpConfig.from_hf_config(QWEN3_5_MOE_JSON | {"mtp_use_dedicated_embeddings": True})
     with pytest.raises(ConfigError, match="num_hidden_layers other than 1"):
         MtpConfig.from_hf_config(nested(mtp_num_hidden_layers=2))
+    with pytest.raises(ConfigError, match="num_hidden_layers other than 1"):
+        MtpConfig.from_hf_config(QWEN3_5_MOE_JSON | {"mtp_num_hidden_layers": 3, "text_config": {}})
     with pytest.raises(ConfigError, match="text_config"):
         MtpConfig.from_hf_config(QWEN3_5_MOE_JSON | {"text_config": [1]})
 

@@ -200,7 +200,9 @@ class MtpConfig:
                 num_experts_per_tok=int(get("num_experts_per_tok", 0) or 0),
                 moe_intermediate_size=int(get("moe_intermediate_size", 0) or 0),
                 shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0) or 0),
-                use_dedicated_embeddings=bool(text.get("mtp_use_dedicated_embeddings", False)),
+                use_dedicated_embeddings=bool(
+                    text.get("mtp_use_dedicated_embeddings") or (nested and raw.get("mtp_use_dedicated_embeddings"))
+                ),
                 norm_topk_prob=bool(get("norm_topk_prob", True)),
                 intermediate_size=None if get("intermediate_size") is None else int(get("intermediate_size")),
                 tie_word_embeddings=tie,
