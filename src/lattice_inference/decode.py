@@ -93,8 +93,15 @@ class SpeculativeDecoder:
         if max_new_tokens == 0:
             return
         target, drafter = self.target, self.drafter
+        wants_hidden = bool(getattr(drafter, "uses_hidden_states", False))
+        if wants_hidden:
+            if not hasattr(target, "capture_hidden"):
+                raise ConfigError(f"the drafter needs hidden states, which {type(target).__name__} cannot provide")
+            target.capture_hidden = True
         start = time.perf_counter()
         first = [int(target.prefill(prompt_ids).argmax())]
+        if wants_hidden:
+            hidden = target.last_hidden
         m.prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         self.stop_reason = ""
@@ -103,6 +110,8 @@ class SpeculativeDecoder:
         if drafter is not None:
             drafter.reset(prompt_ids)
             drafter.extend(first)
+            if wants_hidden:
+                drafter.observe(hidden, 0)
         try:
             if out:
                 yield out
@@ -114,12 +123,16 @@ class SpeculativeDecoder:
                     draft = drafter.propose(min(self.max_draft, remaining - 1))[: remaining - 1]
                 position = target.length
                 verdict = verify_greedy(draft, greedy_choices(target.forward([pending, *draft])))
+                if wants_hidden:
+                    hidden = target.last_hidden[: verdict.accepted + 1]
                 target.rollback(position + 1 + verdict.accepted)
                 m.record_round(len(draft), verdict.accepted)
                 out = self._emit(verdict.tokens, remaining)
                 m.new_tokens += len(out)
                 if drafter is not None:
                     drafter.extend(verdict.tokens)
+                    if wants_hidden:
+                        drafter.observe(hidden, position)
                 pending = verdict.tokens[-1]
                 if out:
                     yield out

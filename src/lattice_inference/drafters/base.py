@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import torch
+
 
 @runtime_checkable
 class Drafter(Protocol):
@@ -29,4 +31,20 @@ class Drafter(Protocol):
 
     def propose(self, max_tokens: int) -> list[int]:
         """Return up to ``max_tokens`` tokens likely to follow the history (possibly none)."""
+        ...
+
+
+@runtime_checkable
+class HiddenStateDrafter(Drafter, Protocol):
+    """A drafter that also reads the target's post-final-norm hidden states (an MTP head, for instance).
+
+    The decode loop switches the target's hidden capture on when ``uses_hidden_states`` is true and calls
+    ``observe`` after prefill (every prompt position) and after each verification (the accepted positions),
+    always in position order.
+    """
+
+    uses_hidden_states: bool
+
+    def observe(self, hidden_states: torch.Tensor, start_position: int) -> None:
+        """Hidden states ``[n, hidden]`` of positions ``start_position .. start_position + n - 1``."""
         ...

@@ -1,9 +1,13 @@
-"""Adapter that turns any transformers ``AutoModelForCausalLM`` with an attention KV cache into a `Target`.
+"""Adapters that turn a transformers ``AutoModelForCausalLM`` into a `Target`.
 
-The cache is a ``DynamicCache`` with past recording switched on, so sliding-window layers keep enough history to
-be cropped after a verification forward (transformers 5: ``crop`` takes a *negative* count of tokens to drop).
-Models whose cache holds recurrent state (Gated DeltaNet, Mamba: Qwen3.5, Qwen3-Next, ...) cannot be rolled
-back by cropping, so this adapter refuses them with `UnsupportedModelError` instead of producing wrong output.
+`CausalLMTarget` holds what every transformers target shares: explicit positions, id validation, the model
+forward over a ``DynamicCache`` with past recording switched on (so sliding-window and conv layers keep enough
+history to be cropped; transformers 5: ``crop`` takes a *negative* count of tokens to drop), and optional
+capture of the post-final-norm hidden states that MTP drafting needs.
+
+`TransformersTarget` serves every model whose cache is attention KV only; its rollback is a crop. Models whose
+cache holds recurrent state (Gated DeltaNet, Mamba) cannot be rolled back by cropping: it refuses them with
+`UnsupportedModelError` instead of producing wrong output (`HybridTarget` serves Qwen3.5 / Qwen3-Next).
 """
 
 from __future__ import annotations
@@ -23,28 +27,34 @@ def recurrent_layer_count(model: PreTrainedModel) -> int:
     return sum(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
 
-class TransformersTarget:
-    """A `Target` over a transformers causal LM whose cache is attention KV only.
+def final_norm(model: PreTrainedModel) -> torch.nn.Module:
+    """The trunk's final norm, whose output is the hidden state ``lm_head`` scores (MTP heads read it)."""
+    decoder = model.get_decoder()
+    for owner in (decoder, getattr(decoder, "language_model", None)):
+        norm = getattr(owner, "norm", None)
+        if isinstance(norm, torch.nn.Module):
+            return norm
+    raise UnsupportedModelError(f"cannot find the final norm of model type {model.config.model_type!r}")
 
-    ``forward`` passes explicit ``position_ids`` so that every token is fed at the position equal to its index;
-    ``rollback`` crops every cache layer back to the accepted length.
+
+class CausalLMTarget:
+    """Shared machinery of the transformers targets; subclasses define rollback.
+
+    Set ``capture_hidden = True`` to keep, after every `prefill`/`forward`, the post-final-norm hidden states of
+    all fed positions in ``last_hidden`` (``[n, hidden]``).
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
-        recurrent = recurrent_layer_count(model)
-        if recurrent:
-            raise UnsupportedModelError(
-                f"model type {model.config.model_type!r} has {recurrent} recurrent-state cache layer(s) "
-                "(linear attention / state space); their state cannot be rolled back by cropping the cache, "
-                "so speculative decoding would not be lossless on it with this target"
-            )
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self._vocab_size = int(model.get_input_embeddings().weight.shape[0])
-        max_pos = getattr(model.config, "max_position_embeddings", None)
+        max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self._max_positions = int(max_pos) if max_pos else None
         self._cache: DynamicCache | None = None
         self._length = 0
+        self.last_hidden: torch.Tensor | None = None
+        self._capture_hidden = False
+        self._hook: torch.utils.hooks.RemovableHandle | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -58,12 +68,42 @@ class TransformersTarget:
     def length(self) -> int:
         return self._length
 
+    @property
+    def cache(self) -> DynamicCache | None:
+        """The live transformers cache (for inspection; do not modify)."""
+        return self._cache
+
+    @property
+    def capture_hidden(self) -> bool:
+        """Whether `last_hidden` is filled on every forward."""
+        return self._capture_hidden
+
+    @capture_hidden.setter
+    def capture_hidden(self, on: bool) -> None:
+        if on and self._hook is None:
+            self._hook = final_norm(self.model).register_forward_hook(self._keep_hidden)
+        elif not on and self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+            self.last_hidden = None
+        self._capture_hidden = on
+
+    def _keep_hidden(self, module: torch.nn.Module, args: object, output: torch.Tensor) -> None:
+        self.last_hidden = output[0]
+
     def _check_ids(self, token_ids: Sequence[int]) -> None:
         for t in token_ids:
             if not 0 <= t < self._vocab_size:
                 raise TokenError(f"token id {t} is outside the vocabulary of size {self._vocab_size}")
 
+    def _new_cache(self) -> None:
+        """Start from an empty cache that records past states so that it can be cropped."""
+        self._cache = DynamicCache(config=self.model.config)
+        self._cache.activate_past_recording()
+        self._length = 0
+
     def _run(self, token_ids: Sequence[int], logits_to_keep: int) -> torch.Tensor:
+        """One model forward over ``token_ids`` at positions ``length..``; returns logits ``[kept, vocab]``."""
         assert self._cache is not None
         n = len(token_ids)
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
@@ -79,13 +119,25 @@ class TransformersTarget:
         self._length += n
         return out.logits[0]
 
+
+class TransformersTarget(CausalLMTarget):
+    """A `Target` over a transformers causal LM whose cache is attention KV only; rollback crops the cache."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        recurrent = recurrent_layer_count(model)
+        if recurrent:
+            raise UnsupportedModelError(
+                f"model type {model.config.model_type!r} has {recurrent} recurrent-state cache layer(s) "
+                "(linear attention / state space); their state cannot be rolled back by cropping the cache, "
+                "so speculative decoding would not be lossless on it with this target"
+            )
+        super().__init__(model)
+
     def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
         if not token_ids:
             raise TokenError("cannot prefill an empty prompt: at least one token is needed")
         self._check_ids(token_ids)
-        self._cache = DynamicCache(config=self.model.config)
-        self._cache.activate_past_recording()
-        self._length = 0
+        self._new_cache()
         logits = self._run(token_ids, logits_to_keep=1)[-1]
         self._cache.crop(0)  # bound sliding-window layers back to their window
         return logits
