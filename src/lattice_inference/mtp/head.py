@@ -21,6 +21,7 @@ always holds the entry built from ``(h_p, x_{p+1})``, and a position must equal 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -43,6 +44,11 @@ def gnorm(x: torch.Tensor, one_plus_w: torch.Tensor, eps: float) -> torch.Tensor
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (out * one_plus_w).to(x.dtype)
+
+
+def _is_int(value: object) -> bool:
+    """True for Python and numpy integers, False for bools and everything else."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _one_plus(w: torch.Tensor) -> torch.Tensor:
@@ -125,9 +131,9 @@ class MtpHead:
 
     def rollback_cache_to(self, n: int) -> None:
         """Keep only cache slots ``0..n-1`` (``0 <= n <= cache_len``)."""
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self._len:
+        if not _is_int(n) or not 0 <= n <= self._len:
             raise ValueError(f"cannot roll the MTP cache back to {n!r}: it holds {self._len} entries")
-        self._len = n
+        self._len = int(n)
 
     def _reserve(self, needed: int) -> None:
         cap = self._k.shape[0]
@@ -156,11 +162,12 @@ class MtpHead:
         if not ids:
             raise TokenError("MTP forward needs at least one token")
         vocab = self.config.vocab_size
-        for tok in ids:
-            if isinstance(tok, bool) or not isinstance(tok, int):
+        for i, tok in enumerate(ids):
+            if not _is_int(tok):
                 raise TokenError(f"MTP token id must be an int, got {tok!r}")
             if tok < 0 or tok >= vocab:
                 raise TokenError(f"MTP token_id {tok} out of range: must be in [0, vocab_size {vocab})")
+            ids[i] = int(tok)
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def _check_positions(self, positions: Tokens, n: int) -> int:
@@ -201,9 +208,9 @@ class MtpHead:
         head returned for the previous position when chaining drafts); ``token_id`` is ``x_{t+1}``, the token that
         follows position ``t``. The logits predict ``x_{t+2}``. ``position`` must equal ``cache_len``.
         """
-        if isinstance(token_id, bool) or not isinstance(token_id, int):
+        if not _is_int(token_id):
             raise TokenError(f"MTP token_id must be an int, got {token_id!r}")
-        if isinstance(position, bool) or not isinstance(position, int):
+        if not _is_int(position):
             raise ValueError(f"MTP position must be an int, got {position!r}")
         ids = self._check_tokens([token_id])
         start = self._check_positions([position], 1)
@@ -261,11 +268,11 @@ class MtpHead:
         count = self.config.num_drafts if num_tokens is None else num_tokens
         if count < 1:
             raise ValueError(f"num_tokens must be >= 1, got {count}")
-        if isinstance(position, bool) or not isinstance(position, int) or position != self._len:
+        if not _is_int(position) or position != self._len:
             raise ValueError(f"MTP position {position!r} must equal cache_len {self._len}")
         if self.max_seq_len is not None and position + count > self.max_seq_len:
             raise ValueError(f"drafting {count} tokens from position {position} passes max_seq_len {self.max_seq_len}")
-        if isinstance(next_token_id, bool) or not isinstance(next_token_id, int):
+        if not _is_int(next_token_id):
             raise TokenError(f"MTP token_id must be an int, got {next_token_id!r}")
         ids = self._check_tokens([next_token_id])
         hid = self._check_hiddens(hidden, 1, single=True)
