@@ -330,6 +330,28 @@ def test_token_hidden_pairing_follows_vllm() -> None:
     assert seed_style[0] != t + 2 and seed_style != drafts
 
 
+def test_prefill_slot_p_holds_h_p_with_the_next_token(checkpoints) -> None:
+    """prefill(h[:P-1], x[1:P], 0) builds slot p from (h_p, x_{p+1}) at RoPE position p, as vLLM's propose() does
+    over a prefill chunk; the reference module never filled the MTP cache over the prompt at all."""
+    path, cfg, _ = checkpoints["qwen3_5_moe"]
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, cfg.vocab_size, (6,), generator=gen).tolist()
+    h = torch.randn(6, cfg.hidden_size, generator=gen)
+    head, ref, shifted = load_mtp_head(path), load_mtp_head(path), load_mtp_head(path)
+    head.prefill(h[:5], prompt[1:6], 0)
+    for p in range(5):
+        ref.forward_one(prompt[p + 1], p, h[p])
+        shifted.forward_one(prompt[p], p, h[p])  # the reference module's pairing (x_t with h_t)
+    assert head.cache_len == ref.cache_len == 5
+    torch.testing.assert_close(head._k[:5], ref._k[:5], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(head._v[:5], ref._v[:5], atol=ATOL, rtol=ATOL)
+    assert (head._k[:5] - shifted._k[:5]).abs().max() > 100 * ATOL
+    # The next draft step continues at position 5 with the target's h_5 and x_6 = argmax of its logits.
+    logits, _ = head.forward_one(3, 5, h[5])
+    expected, _ = ref.forward_one(3, 5, h[5])
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=ATOL)
+
+
 # ------------------------------------------------------------------------------------------ cache behaviour
 
 
