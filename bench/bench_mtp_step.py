@@ -6,7 +6,8 @@ embeddings); the shape is assumed, not read from a hub checkpoint. MTP head: the
 (fc 2048 -> 1024, one gated-attention layer, SwiGLU 3584) sharing the target's tied embedding as its lm_head,
 bfloat16, random weights. Both caches hold a ``--prompt``-token context. ``torch.set_num_threads(--threads)``.
 
-Columns, timed round-robin so host noise hits all alike (median of ``--reps`` rounds after one warm-up round):
+Columns, timed round-robin so host noise hits all alike (median of ``--reps`` rounds after one warm-up round), as
+wall-clock time and as process CPU time (steadier when other jobs share the cores):
 
 * ``step``: one plain transformers decode step (1 token, ``logits_to_keep=1``), the unit of every ratio;
 * ``mtp draft``: one ``MtpHead.forward_one`` (full 248320-entry float32 logits) then a cache rollback;
@@ -89,10 +90,11 @@ def random_mtp(cfg: MtpConfig, embed: torch.Tensor, std: float = 0.02) -> MtpWei
     )
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall-clock and process CPU seconds of one call (CPU time is steadier on a shared host)."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -171,19 +173,25 @@ def main(argv: list[str] | None = None) -> None:
     }
     for k in CATCH_UP:
         columns[f"mtp catch-up {k}"] = catch_up(k)
-    times: dict[str, list[float]] = {name: [] for name in columns}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in columns}
     for rep in range(args.reps + 1):
         for name, fn in columns.items():
             seconds = timed(fn)
             if rep:
                 times[name].append(seconds)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    step = med["step"]
-    print(f"\nmedian of {args.reps} rounds; one target decode step = {step * 1e3:.1f} ms (ratio 1.00)")
-    print("| column | ms | ratio to a decode step |")
-    print("|---|---|---|")
-    for name, seconds in med.items():
-        print(f"| {name} | {seconds * 1e3:.2f} | {seconds / step:.3f} |")
+    wall = {name: statistics.median(t[0] for t in ts) for name, ts in times.items()}
+    cpu = {name: statistics.median(t[1] for t in ts) for name, ts in times.items()}
+    print(
+        f"\nmedian of {args.reps} rounds; one target decode step = {wall['step'] * 1e3:.1f} ms wall, "
+        f"{cpu['step'] * 1e3:.1f} ms CPU (ratio 1.00)"
+    )
+    print("| column | wall ms | ratio | CPU ms | ratio |")
+    print("|---|---|---|---|---|")
+    for name in columns:
+        print(
+            f"| {name} | {wall[name] * 1e3:.2f} | {wall[name] / wall['step']:.3f} | "
+            f"{cpu[name] * 1e3:.2f} | {cpu[name] / cpu['step']:.3f} |"
+        )
 
 
 if __name__ == "__main__":
