@@ -1,0 +1,936 @@
+#!/usr/bin/env python
+"""Train the shipped default model: a tiny Qwen3.5 (``qwen3_5_text``) hybrid on the Python stdlib, plus an MTP head.
+
+Everything is reproducible from ``--seed`` (data sampling is keyed by ``(seed, step)``, so ``--resume`` continues the
+same stream). Stages (``--stage all`` runs them in order, skipping finished ones):
+
+1. ``tokenizer``: byte-level BPE (``tokenizers``, vocab 4096) on the stdlib ``*.py`` files of the running interpreter
+   (``sysconfig.get_paths()["stdlib"]``, without ``site-packages`` and test folders); a fixed ~2 % of the files
+   (seeded hash of the relative path) is held out for evaluation. Saved as a transformers tokenizer.
+2. ``trunk``: the causal LM, trained on a mixture in which repeated spans are a large share ("excerpt, separator,
+   the excerpt again, possibly lightly edited", in-file repeats, plain file text). Every ``--eval-every-min``
+   minutes it prints held-out losses and a free-running greedy copy probe on held-out files (copy rate and the
+   4-gram repetition rate of the outputs); it stops at ``--trunk-minutes`` or once the copy probe reaches
+   ``--target-copy`` (then it runs a short learning-rate decay first).
+3. ``mtp``: with the trunk frozen, one MTP head in the Qwen3.5 ``mtp.*`` layout, trained teacher-forced to predict
+   ``x_{t+2}`` from the trunk's post-final-norm hidden ``h_t`` and the embedding of ``x_{t+1}``. The module below
+   computes exactly the function of ``lattice_inference.mtp.head.MtpHead`` (checked at export).
+4. ``export``: bfloat16 ``model.safetensors`` (trunk + ``mtp.*``), config, generation config, tokenizer,
+   ``eval_prompts.jsonl`` and ``training_report.json``; then checks that ``AutoModelForCausalLM`` loads the trunk and
+   that ``load_mtp_head`` reproduces the training module's logits.
+
+Run on this 2-core CPU (background, low priority)::
+
+    nohup nice -n 19 .venv/bin/python tools/train_default_model.py --workdir /work/train/run \
+        --export-dir src/lattice_inference/default_model > /work/train/log.txt 2>&1 &
+
+Add ``--resume`` to continue after an interruption. With a GPU, ``--device cuda`` and larger ``--hidden`` /
+``--layers`` train a bigger model with the same recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shlex
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+EOS = "<|endoftext|>"
+SPECIALS = [EOS, "<|im_start|>", "<|im_end|>"]
+#: Canonical separator between an excerpt and its repetition (used by the copy probe and the eval prompts).
+SEP = "\n# ---- copy ----\n"
+#: Other separators seen in training, so copying does not hinge on one marker.
+ALT_SEPS = ["\n\n", "\n# again\n", "\n\n# " + "-" * 20 + "\n", "\n# ---- repeat ----\n"]
+TEST_DIRS = {"test", "tests", "idle_test", "testing", "unittests"}
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def log(msg: str) -> None:
+    print(time.strftime("%H:%M:%S"), msg, flush=True)
+
+
+# ============================================================================================ corpus
+
+
+def stdlib_files() -> tuple[Path, list[str]]:
+    """Root of the stdlib and the sorted relative paths of its ``*.py`` files (no site-packages, no tests)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    rels = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        parts = rel.parts
+        if parts[0] in ("site-packages", "dist-packages") or any(p in TEST_DIRS for p in parts[:-1]):
+            continue
+        if parts[0].startswith("config-"):
+            continue
+        rels.append(rel.as_posix())
+    return root, sorted(rels)
+
+
+def is_held_out(rel: str, seed: int, fraction: float = 0.02) -> bool:
+    digest = hashlib.sha256(f"lattice-heldout:{seed}:{rel}".encode()).hexdigest()
+    return int(digest[:8], 16) < fraction * 16**8
+
+
+class Corpus:
+    """Train / held-out file texts (lines right-stripped, tabs kept) and line-window sampling."""
+
+    def __init__(self, seed: int) -> None:
+        self.root, rels = stdlib_files()
+        self.train: list[tuple[str, list[str]]] = []
+        self.held: list[tuple[str, list[str]]] = []
+        for rel in rels:
+            try:
+                text = (self.root / rel).read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            lines = [ln.rstrip() for ln in text.splitlines()]
+            if len(lines) < 8:
+                continue
+            (self.held if is_held_out(rel, seed) else self.train).append((rel, lines))
+        sizes = np.array([sum(len(x) + 1 for x in lines) for _, lines in self.train], dtype=np.float64)
+        self.weights = sizes / sizes.sum()
+        self.identifiers: list[str] = sorted(
+            {w for _, lines in self.train[:200] for ln in lines[:200] for w in re.findall(r"\b[a-z_][a-z0-9_]{2,11}\b", ln)}
+        )
+
+    def train_texts(self) -> list[str]:
+        return ["\n".join(lines) + "\n" for _, lines in self.train]
+
+    def window(self, rng: np.random.Generator, n_chars: int, held: bool = False, nonblank_start: bool = True) -> list[str]:
+        """Consecutive lines of one file (chosen by size), at least ``n_chars`` long when the file allows."""
+        files = self.held if held else self.train
+        if held:
+            idx = int(rng.integers(len(files)))
+        else:
+            idx = int(rng.choice(len(files), p=self.weights))
+        lines = files[idx][1]
+        for _ in range(10):
+            start = int(rng.integers(len(lines)))
+            if not nonblank_start or lines[start].strip():
+                break
+        out, total = [], 0
+        for ln in lines[start:]:
+            out.append(ln)
+            total += len(ln) + 1
+            if total >= n_chars:
+                break
+        while out and not out[-1].strip():
+            out.pop()
+        return out or ["pass"]
+
+
+# ============================================================================================ tokenizer
+
+
+def train_tokenizer(corpus: Corpus, out_dir: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus.train_texts(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=EOS,
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out_dir))
+
+
+def load_tokenizer(tok_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tok_dir))
+
+
+# ============================================================================================ data mixture
+
+
+class Mixture:
+    """Builds training sequences of ``seq_len + 1`` tokens from "documents" joined by EOS.
+
+    Documents: plain file text; "excerpt + separator + excerpt again" (sometimes lightly edited: a renamed
+    identifier, a deleted / duplicated line, a changed number); file text with an earlier span repeated later.
+    """
+
+    def __init__(self, corpus: Corpus, tok, seq_len: int, chars_per_token: float, copy_share: float = 0.45,
+                 repeat_share: float = 0.2) -> None:
+        self.corpus, self.tok, self.seq_len = corpus, tok, seq_len
+        self.cpt = chars_per_token
+        self.copy_share, self.repeat_share = copy_share, repeat_share
+        self.eos_id = tok.convert_tokens_to_ids(EOS)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def _edit(self, rng: np.random.Generator, lines: list[str]) -> list[str]:
+        lines = list(lines)
+        for _ in range(int(rng.integers(1, 3))):
+            kind = int(rng.integers(4))
+            if kind == 0:  # rename one identifier everywhere
+                words = sorted({w for ln in lines for w in re.findall(r"\b[a-z_][a-z0-9_]{2,}\b", ln)})
+                if words and self.corpus.identifiers:
+                    old = words[int(rng.integers(len(words)))]
+                    new = self.corpus.identifiers[int(rng.integers(len(self.corpus.identifiers)))]
+                    lines = [re.sub(rf"\b{re.escape(old)}\b", new, ln) for ln in lines]
+            elif kind == 1 and len(lines) > 3:  # delete a line (not the first)
+                del lines[int(rng.integers(1, len(lines)))]
+            elif kind == 2 and len(lines) > 2:  # duplicate a line
+                i = int(rng.integers(1, len(lines)))
+                lines.insert(i, lines[i])
+            else:  # change a number
+                for i in rng.permutation(len(lines)):
+                    if re.search(r"\d", lines[i]):
+                        lines[i] = re.sub(r"\d+", lambda m: str(int(rng.integers(100))), lines[i], count=1)
+                        break
+        return lines
+
+    def document(self, rng: np.random.Generator) -> str:
+        r = rng.random()
+        if r < self.copy_share:
+            n_tok = int(rng.integers(12, int(self.seq_len * 0.48)))
+            lines = self.corpus.window(rng, int(n_tok * self.cpt))
+            sep = SEP if rng.random() < 0.6 else ALT_SEPS[int(rng.integers(len(ALT_SEPS)))]
+            second = self._edit(rng, lines) if rng.random() < 0.25 else lines
+            return "\n".join(lines) + sep + "\n".join(second)
+        if r < self.copy_share + self.repeat_share:
+            lines = self.corpus.window(rng, int(self.seq_len * self.cpt))
+            if len(lines) >= 6:
+                span_len = int(rng.integers(2, max(3, len(lines) // 2)))
+                s = int(rng.integers(0, len(lines) - span_len))
+                ins = int(rng.integers(s + span_len, len(lines) + 1))
+                lines = lines[:ins] + lines[s : s + span_len] + lines[ins:]
+            return "\n".join(lines)
+        n_tok = int(rng.integers(64, self.seq_len * 2))
+        return "\n".join(self.corpus.window(rng, int(n_tok * self.cpt), nonblank_start=False))
+
+    def sequence(self, rng: np.random.Generator) -> list[int]:
+        ids: list[int] = []
+        while len(ids) < self.seq_len + 1:
+            ids += self.encode(self.document(rng)) + [self.eos_id]
+        return ids[: self.seq_len + 1]
+
+    def batch(self, seed: int, step: int, batch_size: int) -> torch.Tensor:
+        rng = np.random.default_rng([seed, step])
+        return torch.tensor([self.sequence(rng) for _ in range(batch_size)], dtype=torch.long)
+
+
+# ============================================================================================ evaluation sets
+
+
+def build_eval_prompts(corpus: Corpus, tok, seed: int, n_copy: int, n_free: int, cpt: float) -> list[dict]:
+    """Held-out prompts. copy: excerpt + SEP + its first lines (prompt ends in a non-space character, so
+    tokenize(prompt) + tokenize(continuation) == tokenize(prompt + continuation)); free: file lines to continue."""
+    rng = np.random.default_rng([seed, 999_999])
+    prompts: list[dict] = []
+    tries = 0
+    while len([p for p in prompts if p["kind"] == "copy"]) < n_copy and tries < 10_000:
+        tries += 1
+        lines = corpus.window(rng, int(int(rng.integers(90, 160)) * cpt), held=True)
+        if len(lines) < 6 or sum(1 for ln in lines if ln.strip()) < 5:
+            continue
+        k = 1
+        while k < len(lines) - 3 and (len("\n".join(lines[:k])) < 40 or not lines[k - 1].strip()):
+            k += 1
+        if not lines[k - 1].strip():
+            continue
+        excerpt = "\n".join(lines)
+        prompts.append({
+            "kind": "copy",
+            "prompt": excerpt + SEP + "\n".join(lines[:k]),
+            "reference_continuation": "\n" + "\n".join(lines[k:]),
+        })
+    tries = 0
+    while len([p for p in prompts if p["kind"] == "free"]) < n_free and tries < 10_000:
+        tries += 1
+        lines = corpus.window(rng, int(200 * cpt), held=True)
+        k = len(lines) // 2
+        while k > 2 and not lines[k - 1].strip():
+            k -= 1
+        if k < 3 or len(lines) - k < 3:
+            continue
+        prompts.append({
+            "kind": "free",
+            "prompt": "\n".join(lines[:k]),
+            "reference_continuation": "\n" + "\n".join(lines[k:]),
+        })
+    return prompts
+
+
+def repeated_4gram_rate(tokens: list[int]) -> float:
+    grams = [tuple(tokens[i : i + 4]) for i in range(len(tokens) - 3)]
+    if not grams:
+        return 0.0
+    seen, rep = set(), 0
+    for g in grams:
+        rep += g in seen
+        seen.add(g)
+    return rep / len(grams)
+
+
+@torch.no_grad()
+def greedy(model, ids: list[int], max_new: int, eos_id: int, device) -> list[int]:
+    inp = torch.tensor([ids], device=device)
+    out = model.generate(
+        inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new, do_sample=False,
+        eos_token_id=eos_id, pad_token_id=eos_id,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def copy_probe(model, tok, prompts: list[dict], max_new: int, device) -> dict:
+    """Free-running greedy on the copy prompts: share of reference tokens reproduced at the same position, the
+    share of the exact-prefix match, and the 4-gram repetition rate inside the outputs."""
+    model.eval()
+    eos_id = tok.convert_tokens_to_ids(EOS)
+    match = total = prefix = 0
+    reps = []
+    for p in prompts:
+        ref = tok(p["reference_continuation"], add_special_tokens=False)["input_ids"][:max_new]
+        ids = tok(p["prompt"], add_special_tokens=False)["input_ids"]
+        out = greedy(model, ids, len(ref), eos_id, device)
+        out = out + [-1] * (len(ref) - len(out))
+        match += sum(int(a == b) for a, b in zip(out, ref))
+        total += len(ref)
+        n = 0
+        while n < len(ref) and out[n] == ref[n]:
+            n += 1
+        prefix += n
+        reps.append(repeated_4gram_rate([t for t in out if t >= 0]))
+    model.train()
+    return {"copy": match / max(total, 1), "prefix": prefix / max(total, 1), "rep4": float(np.mean(reps))}
+
+
+# ============================================================================================ trunk
+
+
+def make_config(args, tok):
+    vocab = len(tok)
+    eos_id = tok.convert_tokens_to_ids(EOS)
+    common = dict(
+        vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        bos_token_id=None, eos_token_id=eos_id, pad_token_id=eos_id, initializer_range=0.02,
+    )
+    if args.arch == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    from transformers import Qwen3_5TextConfig
+
+    pattern = args.layer_pattern.split(",")
+    layer_types = [("full_attention" if pattern[i % len(pattern)] == "F" else "linear_attention") for i in range(args.layers)]
+    return Qwen3_5TextConfig(
+        **common,
+        layer_types=layer_types,
+        linear_conv_kernel_dim=4, linear_key_head_dim=args.head_dim, linear_value_head_dim=args.head_dim,
+        linear_num_key_heads=args.gdn_k_heads, linear_num_value_heads=args.gdn_v_heads,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False,
+    )
+
+
+def build_model(config):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config)
+
+
+class LrSchedule:
+    """Warmup, constant, then linear decay to 10 % over the last ``decay_frac`` of the run (by time or steps)."""
+
+    def __init__(self, peak: float, warmup: int, decay_frac: float = 0.2) -> None:
+        self.peak, self.warmup, self.decay_frac = peak, warmup, decay_frac
+
+    def __call__(self, step: int, progress: float) -> float:
+        if step < self.warmup:
+            return self.peak * (step + 1) / self.warmup
+        start = 1.0 - self.decay_frac
+        if progress <= start:
+            return self.peak
+        return self.peak * max(0.1, 1.0 - 0.9 * (progress - start) / self.decay_frac)
+
+
+@torch.no_grad()
+def heldout_losses(model, batches: dict[str, torch.Tensor], device) -> dict[str, float]:
+    model.eval()
+    out = {}
+    for name, x in batches.items():
+        losses = []
+        for i in range(0, x.shape[0], 4):
+            xb = x[i : i + 4].to(device)
+            losses.append(float(model(input_ids=xb, labels=xb, use_cache=False).loss))
+        out[name] = float(np.mean(losses))
+    model.train()
+    return out
+
+
+def heldout_batches(corpus: Corpus, mix: Mixture, seed: int, n: int) -> dict[str, torch.Tensor]:
+    """Fixed held-out batches: plain held-out text and held-out copy documents."""
+    rng = np.random.default_rng([seed, 424_242])
+    plain, copy = [], []
+    for _ in range(n):
+        ids: list[int] = []
+        while len(ids) < mix.seq_len + 1:
+            ids += mix.encode("\n".join(corpus.window(rng, int(mix.seq_len * mix.cpt), held=True))) + [mix.eos_id]
+        plain.append(ids[: mix.seq_len + 1])
+        ids = []
+        while len(ids) < mix.seq_len + 1:
+            lines = corpus.window(rng, int(int(rng.integers(40, int(mix.seq_len * 0.45))) * mix.cpt), held=True)
+            ids += mix.encode("\n".join(lines) + SEP + "\n".join(lines)) + [mix.eos_id]
+        copy.append(ids[: mix.seq_len + 1])
+    return {"plain": torch.tensor(plain), "copy": torch.tensor(copy)}
+
+
+def save_ckpt(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def train_trunk(args, corpus: Corpus, tok, mix: Mixture, probe_prompts: list[dict], device) -> dict:
+    wd = Path(args.workdir)
+    ckpt_path = wd / "trunk.pt"
+    torch.manual_seed(args.seed)
+    config = make_config(args, tok)
+    model = build_model(config).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"trunk {config.model_type}: {n_params / 1e6:.2f}M parameters, layers {getattr(config, 'layer_types', None)}")
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.dim() < 2 else decay).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+    sched = LrSchedule(args.lr, args.warmup)
+    state = {"step": 0, "elapsed": 0.0, "tokens": 0, "history": [], "deadline": args.trunk_minutes * 60.0,
+             "done": False, "best_probe": None}
+    if args.resume and ckpt_path.exists():
+        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        state = ck["state"]
+        if args.extend_minutes:
+            state["deadline"] += args.extend_minutes * 60.0
+            state["done"] = False
+        log(f"resumed at step {state['step']} ({state['tokens']} tokens, {state['elapsed'] / 60:.1f} min)")
+    if state.get("done"):
+        log("trunk already finished")
+        return {"model": model, "config": config, "state": state, "n_params": n_params}
+    held = heldout_batches(corpus, mix, args.seed, args.heldout_seqs)
+    model.train()
+    autocast = args.dtype == "bf16"
+    t_start = time.time() - state["elapsed"]
+    last_eval = last_ckpt = time.time()
+    win_tokens, win_t0, loss_acc, loss_n = 0, time.time(), 0.0, 0
+    max_steps = args.max_steps or 10**12
+
+    def checkpoint() -> None:
+        state["elapsed"] = time.time() - t_start
+        save_ckpt(ckpt_path, {"model": model.state_dict(), "opt": opt.state_dict(), "state": state,
+                              "config": config.to_dict()})
+
+    def evaluate(final: bool = False) -> dict:
+        t0 = time.time()
+        hl = heldout_losses(model, held, device)
+        pr = copy_probe(model, tok, probe_prompts, args.probe_tokens, device)
+        rec = {"step": state["step"], "tokens": state["tokens"], "minutes": (time.time() - t_start) / 60,
+               "heldout_plain": hl["plain"], "heldout_copy": hl["copy"], **{f"probe_{k}": v for k, v in pr.items()}}
+        state["history"].append(rec)
+        log(f"EVAL step {state['step']} tokens {state['tokens'] / 1e6:.2f}M | held-out loss plain {hl['plain']:.3f} "
+            f"copy {hl['copy']:.3f} | copy probe {100 * pr['copy']:.1f}% (prefix {100 * pr['prefix']:.1f}%) "
+            f"rep4 {100 * pr['rep4']:.1f}% | eval {time.time() - t0:.0f}s" + (" [final]" if final else ""))
+        return rec
+
+    while True:
+        elapsed = time.time() - t_start
+        progress = max(state["step"] / max_steps, elapsed / state["deadline"])
+        if progress >= 1.0:
+            break
+        lr = sched(state["step"], progress)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x = mix.batch(args.seed, state["step"], args.batch).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["step"] += 1
+        state["tokens"] += x.numel()
+        win_tokens += x.numel()
+        loss_acc += loss.item()
+        loss_n += 1
+        now = time.time()
+        if state["step"] % args.log_every == 0:
+            tps = win_tokens / (now - win_t0)
+            remaining = state["deadline"] - (now - t_start)
+            log(f"step {state['step']} loss {loss_acc / loss_n:.3f} lr {lr:.2e} {tps:.0f} tok/s "
+                f"tokens {state['tokens'] / 1e6:.2f}M elapsed {(now - t_start) / 60:.1f}m ETA {remaining / 60:.1f}m")
+            win_tokens, win_t0, loss_acc, loss_n = 0, now, 0.0, 0
+        if now - last_eval >= args.eval_every_min * 60:
+            rec = evaluate()
+            last_eval = time.time()
+            if rec["probe_copy"] >= args.target_copy and not state.get("target_hit"):
+                state["target_hit"] = True
+                # reached the target: finish with a short learning-rate decay, then stop
+                elapsed_now = time.time() - t_start
+                state["deadline"] = min(state["deadline"], elapsed_now + args.final_decay_min * 60)
+                log(f"copy probe reached {100 * rec['probe_copy']:.1f}% >= target; decaying until "
+                    f"{state['deadline'] / 60:.1f} min")
+            win_t0 = time.time()
+        if now - last_ckpt >= args.ckpt_every_min * 60:
+            checkpoint()
+            last_ckpt = time.time()
+    final = evaluate(final=True)
+    state["done"] = True
+    state["final"] = final
+    checkpoint()
+    log(f"trunk done: {state['step']} steps, {state['tokens'] / 1e6:.2f}M tokens, {state['elapsed'] / 60:.1f} min")
+    return {"model": model, "config": config, "state": state, "n_params": n_params}
+
+
+# ============================================================================================ MTP head
+
+
+def _gnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm (``1 + w``) in float32, as ``lattice_inference.mtp.head.gnorm``."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + w.float())).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class MtpTrainHead(nn.Module):
+    """Differentiable, batched version of ``MtpHead._forward`` with a dense SwiGLU MLP (Qwen3.5 ``mtp.*`` layout).
+
+    ``forward(hidden [B, n, H], next_tokens [B, n], embed [V, H])``: row ``t`` pairs the trunk's post-norm
+    ``h_t`` with ``x_{t+1}`` at RoPE position ``t`` (causal attention over rows ``<= t``) and returns logits for
+    ``x_{t+2}`` (through the tied embedding) and the post-norm MTP hidden.
+    """
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.h, self.n_h, self.n_kv, self.hd = h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        rp = cfg.rope_parameters
+        self.rotary_dim = int(self.hd * rp.get("partial_rotary_factor", 0.25))
+        self.theta = float(rp.get("rope_theta", 10000.0))
+        inter = cfg.intermediate_size
+        z = lambda n: nn.Parameter(torch.zeros(n))  # noqa: E731  (1 + w) norms start at identity
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = z(h), z(h), z(h)
+        self.input_layernorm, self.post_attention_layernorm = z(h), z(h)
+        self.q_proj = nn.Linear(h, 2 * self.n_h * self.hd, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * self.hd, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.n_h * self.hd, h, bias=False)
+        self.q_norm, self.k_norm = z(self.hd), z(self.hd)
+        self.gate_proj = nn.Linear(h, inter, bias=False)
+        self.up_proj = nn.Linear(h, inter, bias=False)
+        self.down_proj = nn.Linear(inter, h, bias=False)
+        for lin in (self.fc, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj,
+                    self.down_proj):
+            nn.init.normal_(lin.weight, std=0.02)
+
+    def init_from_trunk(self, model) -> None:
+        """Warm start: copy the trunk's last full-attention layer (same shapes) into the MTP decoder layer."""
+        layers = model.model.layers
+        types = getattr(model.config, "layer_types", None) or ["full_attention"] * len(layers)
+        idx = max(i for i, t in enumerate(types) if t == "full_attention")
+        layer = layers[idx]
+        with torch.no_grad():
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(self, name).weight.copy_(getattr(layer.self_attn, name).weight)
+            self.q_norm.copy_(layer.self_attn.q_norm.weight)
+            self.k_norm.copy_(layer.self_attn.k_norm.weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(self, name).weight.copy_(getattr(layer.mlp, name).weight)
+            self.input_layernorm.copy_(layer.input_layernorm.weight)
+            self.post_attention_layernorm.copy_(layer.post_attention_layernorm.weight)
+            self.norm.copy_(model.model.norm.weight)
+            # fc: start as "mostly the hidden" (identity on the hidden half) plus a little of the embedding
+            self.fc.weight.zero_()
+            self.fc.weight[:, self.h :].copy_(torch.eye(self.h))
+            self.fc.weight[:, : self.h].normal_(std=0.02)
+
+    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, embed: torch.Tensor):
+        b, n, h = hidden.shape
+        eps, n_h, n_kv, hd = self.eps, self.n_h, self.n_kv, self.hd
+        emb = F.embedding(next_tokens, embed)
+        x = self.fc(torch.cat([_gnorm(emb, self.pre_fc_norm_embedding, eps), _gnorm(hidden, self.pre_fc_norm_hidden, eps)], -1))
+        residual = x
+        y = _gnorm(x, self.input_layernorm, eps)
+        qg = self.q_proj(y).view(b, n, n_h, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(b, n, n_h * hd)
+        k = self.k_proj(y).view(b, n, n_kv, hd)
+        v = self.v_proj(y).view(b, n, n_kv, hd)
+        q, k = _gnorm(q, self.q_norm, eps), _gnorm(k, self.k_norm, eps)
+        rd = self.rotary_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, rd, 2, dtype=torch.float, device=x.device) / rd))
+        freqs = torch.arange(n, device=x.device).float()[:, None] * inv_freq
+        ang = torch.cat((freqs, freqs), -1)
+        cos, sin = ang.cos().to(q.dtype)[None, :, None, :], ang.sin().to(q.dtype)[None, :, None, :]
+
+        def rope(t):
+            return torch.cat([t[..., :rd] * cos + _rotate_half(t[..., :rd]) * sin, t[..., rd:]], -1)
+
+        q, k = rope(q), rope(k)
+        groups = n_h // n_kv
+        k = k.repeat_interleave(groups, dim=2)
+        v = v.repeat_interleave(groups, dim=2)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True, scale=hd**-0.5)
+        attn = attn.transpose(1, 2).reshape(b, n, n_h * hd)
+        x = residual + self.o_proj(attn * torch.sigmoid(gate))
+        residual = x
+        y = _gnorm(x, self.post_attention_layernorm, eps)
+        x = residual + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        out = _gnorm(x, self.norm, eps)
+        return F.linear(out, embed), out
+
+    def mtp_state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors under the checkpoint names ``lattice_inference.mtp.weights`` reads (dense layout)."""
+        p = "mtp.layers.0."
+        return {
+            "mtp.fc.weight": self.fc.weight,
+            "mtp.pre_fc_norm_embedding.weight": self.pre_fc_norm_embedding,
+            "mtp.pre_fc_norm_hidden.weight": self.pre_fc_norm_hidden,
+            "mtp.norm.weight": self.norm,
+            p + "input_layernorm.weight": self.input_layernorm,
+            p + "post_attention_layernorm.weight": self.post_attention_layernorm,
+            p + "self_attn.q_proj.weight": self.q_proj.weight,
+            p + "self_attn.k_proj.weight": self.k_proj.weight,
+            p + "self_attn.v_proj.weight": self.v_proj.weight,
+            p + "self_attn.o_proj.weight": self.o_proj.weight,
+            p + "self_attn.q_norm.weight": self.q_norm,
+            p + "self_attn.k_norm.weight": self.k_norm,
+            p + "mlp.gate_proj.weight": self.gate_proj.weight,
+            p + "mlp.up_proj.weight": self.up_proj.weight,
+            p + "mlp.down_proj.weight": self.down_proj.weight,
+        }
+
+
+@torch.no_grad()
+def trunk_hidden(model, x: torch.Tensor) -> torch.Tensor:
+    """Post-final-norm hidden states (what ``lm_head`` scores)."""
+    return model.model(input_ids=x, use_cache=False).last_hidden_state.float()
+
+
+@torch.no_grad()
+def mtp_accuracy(head: MtpTrainHead, model, batches: dict[str, torch.Tensor], embed, device) -> dict[str, float]:
+    head.eval()
+    out = {}
+    for name, x in batches.items():
+        correct = total = 0
+        loss = []
+        for i in range(0, x.shape[0], 4):
+            xb = x[i : i + 4].to(device)
+            hid = trunk_hidden(model, xb)
+            logits, _ = head(hid[:, :-2], xb[:, 1:-1], embed)
+            target = xb[:, 2:]
+            correct += int((logits.argmax(-1) == target).sum())
+            total += target.numel()
+            loss.append(float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))))
+        out[f"{name}_top1"] = correct / total
+        out[f"{name}_loss"] = float(np.mean(loss))
+    head.train()
+    return out
+
+
+def train_mtp(args, corpus, tok, mix, trunk: dict, device) -> dict:
+    wd = Path(args.workdir)
+    ckpt_path = wd / "mtp.pt"
+    model = trunk["model"]
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    embed = model.model.embed_tokens.weight.detach()
+    torch.manual_seed(args.seed + 1)
+    head = MtpTrainHead(trunk["config"]).to(device)
+    head.init_from_trunk(model)
+    opt = torch.optim.AdamW(head.parameters(), lr=args.mtp_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = LrSchedule(args.mtp_lr, 50)
+    state = {"step": 0, "elapsed": 0.0, "tokens": 0, "done": False, "history": []}
+    if args.resume and ckpt_path.exists():
+        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
+        head.load_state_dict(ck["head"])
+        opt.load_state_dict(ck["opt"])
+        state = ck["state"]
+        log(f"MTP resumed at step {state['step']}")
+    held = heldout_batches(corpus, mix, args.seed, args.heldout_seqs)
+    if state["done"]:
+        return {"head": head, "state": state}
+    if state["step"] == 0:
+        acc = mtp_accuracy(head, model, held, embed, device)
+        log(f"MTP at init (warm start): {json.dumps({k: round(v, 4) for k, v in acc.items()})}")
+        state["init"] = acc
+    head.train()
+    t_start = time.time() - state["elapsed"]
+    deadline = args.mtp_minutes * 60
+    last_eval = last_ckpt = time.time()
+    win_t0, win_tok, acc_loss, n_loss = time.time(), 0, 0.0, 0
+    mtp_seed = args.seed + 7919  # a different stream from the trunk's
+    while True:
+        elapsed = time.time() - t_start
+        progress = elapsed / deadline
+        if progress >= 1.0:
+            break
+        lr = sched(state["step"], progress)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x = mix.batch(mtp_seed, state["step"], args.batch).to(device)
+        hid = trunk_hidden(model, x)
+        logits, _ = head(hid[:, :-2], x[:, 1:-1], embed)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 2:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["step"] += 1
+        state["tokens"] += x.numel()
+        win_tok += x.numel()
+        acc_loss += loss.item()
+        n_loss += 1
+        now = time.time()
+        if state["step"] % args.log_every == 0:
+            log(f"MTP step {state['step']} loss {acc_loss / n_loss:.3f} lr {lr:.2e} {win_tok / (now - win_t0):.0f} tok/s "
+                f"elapsed {(now - t_start) / 60:.1f}m ETA {(deadline - (now - t_start)) / 60:.1f}m")
+            win_t0, win_tok, acc_loss, n_loss = now, 0, 0.0, 0
+        if now - last_eval >= args.eval_every_min * 60:
+            acc = mtp_accuracy(head, model, held, embed, device)
+            state["history"].append({"step": state["step"], **acc})
+            log(f"MTP EVAL step {state['step']}: {json.dumps({k: round(v, 4) for k, v in acc.items()})}")
+            last_eval = win_t0 = time.time()
+        if now - last_ckpt >= args.ckpt_every_min * 60:
+            state["elapsed"] = time.time() - t_start
+            save_ckpt(ckpt_path, {"head": head.state_dict(), "opt": opt.state_dict(), "state": state})
+            last_ckpt = time.time()
+    acc = mtp_accuracy(head, model, held, embed, device)
+    state["final"] = acc
+    state["done"] = True
+    state["elapsed"] = time.time() - t_start
+    save_ckpt(ckpt_path, {"head": head.state_dict(), "opt": opt.state_dict(), "state": state})
+    log(f"MTP done: {state['step']} steps, {state['tokens'] / 1e6:.2f}M tokens; held-out {json.dumps(acc)}")
+    return {"head": head, "state": state}
+
+
+# ============================================================================================ export
+
+
+def export(args, tok, trunk: dict, mtp: dict, prompts: list[dict], corpus: Corpus, mix: Mixture, device) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(args.export_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model, config, head = trunk["model"].cpu().float(), trunk["config"], mtp["head"].cpu().float()
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    sd.update({k: v.detach() for k, v in head.mtp_state_dict().items()})
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.architectures = [type(model).__name__]
+    config.dtype = "bfloat16"
+    config.save_pretrained(str(out))
+    eos_id = tok.convert_tokens_to_ids(EOS)
+    GenerationConfig(eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False, max_new_tokens=128).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    with open(out / "eval_prompts.jsonl", "w") as fh:
+        for p in prompts:
+            fh.write(json.dumps(p) + "\n")
+    log(f"exported to {out}: " + ", ".join(f"{f.name} {f.stat().st_size / 1e6:.2f}MB" for f in sorted(out.iterdir())))
+
+    # ---- checks: transformers loads the trunk; the project's loader reproduces the MTP module
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from lattice_inference.mtp import load_mtp_head
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    loaded.eval()
+    ref = model.to(torch.bfloat16).float().eval()  # the same weights, rounded as stored
+    x = mix.batch(args.seed + 31337, 0, 2)[:, :200]
+    with torch.no_grad():
+        a = loaded(input_ids=x).logits
+        b = ref(input_ids=x).logits
+    trunk_diff = float((a - b).abs().max())
+    log(f"check: AutoModelForCausalLM.from_pretrained trunk logits max|diff| vs rounded training model = {trunk_diff:.2e}")
+    head_r = MtpTrainHead(config)
+    head_r.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in head.state_dict().items()})
+    head_r.eval()
+    emb = loaded.model.embed_tokens.weight.detach().float()
+    mtp_head = load_mtp_head(out, dtype=torch.float32, draft_length=2)
+    with torch.no_grad():
+        hid = loaded.model(input_ids=x[:1]).last_hidden_state.float()[0]
+        lg_train, _ = head_r(hid[None, :-2], x[:1, 1:-1], emb)
+        mtp_head.reset_cache()
+        lg_proj, _ = mtp_head.forward_many(x[0, 1:-1].tolist(), list(range(x.shape[1] - 2)), hid[:-2])
+        # also one forward_one step on top (draft path)
+        mtp_head.rollback_cache_to(50)
+        l1, _ = mtp_head.forward_one(int(x[0, 51]), 50, hid[50])
+    mtp_diff = float((lg_proj - lg_train[0]).abs().max())
+    step_diff = float((l1 - lg_train[0, 50]).abs().max())
+    agree = float((lg_proj.argmax(-1) == lg_train[0].argmax(-1)).float().mean())
+    log(f"check: load_mtp_head logits max|diff| vs training module = {mtp_diff:.2e} (forward_one {step_diff:.2e}), "
+        f"argmax agreement {100 * agree:.1f}%")
+    files = {f.name: f.stat().st_size for f in sorted(out.iterdir())}
+    ts, ms = trunk["state"], mtp["state"]
+    report = {
+        "command": args.command_line,
+        "seed": args.seed,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "corpus": {"stdlib": str(corpus.root), "train_files": len(corpus.train), "heldout_files": len(corpus.held),
+                   "heldout": [r for r, _ in corpus.held]},
+        "architecture": {"model_type": config.model_type, "parameters_trunk": trunk["n_params"],
+                         "parameters_mtp": sum(p.numel() for p in head.parameters()),
+                         "layer_types": getattr(config, "layer_types", None), "hidden_size": config.hidden_size,
+                         "vocab_size": config.vocab_size, "seq_len": args.seq_len, "batch": args.batch,
+                         "train_dtype": args.dtype},
+        "trunk": {"steps": ts["step"], "tokens": ts["tokens"], "minutes": ts["elapsed"] / 60,
+                  "final": ts.get("final"), "history": ts["history"], "target_copy": args.target_copy},
+        "mtp": {"steps": ms["step"], "tokens": ms["tokens"], "minutes": ms["elapsed"] / 60, "init": ms.get("init"),
+                "final": ms.get("final"), "history": ms.get("history")},
+        "export_checks": {"trunk_logits_max_abs_diff": trunk_diff, "mtp_logits_max_abs_diff": mtp_diff,
+                          "mtp_forward_one_max_abs_diff": step_diff, "mtp_argmax_agreement": agree},
+        "separator": SEP,
+        "files": files,
+    }
+    (out / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    log(f"report written; total size {sum(files.values()) / 1e6:.2f}MB")
+
+
+# ============================================================================================ main
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", default="/work/train/run")
+    ap.add_argument("--export-dir", default=str(Path(__file__).resolve().parents[1] / "src/lattice_inference/default_model"))
+    ap.add_argument("--stage", default="all", choices=["all", "tokenizer", "trunk", "mtp", "export"])
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--arch", default="qwen3_5_text", choices=["qwen3_5_text", "qwen3"])
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layer-pattern", default="L,F", help="repeating pattern, L = Gated DeltaNet, F = full attention")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--gdn-k-heads", type=int, default=2)
+    ap.add_argument("--gdn-v-heads", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=384)
+    ap.add_argument("--batch", type=int, default=12)
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="training compute (bf16 = autocast)")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--max-steps", type=int, default=0, help="0: limited by --trunk-minutes only")
+    ap.add_argument("--trunk-minutes", type=float, default=62.0)
+    ap.add_argument("--extend-minutes", type=float, default=0.0, help="with --resume: add to the trunk budget")
+    ap.add_argument("--target-copy", type=float, default=0.8)
+    ap.add_argument("--final-decay-min", type=float, default=6.0)
+    ap.add_argument("--mtp-minutes", type=float, default=15.0)
+    ap.add_argument("--mtp-lr", type=float, default=1e-3)
+    ap.add_argument("--eval-every-min", type=float, default=8.0)
+    ap.add_argument("--ckpt-every-min", type=float, default=4.0)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--heldout-seqs", type=int, default=16)
+    ap.add_argument("--probe-prompts", type=int, default=12)
+    ap.add_argument("--probe-tokens", type=int, default=64)
+    ap.add_argument("--eval-copy", type=int, default=24)
+    ap.add_argument("--eval-free", type=int, default=12)
+    args = ap.parse_args(argv)
+    args.command_line = " ".join(shlex.quote(a) for a in ["tools/train_default_model.py", *(sys.argv[1:] if argv is None else argv)])
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    wd = Path(args.workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+    log(f"command: {args.command_line}")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    corpus = Corpus(args.seed)
+    log(f"corpus {corpus.root}: {len(corpus.train)} train files, {len(corpus.held)} held-out files")
+    tok_dir = wd / "tokenizer"
+    if not (tok_dir / "tokenizer.json").exists():
+        t0 = time.time()
+        train_tokenizer(corpus, tok_dir, args.vocab)
+        log(f"tokenizer trained in {time.time() - t0:.0f}s")
+    tok = load_tokenizer(tok_dir)
+    sample = "\n".join("\n".join(lines) for _, lines in corpus.train[:40])
+    cpt = len(sample) / len(tok(sample, add_special_tokens=False)["input_ids"])
+    log(f"tokenizer: vocab {len(tok)}, {cpt:.2f} chars/token")
+    if args.stage == "tokenizer":
+        return
+    mix = Mixture(corpus, tok, args.seq_len, cpt)
+    prompts = build_eval_prompts(corpus, tok, args.seed, args.eval_copy, args.eval_free, cpt)
+    probe = [p for p in prompts if p["kind"] == "copy"][: args.probe_prompts]
+    trunk = train_trunk(args, corpus, tok, mix, probe, device)
+    if args.stage == "trunk":
+        return
+    mtp = train_mtp(args, corpus, tok, mix, trunk, device)
+    if args.stage == "mtp":
+        return
+    # final quality numbers on the full eval set (copy and free) for the report
+    model = trunk["model"]
+    full = copy_probe(model, tok, [p for p in prompts if p["kind"] == "copy"], args.probe_tokens, device)
+    free = copy_probe(model, tok, [p for p in prompts if p["kind"] == "free"], args.probe_tokens, device)
+    log(f"eval set: copy {json.dumps(full)} free {json.dumps(free)}")
+    trunk["state"]["eval_set"] = {"copy": full, "free": free}
+    export(args, tok, trunk, mtp, prompts, corpus, mix, device)
+    rep = json.loads((Path(args.export_dir) / "training_report.json").read_text())
+    rep["eval_set"] = {"copy": full, "free": free, "max_new_tokens": args.probe_tokens}
+    (Path(args.export_dir) / "training_report.json").write_text(json.dumps(rep, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
