@@ -22,6 +22,7 @@ Each timed round leaves one more token in the cache (the accepted one), so the c
 from __future__ import annotations
 
 import argparse
+import copy
 import shlex
 import statistics
 import sys
@@ -58,40 +59,29 @@ def qwen35_08b_config() -> Qwen3_5TextConfig:
 
 
 class PlainDecoder:
-    """transformers' ordinary cached decoding, one token per forward (the baseline step)."""
+    """transformers' ordinary cached decoding, one token per forward (the baseline step).
 
-    def __init__(self, model: PreTrainedModel, prompt: list[int]) -> None:
+    ``cache`` is a prefilled copy; with ``recording`` off the GDN layers take the fused conv update and the
+    recurrent kernel, as ``generate`` does.
+    """
+
+    def __init__(self, model: PreTrainedModel, cache: DynamicCache, length: int, *, recording: bool) -> None:
         self.model = model
-        self.cache = DynamicCache(config=model.config)
-        self.length = 0
-        self.forward(prompt, logits_to_keep=1)
+        self.cache = cache
+        self.length = length
+        for layer in cache.layers:
+            if hasattr(layer, "record_past"):
+                layer.record_past = recording
 
-    def forward(self, ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
+    def forward(self, ids: list[int]) -> torch.Tensor:
         pos = torch.arange(self.length, self.length + len(ids)).unsqueeze(0)
         with torch.inference_mode():
-            out = self.model(
-                input_ids=torch.tensor([ids]),
-                position_ids=pos,
-                cache=self.cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            )
+            out = self.model(input_ids=torch.tensor([ids]), position_ids=pos, cache=self.cache, use_cache=True)
         self.length += len(ids)
         return out.logits[0]
 
-
-class HfVerifier(PlainDecoder):
-    """transformers' own speculative path: recording cache, k-token forward, ``crop``."""
-
-    def __init__(self, model: PreTrainedModel, prompt: list[int]) -> None:
-        self.model = model
-        self.cache = DynamicCache(config=model.config)
-        self.cache.activate_past_recording()
-        self.length = 0
-        self.forward(prompt, logits_to_keep=1)
-        self.cache.crop(0)
-
     def verify(self, ids: list[int]) -> None:
+        """transformers' own speculative path (needs ``recording``): k-token forward, then ``crop``."""
         self.forward(ids)
         self.cache.crop(1 - len(ids))
         self.length -= len(ids) - 1
@@ -115,11 +105,13 @@ def main(argv: list[str] | None = None) -> None:
     prompt = torch.randint(0, vocab, (args.prompt,)).tolist()
 
     t0 = time.perf_counter()
-    plain = PlainDecoder(model, prompt)
-    prefill_s = time.perf_counter() - t0
-    hf = HfVerifier(model, prompt)
     target = HybridTarget(model)
     target.prefill(prompt)
+    prefill_s = time.perf_counter() - t0
+    assert target.cache is not None
+    with torch.inference_mode():  # the same prefilled state for the two transformers baselines
+        plain = PlainDecoder(model, copy.deepcopy(target.cache), len(prompt), recording=False)
+        hf = PlainDecoder(model, copy.deepcopy(target.cache), len(prompt), recording=True)
     print(f"prefill {args.prompt} tokens: {prefill_s:.2f} s ({args.prompt / prefill_s:.0f} tok/s)")
 
     def plain_step(ids: list[int]) -> None:
