@@ -19,14 +19,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.drafters.base import Drafter
+from lattice_inference.drafters.mtp import MtpDrafter
 from lattice_inference.drafters.ngram import NgramDrafter
 from lattice_inference.errors import ConfigError
 from lattice_inference.loading import load_model
 from lattice_inference.metrics import GenerationMetrics
+from lattice_inference.mtp import MtpHead, load_mtp_head
 from lattice_inference.streaming import TextStream
 from lattice_inference.targets import make_target
 
-METHODS = ("greedy", "ngram")
+METHODS = ("greedy", "ngram", "mtp")
 
 
 @dataclass
@@ -42,10 +44,12 @@ class GenerationOutput:
 class Generator:
     """A model, its tokenizer and a speculative method, ready to generate.
 
-    ``method`` is ``greedy`` (plain decoding, the reference output) or ``ngram`` (prompt lookup over the prompt
-    and everything generated so far). ``max_ngram``/``min_ngram`` bound the n-gram lengths tried (longest
-    first), ``max_draft`` the tokens drafted per round, ``match`` which earlier occurrence is copied
-    (``first``, as vLLM and transformers, or ``recent``).
+    ``method`` is ``greedy`` (plain decoding, the reference output), ``ngram`` (prompt lookup over the prompt
+    and everything generated so far) or ``mtp`` (the model's own multi-token-prediction head, ``mtp_head``).
+    ``max_ngram``/``min_ngram`` bound the n-gram lengths tried (longest first), ``max_draft`` the tokens
+    drafted per round, ``match`` which earlier occurrence is copied (``first``, as vLLM and transformers, or
+    ``recent``). For ``mtp``, ``draft_length`` counts the target's token as the reference does (2..8): each
+    round drafts ``draft_length - 1`` tokens.
     """
 
     def __init__(
@@ -58,10 +62,14 @@ class Generator:
         min_ngram: int = 2,
         max_draft: int = 4,
         match: str = "first",
+        draft_length: int = 4,
+        mtp_head: MtpHead | None = None,
         eos_token_ids: Sequence[int] | None = None,
     ) -> None:
         if method not in METHODS:
             raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        if method == "mtp" and mtp_head is None:
+            raise ConfigError("method 'mtp' needs an MTP head: pass mtp_head=load_mtp_head(dir) or use from_pretrained")
         if eos_token_ids is None:
             eos = model.generation_config.eos_token_id
             eos = eos if eos is not None else tokenizer.eos_token_id
@@ -79,6 +87,12 @@ class Generator:
                 match=match,
                 eos_token_ids=self.eos_token_ids,
             )
+        elif method == "mtp":
+            assert mtp_head is not None
+            if not 2 <= draft_length <= 8:
+                raise ConfigError(f"draft_length counts the target token and must be 2..8, got {draft_length}")
+            max_draft = draft_length - 1
+            drafter = MtpDrafter(mtp_head, num_drafts=max_draft, eos_token_ids=self.eos_token_ids)
         self.decoder = SpeculativeDecoder(
             make_target(model), drafter, max_draft=max_draft, eos_token_ids=self.eos_token_ids
         )
@@ -87,6 +101,16 @@ class Generator:
     def from_pretrained(cls, model: str, *, dtype: str = "auto", device: str = "cpu", **options: object) -> Generator:
         """Load ``model`` (a local directory, or a hub id with internet) and build a generator over it."""
         loaded = load_model(model, dtype=dtype, device=device)
+        if options.get("method") == "mtp" and options.get("mtp_head") is None:
+            lm = loaded.model
+            options["mtp_head"] = load_mtp_head(
+                loaded.source,
+                dtype=next(lm.parameters()).dtype,
+                device=device,
+                draft_length=int(options.get("draft_length", 4)),  # type: ignore[call-overload]
+                embed_tokens=lm.get_input_embeddings().weight,
+                lm_head=lm.get_output_embeddings().weight,
+            )
         return cls(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, **options)  # type: ignore[arg-type]
 
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:

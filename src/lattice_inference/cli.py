@@ -31,11 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
-    gen.add_argument("--method", default="ngram", help="greedy (plain decoding) or ngram (prompt lookup, default)")
+    gen.add_argument(
+        "--method", default="ngram", help="greedy (plain decoding), ngram (prompt lookup, default) or mtp (MTP head)"
+    )
     gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="generation budget (default 256)")
     gen.add_argument("--max-ngram", type=_positive_int, default=5, help="longest n-gram to match (default 5)")
     gen.add_argument("--min-ngram", type=_positive_int, default=2, help="shortest n-gram to match (default 2)")
     gen.add_argument("--max-draft", type=_positive_int, default=4, help="draft tokens per round (default 4)")
+    gen.add_argument(
+        "--draft-length", type=_positive_int, default=4, help="mtp: tokens per round counting the target's (2..8)"
+    )
     gen.add_argument("--match", choices=("first", "recent"), default="first", help="which earlier occurrence to copy")
     gen.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -62,6 +67,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def _check_options(args: argparse.Namespace) -> None:
     if args.method not in METHODS:
         raise ConfigError(f"unknown method {args.method!r}; choose from {', '.join(METHODS)}")
+    if not 2 <= args.draft_length <= 8:
+        raise ConfigError(f"--draft-length counts the target token and must be 2..8, got {args.draft_length}")
     if args.min_ngram > args.max_ngram:
         raise ConfigError(f"--min-ngram ({args.min_ngram}) is larger than --max-ngram ({args.max_ngram})")
 
@@ -100,6 +107,7 @@ def _generate(args: argparse.Namespace) -> int:
         min_ngram=args.min_ngram,
         max_draft=args.max_draft,
         match=args.match,
+        draft_length=args.draft_length,
     )
     prompt_ids = gen.encode(text, chat=args.chat)
     if args.json:
@@ -111,6 +119,8 @@ def _generate(args: argparse.Namespace) -> int:
             "method": args.method,
             "metrics": out.metrics.to_dict(),
         }
+        if args.method == "mtp":
+            payload["mtp_metrics"] = out.metrics.reference_mtp()
         sys.stdout.write(json.dumps(payload) + "\n")
         return 0
     for piece in gen.stream(prompt_ids, args.max_new_tokens):

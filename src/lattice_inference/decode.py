@@ -138,6 +138,7 @@ class SpeculativeDecoder:
                     yield out
         finally:
             m.decode_s = time.perf_counter() - start
+            m.drafter_forwards = int(getattr(drafter, "forward_count", 0))
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> GenerationResult:
         """Run `stream` to the end and return every generated token with the metrics."""

@@ -27,6 +27,8 @@ class GenerationMetrics:
     """``accepted_per_position[i]``: rounds in which draft position ``i`` was accepted."""
     drafted_per_position: list[int] = field(default_factory=list)
     """``drafted_per_position[i]``: rounds whose draft had a token at position ``i``."""
+    drafter_forwards: int = 0
+    """Forward passes of a learned drafter (MTP head steps, catch-up batches included); 0 for n-gram lookup."""
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
@@ -81,9 +83,28 @@ class GenerationMetrics:
             "accepted_per_position": list(self.accepted_per_position),
             "drafted_per_position": list(self.drafted_per_position),
             "acceptance_per_position": self.acceptance_per_position,
+            "drafter_forwards": self.drafter_forwards,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "tokens_per_s": self.tokens_per_s,
+        }
+
+    def reference_mtp(self) -> dict[str, Any]:
+        """The reference module's ``MtpMetrics`` fields, aggregated over the generation (mtp-semantics §4.6).
+
+        There, a round's draft includes the target's own token ``x``: ``draft_tokens`` counts it in every
+        drafted round and ``accepted_tokens`` counts it as accepted, so ``accepted_tokens_per_forward`` equals
+        vLLM's mean acceptance length.
+        """
+        draft_tokens = self.drafted_tokens + self.drafts
+        accepted = self.accepted_tokens + self.drafts
+        return {
+            "target_forwards": self.drafts,
+            "mtp_forwards": self.drafter_forwards,
+            "draft_tokens": draft_tokens,
+            "accepted_tokens": accepted,
+            "accepted_tokens_per_forward": accepted / self.drafts if self.drafts else 0.0,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
         }
 
     def summary(self) -> str:

@@ -32,7 +32,7 @@ class MtpDrafter:
         self.head = head
         self.num_drafts = num_drafts
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self.head_forwards = 0
+        self.forward_count = 0
         self._history: list[int] = []
         self._hidden: torch.Tensor | None = None  # target hiddens for positions _hidden_start ..
         self._hidden_start = 0
@@ -45,7 +45,7 @@ class MtpDrafter:
         self._hidden = None
         self._hidden_start = 0
         self._committed = 0
-        self.head_forwards = 0
+        self.forward_count = 0
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append accepted tokens."""
@@ -77,11 +77,11 @@ class MtpDrafter:
         if last > self._committed:
             lo, hi = self._committed - self._hidden_start, last - self._hidden_start
             head.prefill(self._hidden[lo:hi], self._history[self._committed + 1 : last + 1], self._committed)
-            self.head_forwards += 1
+            self.forward_count += 1
         drafts = head.draft_tokens(
             self._history[-1], last, self._row(last), num_tokens=count, eos_token_ids=self.eos_token_ids
         )
-        self.head_forwards += len(drafts)
+        self.forward_count += len(drafts)
         self._committed = last + 1
         # Hidden rows before the committed slots are never needed again.
         drop = self._committed - 1 - self._hidden_start
