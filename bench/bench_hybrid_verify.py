@@ -9,9 +9,9 @@ one warm-up round):
 
 * ``step``: one plain transformers decode step (1 token, ordinary ``DynamicCache``: fused conv update and the
   recurrent kernel), the unit of every ratio;
-* ``hybrid k``: `HybridTarget.forward` of k tokens (logits for all k) plus ``rollback(start + 1)``, i.e. every
-  draft rejected (restores the kept recurrent state after position 0 and crops KV and conv; any accepted length
-  costs the same);
+* ``hybrid k``: `HybridTarget.forward` (GDN kernel ``--kernel``, default ``window``) of k tokens (logits for
+  all k) plus ``rollback(start + 1)``, i.e. every draft rejected (rebuilds the recurrent state after position 0,
+  crops KV and conv; any accepted length costs about the same);
 * ``hf k``: transformers' own path: a k-token forward on a recording cache (chunked delta-rule kernel for k > 1)
   plus ``crop(-(k - 1))``; its recurrent state is then wrong, but this is what it costs.
 
@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, Qwen3_5TextConfig
 
-from lattice_inference.targets.hybrid import HybridTarget
+from lattice_inference.targets.hybrid import KERNELS, HybridTarget
 
 KS = (1, 2, 4, 8, 16)
 
@@ -94,7 +94,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=512, help="prompt length in tokens")
     parser.add_argument("--reps", type=int, default=7, help="timed rounds (median reported)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: CPU time of the calling thread (time.thread_time), meaningful with --threads 1 only; it "
+        "excludes time spent waiting for a core, so it is a steadier measure of work on a shared host",
+    )
+    parser.add_argument("--kernel", choices=KERNELS, default="window", help="HybridTarget's GDN kernel")
     args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu measures one thread: use it with --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     print("command:", shlex.join([sys.executable, *sys.argv]))
 
@@ -107,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt = torch.randint(0, vocab, (args.prompt,)).tolist()
 
     t0 = time.perf_counter()
-    target = HybridTarget(model)
+    target = HybridTarget(model, kernel=args.kernel)
     target.prefill(prompt)
     prefill_s = time.perf_counter() - t0
     assert target.cache is not None
@@ -131,10 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     for rep in range(args.reps + 1):
         for name, k, fn in columns:
             ids = torch.randint(0, vocab, (k,)).tolist()
-            start = time.perf_counter()
+            start = clock()
             fn(ids)
             if rep:  # the first round is a warm-up
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
 
     med = {name: statistics.median(ts) for name, ts in times.items()}
     low = {name: min(ts) for name, ts in times.items()}
@@ -145,8 +156,9 @@ def main(argv: list[str] | None = None) -> None:
         return statistics.median(t / s for t, s in zip(times[name], steps, strict=True))
 
     print(
-        f"\n{args.reps} rounds; one plain decode step: median {med['step'] * 1e3:.1f} ms, "
-        f"min {low['step'] * 1e3:.1f} ms (ratio 1.00)"
+        f"\n{args.reps} rounds, {args.clock} clock, {args.threads} thread(s), HybridTarget kernel {args.kernel!r}; "
+        "one plain decode step: "
+        f"median {med['step'] * 1e3:.1f} ms, min {low['step'] * 1e3:.1f} ms (ratio 1.00)"
     )
     print("ratio = median over rounds of (time / same round's plain step); min-ratio = min time / min step time")
     print("| k | HybridTarget verify+rollback: median ms | ratio | min-ratio | transformers forward+crop: median ms "

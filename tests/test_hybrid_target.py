@@ -23,7 +23,7 @@ from transformers import (
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from lattice_inference.decode import SpeculativeDecoder
-from lattice_inference.errors import TokenError, UnsupportedModelError
+from lattice_inference.errors import ConfigError, TokenError, UnsupportedModelError
 from lattice_inference.targets import hybrid
 from lattice_inference.targets.hybrid import HybridTarget, is_hybrid, recurrent_gated_delta_rule_with_states
 
@@ -180,6 +180,33 @@ def test_recording_kernel_is_transformers_recurrent_kernel_op_for_op() -> None:
         assert torch.equal(states[i + 1], state)
 
 
+@pytest.mark.parametrize("heads", [(2, 4), (4, 4)])
+def test_window_kernel_equals_the_token_by_token_recurrence(heads: tuple[int, int]) -> None:
+    """Output, final state and the rebuilt state after every position match transformers' one-token steps."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule as reference
+
+    hk, hv = heads
+    for t, decay_scale in ((2, 1.0), (7, 1.0), (16, 1.0), (5, 80.0)):  # 80: decays underflow to exactly 0
+        torch.manual_seed(t)
+        q, k = torch.randn(1, t, hk, 16), torch.randn(1, t, hk, 16)
+        v = torch.randn(1, t, hv, 16)
+        g, beta = -torch.rand(1, t, hv) * decay_scale, torch.rand(1, t, hv)
+        s0 = torch.randn(1, hv, 16, 16)
+        out, final, factors = hybrid.gated_delta_rule_window(q, k, v, g, beta, s0, use_qk_l2norm_in_kernel=True)
+        state, outs = s0, []
+        assert torch.equal(factors.state_at(0), s0)
+        for i in range(t):
+            sl = slice(i, i + 1)
+            o, state = reference(
+                q[:, sl], k[:, sl], v[:, sl], g=g[:, sl], beta=beta[:, sl], initial_state=state,
+                output_final_state=True, use_qk_l2norm_in_kernel=True,
+            )  # fmt: skip
+            outs.append(o)
+            torch.testing.assert_close(factors.state_at(i + 1), state, atol=2e-6, rtol=0)
+        torch.testing.assert_close(out, torch.cat(outs, dim=1), atol=2e-6, rtol=0)
+        torch.testing.assert_close(final, state, atol=2e-6, rtol=0)
+
+
 def test_kernels_are_restored_after_forward(models: dict[str, PreTrainedModel]) -> None:
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
@@ -201,6 +228,7 @@ def test_failed_forward_restores_kernels_and_requires_prefill(
         raise ArithmeticError("boom")
 
     monkeypatch.setattr(hybrid, "recurrent_gated_delta_rule_with_states", broken)
+    monkeypatch.setattr(hybrid, "gated_delta_rule_window", broken)
     target = HybridTarget(models["qwen3_next"])
     target.prefill([1, 2, 3])
     with pytest.raises(ArithmeticError):
@@ -222,8 +250,11 @@ def fresh_target(model: PreTrainedModel, ids: Sequence[int]) -> tuple[HybridTarg
     return target, target.prefill(ids)
 
 
+@pytest.mark.parametrize("kernel", hybrid.KERNELS)
 @pytest.mark.parametrize("arch", ARCHES)
-def test_rollback_state_and_logits_equal_a_fresh_run(models: dict[str, PreTrainedModel], arch: str) -> None:
+def test_rollback_state_and_logits_equal_a_fresh_run(
+    models: dict[str, PreTrainedModel], arch: str, kernel: str
+) -> None:
     """For random k and accepted a: cache state and next logits after rollback equal a fresh run's."""
     model = models[arch]
     rng = random.Random(ARCHES.index(arch))
@@ -232,7 +263,7 @@ def test_rollback_state_and_logits_equal_a_fresh_run(models: dict[str, PreTraine
         k = rng.randrange(1, 9)
         a = rng.randrange(0, k + 1)
         draft, nxt = random_ids(rng, k), rng.randrange(VOCAB)
-        target = HybridTarget(model)
+        target = HybridTarget(model, kernel=kernel)
         target.prefill(prompt)
         logits = target.forward(draft)
         assert logits.shape == (k, VOCAB)
@@ -249,13 +280,16 @@ def test_rollback_state_and_logits_equal_a_fresh_run(models: dict[str, PreTraine
         torch.testing.assert_close(ours, theirs, atol=LOGIT_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("kernel", hybrid.KERNELS)
 @pytest.mark.parametrize("arch", ARCHES)
-def test_k_token_forward_equals_k_one_token_forwards(models: dict[str, PreTrainedModel], arch: str) -> None:
+def test_k_token_forward_equals_k_one_token_forwards(
+    models: dict[str, PreTrainedModel], arch: str, kernel: str
+) -> None:
     """The recording path over k tokens gives the logits of k plain decode steps (float32 tolerance)."""
     model = models[arch]
     rng = random.Random(7)
     prompt, draft = random_ids(rng, 9), random_ids(rng, 8)
-    wide = HybridTarget(model)
+    wide = HybridTarget(model, kernel=kernel)
     wide.prefill(prompt)
     together = wide.forward(draft)
     steps = HybridTarget(model)
@@ -329,6 +363,10 @@ def test_bounds_and_errors(models: dict[str, PreTrainedModel]) -> None:
     with pytest.raises(TokenError):
         target.forward([])
     assert target.vocab_size == VOCAB and target.max_positions == 512
+    with pytest.raises(ConfigError):
+        HybridTarget(models["qwen3_5"], kernel="chunk")
+    with pytest.raises(ConfigError):
+        HybridTarget(models["qwen3_5"], max_recorded=0)
 
 
 def test_is_hybrid_and_unsupported_models(models: dict[str, PreTrainedModel]) -> None:
@@ -416,8 +454,9 @@ class OracleDrafter:
         return list(draft)
 
 
+@pytest.mark.parametrize("kernel", hybrid.KERNELS)
 @pytest.mark.parametrize("arch", ARCHES)
-def test_speculative_decoding_is_lossless(models: dict[str, PreTrainedModel], arch: str) -> None:
+def test_speculative_decoding_is_lossless(models: dict[str, PreTrainedModel], arch: str, kernel: str) -> None:
     """Token for token equal to ``model.generate(do_sample=False)`` over 10 prompts, with every kind of round."""
     model = models[arch]
     rng = random.Random(11)
@@ -435,7 +474,7 @@ def test_speculative_decoding_is_lossless(models: dict[str, PreTrainedModel], ar
             )
         reference = out[0].tolist()
         drafter = OracleDrafter(reference, seed=p)
-        decoder = SpeculativeDecoder(HybridTarget(model), drafter, max_draft=rng.randrange(3, 7))
+        decoder = SpeculativeDecoder(HybridTarget(model, kernel=kernel), drafter, max_draft=rng.randrange(3, 7))
         result = decoder.generate(prompt, new_tokens)
         assert result.token_ids == reference[len(prompt) :], f"prompt {p} diverged"
         m = decoder.metrics

@@ -8,15 +8,20 @@ silently wrong after any rejection. `TransformersTarget` therefore refuses these
 
 How rollback works here:
 
-* ``prefill`` runs the model's normal path (the chunked delta-rule kernel) and keeps nothing extra.
-* ``forward`` of ``k <= max_recorded`` tokens runs every GDN layer with the token-by-token recurrent delta rule
-  (the same arithmetic, op for op, as transformers' ``torch_recurrent_gated_delta_rule``, which plain decoding uses
-  for one token), and keeps the recurrent state after every position. On CPU, for ``k <= 16``, this loop costs
-  less than the chunked kernel that transformers would otherwise use for ``k > 1``. The kernel is swapped in by
-  temporarily replacing the ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` names in the
-  model's modeling module; outside of ``forward`` (and in other threads) the originals run untouched.
-* ``rollback(length)`` inside the last forward copies the kept state after position ``length - 1`` into each GDN
-  layer's cache slot and crops the conv states and attention KV with ``Cache.crop`` (which is exact for them).
+* ``prefill`` runs the model's normal path (transformers' chunked delta-rule kernel) and keeps nothing extra.
+* ``forward`` of ``k <= max_recorded`` tokens swaps the GDN kernel for one that can rebuild the recurrent state
+  after any of its positions. Default (``kernel="window"``): the chunked (UT-transform) delta rule applied to the
+  k tokens as one chunk, without transformers' padding to 64; it touches the ``[d_k, d_v]`` state a constant
+  number of times and keeps small per-token factors, from which ``state_at(i)`` rebuilds any state in one pass.
+  Alternative (``kernel="recurrent"``): the token-by-token recurrence, op for op the arithmetic of transformers'
+  ``torch_recurrent_gated_delta_rule`` (which plain one-token decoding uses), keeping every state. Both cost
+  less on CPU for k <= 16 than transformers' chunked kernel (which it runs for any k > 1), and both agree with
+  k one-token decode steps to float32 rounding. The swap replaces the ``torch_chunk_gated_delta_rule`` /
+  ``torch_recurrent_gated_delta_rule`` names in the model's modeling module for the duration of the call
+  (reference-counted; a context variable routes only this target's calls, other threads run the originals).
+* ``rollback(length)`` inside the last forward writes the state after position ``length - 1`` into each GDN
+  layer's cache slot and crops the conv states and attention KV with ``Cache.crop`` (exact for those: the cache
+  records conv history, ``activate_past_recording``).
 * Fallbacks, both exact: a forward longer than ``max_recorded`` snapshots the recurrent states first and, on a
   rollback into it, restores the snapshot and replays the accepted tokens; a rollback to before the last forward
   re-prefills the kept token history.
@@ -38,13 +43,16 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from lattice_inference.errors import TokenError, UnsupportedModelError
+from lattice_inference.errors import ConfigError, TokenError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 """transformers ``model_type`` values (top-level or of the text config) that `HybridTarget` accepts."""
 
 DEFAULT_MAX_RECORDED = 16
-"""Longest forward whose per-position recurrent states are kept (longer ones use snapshot-and-replay)."""
+"""Widest forward that runs a rollback-capable GDN kernel (wider ones use snapshot-and-replay)."""
+
+KERNELS = ("window", "recurrent")
+"""GDN kernels `HybridTarget` can run in ``forward``: closed form over the window, or token by token."""
 
 _KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 
@@ -133,18 +141,113 @@ def recurrent_gated_delta_rule_with_states(
     return core_attn_out, states[sequence_length], states
 
 
-class _Recorder:
-    """Collects, during one model forward, the per-position recurrent states of every GDN layer.
+@dataclass
+class WindowFactors:
+    """What `gated_delta_rule_window` keeps to rebuild the recurrent state after any position of its window.
 
-    The GDN kernel does not know its layer; it receives the layer's cached recurrent state as ``initial_state``,
-    so layers are identified by the identity of that tensor. ``buffers`` (per layer, owned by the target and
-    reused across forwards) receive the states; a buffer too small is replaced by a larger one in place.
+    All fp32, per ``[batch, v_heads]``: ``initial`` the state before the window ``[.., d_k, d_v]``, ``key`` the
+    normalised keys ``[.., T, d_k]``, ``log_decay`` the cumulative log decay ``G`` ``[.., T]`` and ``v_new`` the
+    delta-rule corrections ``[.., T, d_v]``. The state after ``i`` tokens is
+    ``exp(G[i-1]) * initial + sum_{j<i} exp(G[i-1] - G[j]) * key[j]^T v_new[j]``.
     """
 
-    def __init__(self, layer_of_state: dict[int, int], buffers: dict[int, torch.Tensor]) -> None:
+    initial: torch.Tensor
+    key: torch.Tensor
+    log_decay: torch.Tensor
+    v_new: torch.Tensor
+
+    def state_at(self, i: int) -> torch.Tensor:
+        """The fp32 recurrent state ``[batch, v_heads, d_k, d_v]`` after the first ``i`` tokens of the window."""
+        if i == 0:
+            return self.initial
+        g_i = self.log_decay[..., i - 1 : i]
+        weights = (g_i - self.log_decay[..., :i]).exp().unsqueeze(-1)
+        return (
+            self.initial * g_i.exp().unsqueeze(-1)
+            + (self.key[..., :i, :] * weights).transpose(-1, -2) @ (self.v_new[..., :i, :])
+        )
+
+
+def gated_delta_rule_window(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, WindowFactors]:
+    """The gated delta rule over a short window in closed form, returning ``(output, final_state, factors)``.
+
+    This is the chunked formulation of transformers' ``torch_chunk_gated_delta_rule`` (UT transform: one
+    ``T x T`` unit-triangular solve per head) applied to the window as a single chunk, without padding it to 64
+    tokens. It reads and writes the ``[d_k, d_v]`` state a constant number of times instead of five times per
+    token, so for 2..16 tokens it costs a fraction of the token-by-token loop, and ``factors.state_at(i)``
+    rebuilds the state after any position in one pass, for rollback. It agrees with the token-by-token recurrence
+    to float32 rounding (~1e-7 on states of norm ~1). Shapes as in `recurrent_gated_delta_rule_with_states`.
+    """
+    initial_dtype = query.dtype
+    _, length, num_k_heads, k_head_dim = key.shape
+    num_v_heads, v_head_dim = value.shape[-2:]
+    if num_k_heads != num_v_heads:
+        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    query, key, value, beta, g = [
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (query, key, value, beta, g)
+    ]
+    if use_qk_l2norm_in_kernel:
+        query = _l2norm(query, dim=-1, eps=1e-6)
+        key = _l2norm(key, dim=-1, eps=1e-6)
+    query = query * k_head_dim**-0.5
+
+    log_decay = g.cumsum(dim=-1)  # G_i: log of the decay from the window start through token i
+    future = torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1)
+    pairwise = (log_decay.unsqueeze(-1) - log_decay.unsqueeze(-2)).masked_fill(future, float("-inf")).exp()
+    k_beta = key * beta.unsqueeze(-1)
+    v_beta = value * beta.unsqueeze(-1)
+    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
+    rhs = torch.cat([v_beta, k_beta * log_decay.exp().unsqueeze(-1)], dim=-1)
+    solved = torch.linalg.solve_triangular(ut_system, rhs, upper=False, unitriangular=True)
+    new_values, k_cumdecay = solved[..., :v_head_dim], solved[..., v_head_dim:]
+
+    initial = initial_state.to(torch.float32).clone()  # the cache overwrites its state tensor in place
+    v_new = new_values - k_cumdecay @ initial
+    attn = (query @ key.transpose(-1, -2)) * pairwise
+    core_attn_out = (query * log_decay.exp().unsqueeze(-1)) @ initial + attn @ v_new
+    factors = WindowFactors(initial=initial, key=key, log_decay=log_decay, v_new=v_new)
+    final = factors.state_at(length)
+    core_attn_out = core_attn_out.transpose(1, 2).contiguous().to(initial_dtype)
+    return core_attn_out, final, factors
+
+
+@dataclass
+class _KeptStates:
+    """Per-position states written by `recurrent_gated_delta_rule_with_states` (views of a reused buffer)."""
+
+    states: torch.Tensor
+
+    def state_at(self, i: int) -> torch.Tensor:
+        return self.states[i]
+
+
+StateSource = WindowFactors | _KeptStates
+
+
+class _Recorder:
+    """Runs the GDN layers of one model forward with a kernel that can restore the state after any position.
+
+    The GDN kernel does not know its layer; it receives the layer's cached recurrent state as ``initial_state``,
+    so layers are identified by the identity of that tensor. ``kernel`` is ``"window"`` (closed form,
+    `gated_delta_rule_window`, for windows of 2+ tokens) or ``"recurrent"`` (token by token, op for op
+    transformers' decode arithmetic, `recurrent_gated_delta_rule_with_states`, always used for 1 token);
+    ``buffers`` (per layer, owned by the target and reused across forwards) receive the recurrent path's states.
+    """
+
+    def __init__(self, layer_of_state: dict[int, int], buffers: dict[int, torch.Tensor], kernel: str) -> None:
         self.layer_of_state = layer_of_state
         self.buffers = buffers
-        self.states: dict[int, torch.Tensor] = {}
+        self.kernel = kernel
+        self.sources: dict[int, StateSource] = {}
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the recording kernel for one GDN call made as transformers' GDN forward makes it."""
@@ -157,20 +260,24 @@ class _Recorder:
         layer = self.layer_of_state.get(id(initial_state))
         if layer is None:
             raise RuntimeError("a Gated DeltaNet kernel was called with a recurrent state that is not in the cache")
-        positions = args[1].shape[1] + 1
-        buffer = self.buffers.get(layer)
-        if buffer is None or buffer.shape[0] < positions or buffer.shape[1:] != initial_state.shape:
-            buffer = torch.empty((positions, *initial_state.shape), dtype=torch.float32, device=initial_state.device)
-            self.buffers[layer] = buffer
-        out, final, states = recurrent_gated_delta_rule_with_states(
-            *args,
+        common = dict(
             g=kwargs["g"],
             beta=kwargs["beta"],
             initial_state=initial_state,
             use_qk_l2norm_in_kernel=bool(kwargs.get("use_qk_l2norm_in_kernel", False)),
-            states=buffer,
         )
-        self.states[layer] = states
+        length = args[1].shape[1]
+        source: StateSource
+        if self.kernel == "window" and length > 1:
+            out, final, source = gated_delta_rule_window(*args, **common)
+        else:
+            buffer = self.buffers.get(layer)
+            if buffer is None or buffer.shape[0] < length + 1 or buffer.shape[1:] != initial_state.shape:
+                shape = (length + 1, *initial_state.shape)
+                buffer = self.buffers[layer] = torch.empty(shape, dtype=torch.float32, device=initial_state.device)
+            out, final, states = recurrent_gated_delta_rule_with_states(*args, **common, states=buffer)
+            source = _KeptStates(states)
+        self.sources[layer] = source
         return out, (final if kwargs.get("output_final_state", False) else None)
 
 
@@ -223,27 +330,32 @@ def _kernels_patched(modules: Sequence[ModuleType]) -> Iterator[None]:
 
 @dataclass
 class _Window:
-    """What the last forward left for rolling back into it: per-position states or a pre-forward snapshot."""
+    """What the last forward left for rolling back into it: per-layer state sources or a pre-forward snapshot."""
 
     start: int
     """Cache length before the forward."""
-    states: dict[int, torch.Tensor] | None = None
-    """Per GDN cache layer, ``states[layer][i]`` = recurrent state after ``start + i`` tokens (views of the
-    target's reusable buffers, valid until the next forward)."""
+    sources: dict[int, StateSource] | None = None
+    """Per GDN cache layer, ``sources[layer].state_at(i)`` = recurrent state after ``start + i`` tokens (valid
+    until the next forward, which reuses the buffers)."""
     snapshot: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Per GDN cache layer, a copy of the recurrent state before the forward (used when ``states`` is None)."""
+    """Per GDN cache layer, a copy of the recurrent state before the forward (used when ``sources`` is None)."""
 
 
 class HybridTarget:
     """A `Target` over a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM, rolling back attention KV, conv *and*
     recurrent Gated DeltaNet state exactly.
 
-    ``max_recorded`` bounds the forward width for which per-position recurrent states are kept (each costs one
-    fp32 ``[v_heads, d_k, d_v]`` tensor per GDN layer: 1 MiB at 16 heads of 128); wider forwards use the chunked
-    kernel and snapshot-and-replay. See the module docstring for the mechanism.
+    ``kernel`` picks how forwards of 2..``max_recorded`` tokens run the GDN layers: ``"window"`` (default) is
+    the closed-form chunked delta rule over the window (`gated_delta_rule_window`), cheapest on CPU and equal to
+    the token-by-token recurrence to float32 rounding; ``"recurrent"`` is the token-by-token loop, op for op the
+    arithmetic transformers' one-token decode uses, keeping one fp32 ``[v_heads, d_k, d_v]`` state per position
+    and GDN layer (1 MiB at 16 heads of 128) in buffers reused across forwards. Forwards wider than
+    ``max_recorded`` use transformers' own chunked kernel and snapshot-and-replay. See the module docstring.
     """
 
-    def __init__(self, model: PreTrainedModel, *, max_recorded: int = DEFAULT_MAX_RECORDED) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, max_recorded: int = DEFAULT_MAX_RECORDED, kernel: str = "window"
+    ) -> None:
         types = _model_types(model)
         if not types & SUPPORTED_MODEL_TYPES:
             given = sorted(t for t in types if t)
@@ -261,8 +373,11 @@ class HybridTarget:
                     f"{module.__name__} does not define {missing}; this transformers version is not supported"
                 )
         if max_recorded < 1:
-            raise ValueError(f"max_recorded must be at least 1, got {max_recorded}")
+            raise ConfigError(f"max_recorded must be at least 1, got {max_recorded}")
+        if kernel not in KERNELS:
+            raise ConfigError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}")
         self.model = model.eval()
+        self.kernel = kernel
         self.max_recorded = max_recorded
         self.device = next(model.parameters()).device
         self._modules = sorted(modules, key=lambda m: m.__name__)
@@ -336,10 +451,10 @@ class HybridTarget:
         window = self._window
         if length == self._length:
             self._commit()
-        elif window is not None and length >= window.start and window.states is not None:
+        elif window is not None and length >= window.start and window.sources is not None:
             with torch.inference_mode():
-                for layer, states in window.states.items():
-                    self._recurrent(layer).copy_(states[length - window.start])
+                for layer, source in window.sources.items():
+                    self._recurrent(layer).copy_(source.state_at(length - window.start))
                 self._cache.crop(length - self._length)
             self._set_length(length)
         elif window is not None and length >= window.start:
@@ -378,16 +493,16 @@ class HybridTarget:
             logits = self._run(token_ids, logits_to_keep=0)
             self._window = _Window(start=start, snapshot=snapshot)
             return logits
-        recorder = _Recorder(self._layer_of_state(), self._buffers)
+        recorder = _Recorder(self._layer_of_state(), self._buffers, self.kernel)
         context = _ACTIVE_RECORDER.set(recorder)
         try:
             with _kernels_patched(self._modules):
                 logits = self._run(token_ids, logits_to_keep=0)
         finally:
             _ACTIVE_RECORDER.reset(context)
-        if set(recorder.states) != set(self._linear_layers()):
+        if set(recorder.sources) != set(self._linear_layers()):
             raise RuntimeError("not every Gated DeltaNet layer ran the recording kernel")
-        self._window = _Window(start=start, states=recorder.states)
+        self._window = _Window(start=start, sources=recorder.sources)
         return logits
 
     def _invalidate(self) -> None:
