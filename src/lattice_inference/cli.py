@@ -46,6 +46,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
+
+    bench = sub.add_parser("bench", help="run several methods on the same prompts and compare speed and output")
+    bench.add_argument("--model", help="model directory (default: the bundled model)")
+    bench.add_argument("--prompts", help="JSONL of {prompt, kind, reference_continuation} (default: bundled set)")
+    bench.add_argument("--methods", default="greedy,ngram,mtp", help="comma-separated methods (greedy is required)")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens per prompt (default 128)")
+    bench.add_argument("--max-draft", type=_positive_int, default=4, help="ngram: draft tokens per round")
+    bench.add_argument("--draft-length", type=_positive_int, default=2, help="mtp: tokens per round (2..8)")
+    bench.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
+    bench.add_argument("--reps", type=_positive_int, default=1, help="timed repetitions after a warm-up")
+    bench.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.add_argument("--plot", help="write a PNG of speed-up and per-position acceptance (needs matplotlib)")
+    bench.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     return parser
 
 
@@ -132,6 +146,69 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from lattice_inference import benchmark
+    from lattice_inference.api import Generator
+    from lattice_inference.loading import load_model
+    from lattice_inference.mtp import load_mtp_head
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if "greedy" not in methods:
+        methods.insert(0, "greedy")
+    if not 2 <= args.draft_length <= 8:
+        raise ConfigError(f"--draft-length counts the target token and must be 2..8, got {args.draft_length}")
+    model_dir = args.model or default_model_dir()
+    prompts_path = args.prompts or str(Path(model_dir) / "eval_prompts.jsonl")
+    if not args.prompts and not Path(prompts_path).is_file():
+        raise ConfigError(f"no --prompts given and '{prompts_path}' does not exist")
+    prompts = benchmark.load_prompts(prompts_path)[: args.limit]
+    quiet_transformers()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(model_dir, dtype=args.dtype)
+    lm, tok = loaded.model, loaded.tokenizer
+    head = None
+    if "mtp" in methods:
+        head = load_mtp_head(
+            loaded.source,
+            dtype=next(lm.parameters()).dtype,
+            draft_length=args.draft_length,
+            embed_tokens=lm.get_input_embeddings().weight,
+            lm_head=lm.get_output_embeddings().weight,
+        )
+    generators = {
+        m: Generator(
+            lm,
+            tok,
+            method=m,
+            max_draft=args.max_draft,
+            draft_length=args.draft_length,
+            mtp_head=head,
+            eos_token_ids=loaded.eos_token_ids,
+        )
+        for m in methods
+    }
+    benchmark.log(f"{len(prompts)} prompts, methods {', '.join(methods)}, model {loaded.source}")
+    report = benchmark.run_bench(
+        generators, prompts, max_new_tokens=args.max_new_tokens, reps=args.reps, progress=benchmark.log
+    )
+    report["model"] = loaded.source
+    report["dtype"] = str(next(lm.parameters()).dtype).removeprefix("torch.")
+    if args.plot:
+        benchmark.plot(report, args.plot)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"model {report['model']} ({report['dtype']})")
+        print(benchmark.format_table(report))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lattice`` command; returns the process exit code."""
     parser = build_parser()
@@ -139,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "bench":
+            return _bench(args)
     except LatticeError as exc:
         print(f"lattice: error: {exc}", file=sys.stderr)
         return 2

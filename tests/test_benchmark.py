@@ -1,0 +1,52 @@
+"""``lattice bench`` and its quality measures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lattice_inference.benchmark import copy_rate, load_prompts, repetition_rate
+from lattice_inference.cli import main
+from lattice_inference.errors import ConfigError
+from lattice_inference.toy import save_toy_model_dir
+
+
+def test_copy_and_repetition_rates():
+    assert copy_rate([1, 2, 3, 4], [1, 2, 9, 4, 5]) == 0.75
+    assert copy_rate([], [1]) == 0.0
+    assert repetition_rate([1, 2, 3, 4, 5, 6, 7]) == 0.0
+    assert repetition_rate([7] * 10) == pytest.approx(6 / 7)
+    assert repetition_rate([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 / 5)
+
+
+def test_prompt_file_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(ConfigError, match="bad.jsonl:1: expected a JSON object with a 'prompt' field"):
+        load_prompts(bad)
+    with pytest.raises(ConfigError, match="cannot read prompts file"):
+        load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_bench_json_reports_identical_outputs(tmp_path, capsys):
+    model = save_toy_model_dir(tmp_path / "m", "qwen3", init_std=0.02, seed=2)
+    prompts = tmp_path / "p.jsonl"
+    rows = [
+        {"kind": "copy", "prompt": "one two three one two three one two", "reference_continuation": " three one"},
+        {"kind": "free", "prompt": "hello world"},
+    ]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["bench", "--model", str(model), "--prompts", str(prompts), "--methods", "ngram", "--max-new-tokens", "24"]
+    assert main([*argv, "--json", "--reps", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    methods = [r["method"] for r in report["rows"]]
+    assert methods == ["greedy", "ngram"]
+    assert all(r["identical_share"] == 1.0 for r in report["rows"])
+    assert report["rows"][0]["speedup_vs_greedy"] == 1.0
+    assert report["rows"][1]["mean_acceptance_length"] >= 1.0
+    assert 0.0 <= report["greedy_copy_rate"] <= 1.0
+    assert main([*argv]) == 0
+    assert "acceptance per position" in capsys.readouterr().out
+    assert main(["bench", "--model", str(model), "--prompts", str(prompts), "--methods", "beam"]) == 2
+    assert "unknown method(s) beam" in capsys.readouterr().err
