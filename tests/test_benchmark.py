@@ -23,7 +23,7 @@ def test_copy_and_repetition_rates():
 def test_prompt_file_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt field"}\n')
-    with pytest.raises(ConfigError, match="bad.jsonl:1: expected a JSON object with a 'prompt' field"):
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:1: expected a JSON object with a 'prompt' field"):
         load_prompts(bad)
     with pytest.raises(ConfigError, match="cannot read prompts file"):
         load_prompts(tmp_path / "missing.jsonl")
