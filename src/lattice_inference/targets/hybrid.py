@@ -40,10 +40,11 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from lattice_inference.errors import ConfigError, TokenError, UnsupportedModelError
+from lattice_inference.targets.transformers import CausalLMTarget
 
 SUPPORTED_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 """transformers ``model_type`` values (top-level or of the text config) that `HybridTarget` accepts."""
@@ -341,7 +342,7 @@ class _Window:
     """Per GDN cache layer, a copy of the recurrent state before the forward (used when ``sources`` is None)."""
 
 
-class HybridTarget:
+class HybridTarget(CausalLMTarget):
     """A `Target` over a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM, rolling back attention KV, conv *and*
     recurrent Gated DeltaNet state exactly.
 
@@ -376,16 +377,10 @@ class HybridTarget:
             raise ConfigError(f"max_recorded must be at least 1, got {max_recorded}")
         if kernel not in KERNELS:
             raise ConfigError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}")
-        self.model = model.eval()
+        super().__init__(model)
         self.kernel = kernel
         self.max_recorded = max_recorded
-        self.device = next(model.parameters()).device
         self._modules = sorted(modules, key=lambda m: m.__name__)
-        self._vocab_size = int(model.get_input_embeddings().weight.shape[0])
-        max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        self._max_positions = int(max_pos) if max_pos else None
-        self._cache: DynamicCache | None = None
-        self._length = 0
         self._tokens: list[int] = []
         self._window: _Window | None = None
         self._buffers: dict[int, torch.Tensor] = {}
@@ -393,24 +388,7 @@ class HybridTarget:
         self._uncommitted = False
         """True while linear layers keep conv history from the last forward (trimmed by ``crop(0)``)."""
 
-    # -- Target protocol -------------------------------------------------------------------------------------
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def max_positions(self) -> int | None:
-        return self._max_positions
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    @property
-    def cache(self) -> DynamicCache | None:
-        """The live transformers cache (for inspection in tests; do not modify)."""
-        return self._cache
+    # -- Target protocol (vocab_size, max_positions, length, cache: see CausalLMTarget) ------------------
 
     def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
         if not token_ids:
@@ -513,36 +491,12 @@ class HybridTarget:
         self._window = None
         self._uncommitted = False
 
-    def _check_ids(self, token_ids: Sequence[int]) -> None:
-        for t in token_ids:
-            if not 0 <= t < self._vocab_size:
-                raise TokenError(f"token id {t} is outside the vocabulary of size {self._vocab_size}")
-
     def _reset(self) -> None:
         """Start from an empty cache that records conv history so that it can be cropped."""
-        self._cache = DynamicCache(config=self.model.config)
-        self._cache.activate_past_recording()
-        self._length = 0
+        self._new_cache()
         self._tokens = []
         self._window = None
         self._uncommitted = False
-
-    def _run(self, token_ids: Sequence[int], logits_to_keep: int) -> torch.Tensor:
-        """One model forward over ``token_ids`` at positions ``length..``; returns logits ``[kept, vocab]``."""
-        assert self._cache is not None
-        n = len(token_ids)
-        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        positions = torch.arange(self._length, self._length + n, device=self.device).unsqueeze(0)
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=ids,
-                position_ids=positions,
-                cache=self._cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            )
-        self._length += n
-        return out.logits[0]
 
     def _commit(self) -> None:
         """Forget the rollback window of the last forward and trim the conv history it needed."""

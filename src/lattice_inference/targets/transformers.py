@@ -129,7 +129,8 @@ class TransformersTarget(CausalLMTarget):
             raise UnsupportedModelError(
                 f"model type {model.config.model_type!r} has {recurrent} recurrent-state cache layer(s) "
                 "(linear attention / state space); their state cannot be rolled back by cropping the cache, "
-                "so speculative decoding would not be lossless on it with this target"
+                "so speculative decoding would not be lossless on it with this target "
+                "(Qwen3.5 / Qwen3-Next: use HybridTarget or make_target)"
             )
         super().__init__(model)
 

@@ -1,0 +1,171 @@
+"""`--method mtp` end to end on tiny hybrid Qwen3.5 models with an MTP head written into their checkpoint.
+
+Two heads: a random one (std 0.3: drafts mostly rejected) and an "echo" head built so that it predicts the token
+it is fed (fc keeps only the embedding half, attention and MLP outputs are zero, the embedding is tied), which on
+a looping model drafts the pending token again and again: full, partial and immediately rejected drafts. Output
+must equal ``model.generate(do_sample=False)`` token for token in every case.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+from lattice_inference import Generator
+from lattice_inference.cli import main
+from lattice_inference.mtp import MtpConfig, load_mtp_head
+from lattice_inference.mtp.testing import random_mtp_tensors
+from lattice_inference.toy import byte_tokenizer
+
+
+def tiny_config(vocab: int) -> Qwen3_5TextConfig:
+    return Qwen3_5TextConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        tie_word_embeddings=True,
+        mtp_num_hidden_layers=1,
+        max_position_embeddings=1024,
+        eos_token_id=256,
+        bos_token_id=256,
+        pad_token_id=256,
+    )
+
+
+def write_model(path, *, init_std: float, head: str, seed: int = 0):
+    """Save a tiny Qwen3.5 text model plus ``mtp.*`` tensors (``random`` or ``echo``) and the byte tokenizer."""
+    tok = byte_tokenizer()
+    cfg = tiny_config(len(tok))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name and p.dim() > 1:
+                p.normal_(0.0, init_std)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    mcfg = MtpConfig.from_hf_config(path)
+    mtp = {
+        k: v for k, v in random_mtp_tensors(mcfg, "qwen3_5_text", std=0.3, seed=seed).items() if k.startswith("mtp.")
+    }
+    if head == "echo":
+        h = cfg.hidden_size
+        for k in mtp:
+            if "norm" in k or "o_proj" in k or "down_proj" in k:
+                mtp[k].zero_()
+        mtp["mtp.fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    weights = load_file(str(path / "model.safetensors"))
+    weights.update(mtp)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    return {
+        "echo-looping": write_model(root / "echo", init_std=0.02, head="echo"),
+        "random-diverse": write_model(root / "rand", init_std=0.3, head="random", seed=1),
+    }
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        span = [rng.randrange(256) for _ in range(rng.randint(2, 12))]
+        out.append(span * rng.randint(1, 3) + [rng.randrange(256) for _ in range(rng.randint(0, 6))])
+    return out
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(models):
+    """Per model: the greedy generator and, per prompt, transformers' plain greedy output (checked equal)."""
+    runs = {}
+    for kind, path in models.items():
+        greedy = Generator.from_pretrained(str(path), method="greedy", dtype="float32")
+        expected = []
+        for prompt in prompts(6, seed=len(kind)):
+            ids = torch.tensor([prompt])
+            hf = greedy.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW,
+                do_sample=False,
+                eos_token_id=256,
+                pad_token_id=256,
+            )[0, len(prompt) :].tolist()
+            hf = hf[: hf.index(256)] if 256 in hf else hf
+            assert greedy.generate(prompt, max_new_tokens=NEW).token_ids == hf
+            expected.append((prompt, hf))
+        runs[kind] = (greedy, expected)
+    return runs
+
+
+NEW = 24
+
+
+@pytest.mark.parametrize("draft_length", [2, 4])
+def test_mtp_equals_greedy(models, greedy_runs, draft_length):
+    shapes = {"full": 0, "partial": 0, "rejected": 0}
+    for kind, (greedy, expected) in greedy_runs.items():
+        mtp = Generator(
+            greedy.model,
+            greedy.tokenizer,
+            method="mtp",
+            draft_length=draft_length,
+            mtp_head=load_mtp_head(models[kind], dtype=torch.float32, draft_length=draft_length),
+        )
+        for prompt, want in expected:
+            got = mtp.generate(prompt, max_new_tokens=NEW)
+            assert got.token_ids == want, (kind, prompt)
+            m = got.metrics
+            assert m.drafts > 0 and m.drafter_forwards >= m.drafted_tokens
+            per = m.accepted_per_position + [0] * draft_length
+            shapes["full"] += per[draft_length - 2]
+            shapes["rejected"] += m.drafts - per[0]
+            shapes["partial"] += per[0] - per[draft_length - 2]
+    assert shapes["full"] > 0 and shapes["rejected"] > 0, shapes
+    if draft_length > 2:
+        assert shapes["partial"] > 0, shapes
+
+
+def test_cli_mtp_json(models, capsys):
+    path = str(models["echo-looping"])
+    args = ["generate", "--model", path, "--prompt", "abcabcabc", "--max-new-tokens", "24", "--json"]
+    assert main([*args, "--method", "greedy", "--dtype", "float32"]) == 0
+    greedy = capsys.readouterr().out
+    assert main([*args, "--method", "mtp", "--draft-length", "3", "--dtype", "float32"]) == 0
+    import json
+
+    g, m = json.loads(greedy), json.loads(capsys.readouterr().out)
+    assert m["token_ids"] == g["token_ids"]
+    ref = m["mtp_metrics"]
+    assert ref["draft_tokens"] == m["metrics"]["drafted_tokens"] + m["metrics"]["drafts"]
+    assert ref["accepted_tokens_per_forward"] == pytest.approx(m["metrics"]["mean_acceptance_length"])
+
+
+def test_cli_mtp_errors(models, tmp_path, capsys):
+    path = str(models["echo-looping"])
+    assert main(["generate", "--model", path, "--prompt", "x", "--method", "mtp", "--draft-length", "9"]) == 2
+    assert "must be 2..8, got 9" in capsys.readouterr().err
+    plain = tmp_path / "plain"
+    from lattice_inference.toy import save_toy_model_dir
+
+    save_toy_model_dir(plain, "qwen3")
+    assert main(["generate", "--model", str(plain), "--prompt", "x", "--method", "mtp"]) == 2
+    err = capsys.readouterr().err
+    assert "lattice: error:" in err and "Traceback" not in err
