@@ -183,11 +183,26 @@ class Mixture:
     """
 
     def __init__(self, corpus: Corpus, tok, seq_len: int, chars_per_token: float, copy_share: float = 0.45,
-                 repeat_share: float = 0.2) -> None:
+                 repeat_share: float = 0.2, synth_share: float = 0.0, synth_from_step: int = 0) -> None:
         self.corpus, self.tok, self.seq_len = corpus, tok, seq_len
         self.cpt = chars_per_token
         self.copy_share, self.repeat_share = copy_share, repeat_share
+        self.synth_share, self.synth_from_step = synth_share, synth_from_step
+        self.synth_active = False
         self.eos_id = tok.convert_tokens_to_ids(EOS)
+
+    def synthetic(self, rng: np.random.Generator) -> str:
+        """Random identifiers, a separator, the same again: copying is the only way to predict the second half."""
+        ids = self.corpus.identifiers
+        n = int(rng.integers(6, 40))
+        joins = [" ", ", ", "\n", ".", "(", " = ", "\n    "]
+        parts = []
+        for i in range(n):
+            parts.append(ids[int(rng.integers(len(ids)))])
+            parts.append(joins[int(rng.integers(len(joins)))])
+        text = "".join(parts).rstrip()
+        sep = SEP if rng.random() < 0.6 else ALT_SEPS[int(rng.integers(len(ALT_SEPS)))]
+        return text + sep + text
 
     def encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
@@ -215,6 +230,8 @@ class Mixture:
         return lines
 
     def document(self, rng: np.random.Generator) -> str:
+        if self.synth_active and rng.random() < self.synth_share:
+            return self.synthetic(rng)
         r = rng.random()
         if r < self.copy_share:
             n_tok = int(rng.integers(12, int(self.seq_len * 0.48)))
@@ -241,17 +258,24 @@ class Mixture:
 
     def batch(self, seed: int, step: int, batch_size: int) -> torch.Tensor:
         rng = np.random.default_rng([seed, step])
+        self.synth_active = self.synth_share > 0 and step >= self.synth_from_step
         return torch.tensor([self.sequence(rng) for _ in range(batch_size)], dtype=torch.long)
 
 
 # ============================================================================================ evaluation sets
 
 
-def build_eval_prompts(corpus: Corpus, tok, seed: int, n_copy: int, n_free: int, cpt: float) -> list[dict]:
+def build_eval_prompts(corpus: Corpus, tok, seed: int, n_copy: int, n_free: int, cpt: float,
+                       max_total: int = 384) -> list[dict]:
     """Held-out prompts. copy: excerpt + SEP + its first lines (prompt ends in a non-space character, so
-    tokenize(prompt) + tokenize(continuation) == tokenize(prompt + continuation)); free: file lines to continue."""
+    tokenize(prompt) + tokenize(continuation) == tokenize(prompt + continuation)); free: file lines to continue.
+    Prompt + reference continuation fit in ``max_total`` tokens (the training sequence length)."""
     rng = np.random.default_rng([seed, 999_999])
     prompts: list[dict] = []
+
+    def n_tokens(p: dict) -> int:
+        return len(tok(p["prompt"] + p["reference_continuation"], add_special_tokens=False)["input_ids"])
+
     tries = 0
     while len([p for p in prompts if p["kind"] == "copy"]) < n_copy and tries < 10_000:
         tries += 1
@@ -264,11 +288,13 @@ def build_eval_prompts(corpus: Corpus, tok, seed: int, n_copy: int, n_free: int,
         if not lines[k - 1].strip():
             continue
         excerpt = "\n".join(lines)
-        prompts.append({
+        p = {
             "kind": "copy",
             "prompt": excerpt + SEP + "\n".join(lines[:k]),
             "reference_continuation": "\n" + "\n".join(lines[k:]),
-        })
+        }
+        if n_tokens(p) <= max_total:
+            prompts.append(p)
     tries = 0
     while len([p for p in prompts if p["kind"] == "free"]) < n_free and tries < 10_000:
         tries += 1
@@ -278,11 +304,13 @@ def build_eval_prompts(corpus: Corpus, tok, seed: int, n_copy: int, n_free: int,
             k -= 1
         if k < 3 or len(lines) - k < 3:
             continue
-        prompts.append({
+        p = {
             "kind": "free",
             "prompt": "\n".join(lines[:k]),
             "reference_continuation": "\n" + "\n".join(lines[k:]),
-        })
+        }
+        if n_tokens(p) <= max_total:
+            prompts.append(p)
     return prompts
 
 
@@ -785,7 +813,10 @@ def export(args, tok, trunk: dict, mtp: dict, prompts: list[dict], corpus: Corpu
 
     loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     loaded.eval()
-    ref = model.to(torch.bfloat16).float().eval()  # the same weights, rounded as stored
+    ref = model.eval()
+    with torch.no_grad():  # the same weights, rounded as stored (parameters only: buffers such as inv_freq stay fp32)
+        for prm in ref.parameters():
+            prm.copy_(prm.to(torch.bfloat16).float())
     x = mix.batch(args.seed + 31337, 0, 2)[:, :200]
     with torch.no_grad():
         a = loaded(input_ids=x).logits
@@ -863,6 +894,9 @@ def parse_args(argv=None):
     ap.add_argument("--seq-len", type=int, default=384)
     ap.add_argument("--batch", type=int, default=12)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="training compute (bf16 = autocast)")
+    ap.add_argument("--synth-share", type=float, default=0.15,
+                    help="share of synthetic 'random identifiers, separator, same again' documents (induction)")
+    ap.add_argument("--synth-from-step", type=int, default=0, help="synthetic documents only from this step on")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--max-steps", type=int, default=0, help="0: limited by --trunk-minutes only")
@@ -911,8 +945,8 @@ def main(argv=None) -> None:
     log(f"tokenizer: vocab {len(tok)}, {cpt:.2f} chars/token")
     if args.stage == "tokenizer":
         return
-    mix = Mixture(corpus, tok, args.seq_len, cpt)
-    prompts = build_eval_prompts(corpus, tok, args.seed, args.eval_copy, args.eval_free, cpt)
+    mix = Mixture(corpus, tok, args.seq_len, cpt, synth_share=args.synth_share, synth_from_step=args.synth_from_step)
+    prompts = build_eval_prompts(corpus, tok, args.seed, args.eval_copy, args.eval_free, cpt, args.seq_len)
     probe = [p for p in prompts if p["kind"] == "copy"][: args.probe_prompts]
     trunk = train_trunk(args, corpus, tok, mix, probe, device)
     if args.stage == "trunk":
