@@ -32,32 +32,12 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, Qwen3_5TextConfig
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from lattice_inference.targets.hybrid import KERNELS, HybridTarget
+from lattice_inference.toy import qwen35_08b_shape_config
 
 KS = (1, 2, 4, 8, 16)
-
-
-def qwen35_08b_config() -> Qwen3_5TextConfig:
-    """The assumed Qwen3.5-0.8B text shape (not read from a hub checkpoint)."""
-    return Qwen3_5TextConfig(
-        vocab_size=248320,
-        hidden_size=1024,
-        intermediate_size=3584,
-        num_hidden_layers=24,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-    )
 
 
 class PlainDecoder:
@@ -111,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_config(qwen35_08b_config(), dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_config(qwen35_08b_shape_config(), dtype=torch.bfloat16).eval()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.0f} M params, bfloat16, built in {time.perf_counter() - t0:.1f} s")
     vocab = model.config.vocab_size

@@ -28,33 +28,12 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, Qwen3_5TextConfig
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from lattice_inference.mtp import MtpConfig, MtpHead, MtpWeights
+from lattice_inference.toy import qwen35_08b_shape_config
 
 CATCH_UP = (1, 4, 8)
-
-
-def qwen35_08b_config() -> Qwen3_5TextConfig:
-    """The assumed Qwen3.5-0.8B text shape (same as bench_hybrid_verify.py)."""
-    return Qwen3_5TextConfig(
-        vocab_size=248320,
-        hidden_size=1024,
-        intermediate_size=3584,
-        num_hidden_layers=24,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-        mtp_num_hidden_layers=1,
-    )
 
 
 def random_mtp(cfg: MtpConfig, embed: torch.Tensor, std: float = 0.02) -> MtpWeights:
@@ -108,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     print("command:", shlex.join([sys.executable, *sys.argv]))
 
     torch.manual_seed(0)
-    hf_config = qwen35_08b_config()
+    hf_config = qwen35_08b_shape_config()
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
     n_params = sum(p.numel() for p in model.parameters())

@@ -93,6 +93,33 @@ def toy_config(arch: str = "qwen3", vocab_size: int = TOY_VOCAB, **overrides: ob
     return AutoConfig.for_model(arch, **kwargs)
 
 
+def qwen35_08b_shape_config(**overrides: object) -> PretrainedConfig:
+    """The assumed Qwen3.5-0.8B text shape, for benchmarks (not read from a hub checkpoint): hidden 1024, 24 layers
+    (18 Gated DeltaNet + 6 gated full attention), 8/2 heads of 256, delta-net 16/16 heads of 128, intermediate
+    3584, vocab 248320, tied embeddings, one MTP layer."""
+    from transformers import Qwen3_5TextConfig
+
+    kwargs: dict[str, object] = dict(
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        mtp_num_hidden_layers=1,
+    )
+    return Qwen3_5TextConfig(**{**kwargs, **overrides})
+
+
 TOY_ARCHITECTURES = ("qwen3", "llama", "qwen2", "mistral", "gemma", "gemma2", "phi3")
 
 
