@@ -19,6 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from lattice_inference.errors import TokenError, UnsupportedModelError
+from lattice_inference.targets.kv_cache import use_growable_layers
 
 
 def recurrent_layer_count(model: PreTrainedModel) -> int:
@@ -98,7 +99,7 @@ class CausalLMTarget:
 
     def _new_cache(self) -> None:
         """Start from an empty cache that records past states so that it can be cropped."""
-        self._cache = DynamicCache(config=self.model.config)
+        self._cache = use_growable_layers(DynamicCache(config=self.model.config))
         self._cache.activate_past_recording()
         self._length = 0
 

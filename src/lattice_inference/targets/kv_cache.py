@@ -1,0 +1,87 @@
+"""A position-indexed KV cache layer: rollback is a matter of where the next write goes.
+
+transformers' ``DynamicLayer`` appends with ``torch.cat``, which copies the whole cache on every forward (and a
+crop slices, so the next append copies again): O(context) work per decode step, a real cost for grounded tasks
+with long prompts. `GrowableLayer` keeps one buffer with spare capacity (doubling when full), writes new keys and
+values in place at the current length, and returns views of the filled part; ``crop`` only moves the length.
+It is a drop-in for ``DynamicLayer`` inside a ``DynamicCache`` (same update/crop/get_seq_length contract).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+MIN_CAPACITY = 256
+
+
+class GrowableLayer(DynamicLayer):
+    """A full-attention cache layer over a preallocated buffer (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._filled = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def _reserve(self, needed: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        capacity = 0 if self._k is None else self._k.shape[-2]
+        if needed <= capacity:
+            return
+        size = max(needed, 2 * capacity, MIN_CAPACITY)
+        new_k = keys.new_empty((*keys.shape[:-2], size, keys.shape[-1]))
+        new_v = values.new_empty((*values.shape[:-2], size, values.shape[-1]))
+        if self._filled:
+            assert self._k is not None and self._v is not None
+            new_k[..., : self._filled, :] = self._k[..., : self._filled, :]
+            new_v[..., : self._filled, :] = self._v[..., : self._filled, :]
+        self._k, self._v = new_k, new_v
+
+    def _expose(self) -> None:
+        assert self._k is not None and self._v is not None
+        self.keys = self._k[..., : self._filled, :]
+        self.values = self._v[..., : self._filled, :]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``key_states``/``value_states`` at the current length; return every cached key and value."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self._filled + key_states.shape[-2]
+        self._reserve(end, key_states, value_states)
+        assert self._k is not None and self._v is not None
+        self._k[..., self._filled : end, :] = key_states
+        self._v[..., self._filled : end, :] = value_states
+        self._filled = end
+        self._expose()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._filled
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` positions (transformers 5 convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or self._k is None:
+            return
+        if -tokens_to_remove > self._filled:
+            raise ValueError(f"cannot remove {-tokens_to_remove} tokens from a cache of {self._filled}")
+        self._filled += tokens_to_remove
+        self._expose()
+
+    def reset(self) -> None:
+        super().reset()
+        self._filled = 0
+        self._k = self._v = None
+
+
+def use_growable_layers(cache: DynamicCache) -> DynamicCache:
+    """Replace every plain ``DynamicLayer`` of ``cache`` (full attention) by a `GrowableLayer`, in place.
+
+    Sliding-window, linear-attention and other special layers are left as they are.
+    """
+    cache.layers = [GrowableLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache

@@ -1,0 +1,49 @@
+"""`GrowableLayer` behaves exactly like transformers' ``DynamicLayer`` under appends and crops."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from lattice_inference.targets import TransformersTarget
+from lattice_inference.targets.kv_cache import MIN_CAPACITY, GrowableLayer
+from lattice_inference.toy import toy_config, toy_model
+
+
+def test_matches_dynamic_layer_under_random_appends_and_crops():
+    rng = random.Random(0)
+    ours, ref = GrowableLayer(), DynamicLayer()
+    for _ in range(200):
+        if rng.random() < 0.7 or ref.get_seq_length() == 0:
+            n = rng.choice([1, 1, 3, 17, 300])
+            k, v = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 4)
+            got, want = ours.update(k, v), ref.update(k, v)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        else:
+            drop = rng.randint(0, ref.get_seq_length())
+            ours.crop(-drop)
+            ref.crop(-drop)
+        assert ours.get_seq_length() == ref.get_seq_length()
+        assert ours.get_mask_sizes(1) == ref.get_mask_sizes(1)
+    assert ours._k.shape[-2] >= MIN_CAPACITY
+
+
+def test_crop_errors_and_reset():
+    layer = GrowableLayer()
+    layer.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+    with pytest.raises(ValueError, match="negative count"):
+        layer.crop(2)
+    with pytest.raises(ValueError, match="cannot remove 4 tokens from a cache of 3"):
+        layer.crop(-4)
+    layer.reset()
+    assert layer.get_seq_length() == 0
+
+
+def test_targets_use_it_for_full_attention_only():
+    target = TransformersTarget(toy_model(toy_config("gemma2")))
+    target.prefill([1, 2, 3])
+    kinds = {type(layer).__name__ for layer in target.cache.layers}
+    assert kinds == {"GrowableLayer", "DynamicSlidingWindowLayer"}
