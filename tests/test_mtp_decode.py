@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
 from lattice_inference import Generator
 from lattice_inference.cli import main
@@ -22,8 +22,11 @@ from lattice_inference.mtp.testing import random_mtp_tensors
 from lattice_inference.toy import byte_tokenizer
 
 
-def tiny_config(vocab: int) -> Qwen3_5TextConfig:
-    return Qwen3_5TextConfig(
+def tiny_config(vocab: int, moe: bool = False) -> Qwen3_5TextConfig:
+    config_class = Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig
+    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    return config_class(
+        **(extra if moe else {}),
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=96,
@@ -45,10 +48,11 @@ def tiny_config(vocab: int) -> Qwen3_5TextConfig:
     )
 
 
-def write_model(path, *, init_std: float, head: str, seed: int = 0):
-    """Save a tiny Qwen3.5 text model plus ``mtp.*`` tensors (``random`` or ``echo``) and the byte tokenizer."""
+def write_model(path, *, init_std: float, head: str, seed: int = 0, moe: bool = False):
+    """Save a tiny Qwen3.5 (or Qwen3.5-MoE) text model plus ``mtp.*`` tensors (``random`` or ``echo``) and the
+    byte tokenizer."""
     tok = byte_tokenizer()
-    cfg = tiny_config(len(tok))
+    cfg = tiny_config(len(tok), moe)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
@@ -59,7 +63,7 @@ def write_model(path, *, init_std: float, head: str, seed: int = 0):
     tok.save_pretrained(path)
     mcfg = MtpConfig.from_hf_config(path)
     mtp = {
-        k: v for k, v in random_mtp_tensors(mcfg, "qwen3_5_text", std=0.3, seed=seed).items() if k.startswith("mtp.")
+        k: v for k, v in random_mtp_tensors(mcfg, cfg.model_type, std=0.3, seed=seed).items() if k.startswith("mtp.")
     }
     if head == "echo":
         h = cfg.hidden_size
@@ -79,6 +83,7 @@ def models(tmp_path_factory):
     return {
         "echo-looping": write_model(root / "echo", init_std=0.02, head="echo"),
         "random-diverse": write_model(root / "rand", init_std=0.3, head="random", seed=1),
+        "moe-echo": write_model(root / "moe", init_std=0.05, head="echo", seed=2, moe=True),
     }
 
 
@@ -116,6 +121,19 @@ def greedy_runs(models):
 
 
 NEW = 24
+
+
+def test_ngram_equals_greedy_on_hybrids(greedy_runs):
+    """Prompt lookup on hybrid dense and MoE models: exact recurrent-state rollback keeps it lossless."""
+    drafted = accepted = 0
+    for greedy, expected in greedy_runs.values():
+        ngram = Generator(greedy.model, greedy.tokenizer, method="ngram", min_ngram=1, max_draft=5)
+        for prompt, want in expected:
+            got = ngram.generate(prompt, max_new_tokens=NEW)
+            assert got.token_ids == want, prompt
+            drafted += got.metrics.drafted_tokens
+            accepted += got.metrics.accepted_tokens
+    assert 0 < accepted < drafted
 
 
 @pytest.mark.parametrize("draft_length", [2, 4])
