@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from lattice_inference.drafters.base import Drafter
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.metrics import GenerationMetrics
@@ -53,6 +55,7 @@ class SpeculativeDecoder:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.metrics = GenerationMetrics()
         self.stop_reason = ""
+        self._wants_hidden = False
 
     def _validate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         if not prompt_ids:
@@ -93,15 +96,10 @@ class SpeculativeDecoder:
         if max_new_tokens == 0:
             return
         target, drafter = self.target, self.drafter
-        wants_hidden = bool(getattr(drafter, "uses_hidden_states", False))
-        if wants_hidden:
-            if not hasattr(target, "capture_hidden"):
-                raise ConfigError(f"the drafter needs hidden states, which {type(target).__name__} cannot provide")
-            target.capture_hidden = True
+        self._capture_hidden_if_needed()
         start = time.perf_counter()
         first = [int(target.prefill(prompt_ids).argmax())]
-        if wants_hidden:
-            hidden = target.last_hidden
+        hidden = self._hidden_rows(len(prompt_ids))
         m.prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         self.stop_reason = ""
@@ -109,9 +107,7 @@ class SpeculativeDecoder:
         m.new_tokens = len(out)
         if drafter is not None:
             drafter.reset(prompt_ids)
-            drafter.extend(first)
-            if wants_hidden:
-                drafter.observe(hidden, 0)
+            self._inform_drafter(first, hidden, 0)
         try:
             if out:
                 yield out
@@ -123,22 +119,39 @@ class SpeculativeDecoder:
                     draft = drafter.propose(min(self.max_draft, remaining - 1))[: remaining - 1]
                 position = target.length
                 verdict = verify_greedy(draft, greedy_choices(target.forward([pending, *draft])))
-                if wants_hidden:
-                    hidden = target.last_hidden[: verdict.accepted + 1]
+                hidden = self._hidden_rows(verdict.accepted + 1)  # before rollback, which may run the model
                 target.rollback(position + 1 + verdict.accepted)
                 m.record_round(len(draft), verdict.accepted)
                 out = self._emit(verdict.tokens, remaining)
                 m.new_tokens += len(out)
-                if drafter is not None:
-                    drafter.extend(verdict.tokens)
-                    if wants_hidden:
-                        drafter.observe(hidden, position)
+                self._inform_drafter(verdict.tokens, hidden, position)
                 pending = verdict.tokens[-1]
                 if out:
                     yield out
         finally:
             m.decode_s = time.perf_counter() - start
             m.drafter_forwards = int(getattr(drafter, "forward_count", 0))
+
+    def _capture_hidden_if_needed(self) -> None:
+        """Switch the target's hidden-state capture on when the drafter reads hidden states."""
+        self._wants_hidden = bool(getattr(self.drafter, "uses_hidden_states", False))
+        if self._wants_hidden:
+            if not hasattr(self.target, "capture_hidden"):
+                name = type(self.target).__name__
+                raise ConfigError(f"the drafter needs hidden states, which {name} cannot provide")
+            self.target.capture_hidden = True
+
+    def _hidden_rows(self, n: int) -> torch.Tensor | None:
+        """The first ``n`` hidden-state rows of the target's last forward, if the drafter wants them."""
+        return self.target.last_hidden[:n] if self._wants_hidden else None
+
+    def _inform_drafter(self, tokens: list[int], hidden: torch.Tensor | None, position: int) -> None:
+        """Hand accepted tokens (and the target hiddens of the positions that produced them) to the drafter."""
+        if self.drafter is None:
+            return
+        self.drafter.extend(tokens)
+        if hidden is not None:
+            self.drafter.observe(hidden, position)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> GenerationResult:
         """Run `stream` to the end and return every generated token with the metrics."""
