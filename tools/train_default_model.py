@@ -189,6 +189,8 @@ class Mixture:
         self.copy_share, self.repeat_share = copy_share, repeat_share
         self.synth_share, self.synth_from_step = synth_share, synth_from_step
         self.synth_active = False
+        self.synth_now = synth_share
+        self.synth_schedule: list[tuple[int, float]] = []
         self.eos_id = tok.convert_tokens_to_ids(EOS)
 
     def synthetic(self, rng: np.random.Generator) -> str:
@@ -230,7 +232,7 @@ class Mixture:
         return lines
 
     def document(self, rng: np.random.Generator) -> str:
-        if self.synth_active and rng.random() < self.synth_share:
+        if self.synth_active and rng.random() < self.synth_now:
             return self.synthetic(rng)
         r = rng.random()
         if r < self.copy_share:
@@ -259,6 +261,10 @@ class Mixture:
     def batch(self, seed: int, step: int, batch_size: int) -> torch.Tensor:
         rng = np.random.default_rng([seed, step])
         self.synth_active = self.synth_share > 0 and step >= self.synth_from_step
+        self.synth_now = self.synth_share
+        for from_step, share in self.synth_schedule:
+            if step >= from_step:
+                self.synth_active, self.synth_now = share > 0, share
         return torch.tensor([self.sequence(rng) for _ in range(batch_size)], dtype=torch.long)
 
 
@@ -897,6 +903,8 @@ def parse_args(argv=None):
     ap.add_argument("--synth-share", type=float, default=0.15,
                     help="share of synthetic 'random identifiers, separator, same again' documents (induction)")
     ap.add_argument("--synth-from-step", type=int, default=0, help="synthetic documents only from this step on")
+    ap.add_argument("--synth-schedule", default="", help="STEP:SHARE,... piecewise-constant synthetic share "
+                    "(overrides --synth-share from each STEP on)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--max-steps", type=int, default=0, help="0: limited by --trunk-minutes only")
@@ -946,6 +954,8 @@ def main(argv=None) -> None:
     if args.stage == "tokenizer":
         return
     mix = Mixture(corpus, tok, args.seq_len, cpt, synth_share=args.synth_share, synth_from_step=args.synth_from_step)
+    if args.synth_schedule:
+        mix.synth_schedule = sorted((int(a), float(b)) for a, b in (x.split(":") for x in args.synth_schedule.split(",")))
     prompts = build_eval_prompts(corpus, tok, args.seed, args.eval_copy, args.eval_free, cpt, args.seq_len)
     probe = [p for p in prompts if p["kind"] == "copy"][: args.probe_prompts]
     trunk = train_trunk(args, corpus, tok, mix, probe, device)
