@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -107,13 +106,20 @@ class Corpus:
         sizes = np.array([sum(len(x) + 1 for x in lines) for _, lines in self.train], dtype=np.float64)
         self.weights = sizes / sizes.sum()
         self.identifiers: list[str] = sorted(
-            {w for _, lines in self.train[:200] for ln in lines[:200] for w in re.findall(r"\b[a-z_][a-z0-9_]{2,11}\b", ln)}
+            {
+                w
+                for _, lines in self.train[:200]
+                for ln in lines[:200]
+                for w in re.findall(r"\b[a-z_][a-z0-9_]{2,11}\b", ln)
+            }
         )
 
     def train_texts(self) -> list[str]:
         return ["\n".join(lines) + "\n" for _, lines in self.train]
 
-    def window(self, rng: np.random.Generator, n_chars: int, held: bool = False, nonblank_start: bool = True) -> list[str]:
+    def window(
+        self, rng: np.random.Generator, n_chars: int, held: bool = False, nonblank_start: bool = True
+    ) -> list[str]:
         """Consecutive lines of one file (chosen by size), at least ``n_chars`` long when the file allows."""
         files = self.held if held else self.train
         if held:
@@ -182,8 +188,17 @@ class Mixture:
     identifier, a deleted / duplicated line, a changed number); file text with an earlier span repeated later.
     """
 
-    def __init__(self, corpus: Corpus, tok, seq_len: int, chars_per_token: float, copy_share: float = 0.45,
-                 repeat_share: float = 0.2, synth_share: float = 0.0, synth_from_step: int = 0) -> None:
+    def __init__(
+        self,
+        corpus: Corpus,
+        tok,
+        seq_len: int,
+        chars_per_token: float,
+        copy_share: float = 0.45,
+        repeat_share: float = 0.2,
+        synth_share: float = 0.0,
+        synth_from_step: int = 0,
+    ) -> None:
         self.corpus, self.tok, self.seq_len = corpus, tok, seq_len
         self.cpt = chars_per_token
         self.copy_share, self.repeat_share = copy_share, repeat_share
@@ -199,7 +214,7 @@ class Mixture:
         n = int(rng.integers(6, 40))
         joins = [" ", ", ", "\n", ".", "(", " = ", "\n    "]
         parts = []
-        for i in range(n):
+        for _i in range(n):
             parts.append(ids[int(rng.integers(len(ids)))])
             parts.append(joins[int(rng.integers(len(joins)))])
         text = "".join(parts).rstrip()
@@ -255,7 +270,7 @@ class Mixture:
     def sequence(self, rng: np.random.Generator) -> list[int]:
         ids: list[int] = []
         while len(ids) < self.seq_len + 1:
-            ids += self.encode(self.document(rng)) + [self.eos_id]
+            ids += [*self.encode(self.document(rng)), self.eos_id]
         return ids[: self.seq_len + 1]
 
     def batch(self, seed: int, step: int, batch_size: int) -> torch.Tensor:
@@ -271,8 +286,9 @@ class Mixture:
 # ============================================================================================ evaluation sets
 
 
-def build_eval_prompts(corpus: Corpus, tok, seed: int, n_copy: int, n_free: int, cpt: float,
-                       max_total: int = 384) -> list[dict]:
+def build_eval_prompts(
+    corpus: Corpus, tok, seed: int, n_copy: int, n_free: int, cpt: float, max_total: int = 384
+) -> list[dict]:
     """Held-out prompts. copy: excerpt + SEP + its first lines (prompt ends in a non-space character, so
     tokenize(prompt) + tokenize(continuation) == tokenize(prompt + continuation)); free: file lines to continue.
     Prompt + reference continuation fit in ``max_total`` tokens (the training sequence length)."""
@@ -335,8 +351,12 @@ def repeated_4gram_rate(tokens: list[int]) -> float:
 def greedy(model, ids: list[int], max_new: int, eos_id: int, device) -> list[int]:
     inp = torch.tensor([ids], device=device)
     out = model.generate(
-        inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new, do_sample=False,
-        eos_token_id=eos_id, pad_token_id=eos_id,
+        inp,
+        attention_mask=torch.ones_like(inp),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
     )
     return out[0, len(ids) :].tolist()
 
@@ -353,7 +373,7 @@ def copy_probe(model, tok, prompts: list[dict], max_new: int, device) -> dict:
         ids = tok(p["prompt"], add_special_tokens=False)["input_ids"]
         out = greedy(model, ids, len(ref), eos_id, device)
         out = out + [-1] * (len(ref) - len(out))
-        match += sum(int(a == b) for a, b in zip(out, ref))
+        match += sum(int(a == b) for a, b in zip(out, ref, strict=False))
         total += len(ref)
         n = 0
         while n < len(ref) and out[n] == ref[n]:
@@ -371,10 +391,20 @@ def make_config(args, tok):
     vocab = len(tok)
     eos_id = tok.convert_tokens_to_ids(EOS)
     common = dict(
-        vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim, tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
-        bos_token_id=None, eos_token_id=eos_id, pad_token_id=eos_id, initializer_range=0.02,
+        vocab_size=vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        initializer_range=0.02,
     )
     if args.arch == "qwen3":
         from transformers import Qwen3Config
@@ -383,14 +413,20 @@ def make_config(args, tok):
     from transformers import Qwen3_5TextConfig
 
     pattern = args.layer_pattern.split(",")
-    layer_types = [("full_attention" if pattern[i % len(pattern)] == "F" else "linear_attention") for i in range(args.layers)]
+    layer_types = [
+        ("full_attention" if pattern[i % len(pattern)] == "F" else "linear_attention") for i in range(args.layers)
+    ]
     return Qwen3_5TextConfig(
         **common,
         layer_types=layer_types,
-        linear_conv_kernel_dim=4, linear_key_head_dim=args.head_dim, linear_value_head_dim=args.head_dim,
-        linear_num_key_heads=args.gdn_k_heads, linear_num_value_heads=args.gdn_v_heads,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=args.head_dim,
+        linear_value_head_dim=args.head_dim,
+        linear_num_key_heads=args.gdn_k_heads,
+        linear_num_value_heads=args.gdn_v_heads,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False,
+        mtp_num_hidden_layers=1,
+        mtp_use_dedicated_embeddings=False,
     )
 
 
@@ -436,12 +472,12 @@ def heldout_batches(corpus: Corpus, mix: Mixture, seed: int, n: int) -> dict[str
     for _ in range(n):
         ids: list[int] = []
         while len(ids) < mix.seq_len + 1:
-            ids += mix.encode("\n".join(corpus.window(rng, int(mix.seq_len * mix.cpt), held=True))) + [mix.eos_id]
+            ids += [*mix.encode("\n".join(corpus.window(rng, int(mix.seq_len * mix.cpt), held=True))), mix.eos_id]
         plain.append(ids[: mix.seq_len + 1])
         ids = []
         while len(ids) < mix.seq_len + 1:
             lines = corpus.window(rng, int(int(rng.integers(40, int(mix.seq_len * 0.45))) * mix.cpt), held=True)
-            ids += mix.encode("\n".join(lines) + SEP + "\n".join(lines)) + [mix.eos_id]
+            ids += [*mix.encode("\n".join(lines) + SEP + "\n".join(lines)), mix.eos_id]
         copy.append(ids[: mix.seq_len + 1])
     return {"plain": torch.tensor(plain), "copy": torch.tensor(copy)}
 
@@ -461,15 +497,24 @@ def train_trunk(args, corpus: Corpus, tok, mix: Mixture, probe_prompts: list[dic
     n_params = sum(p.numel() for p in model.parameters())
     log(f"trunk {config.model_type}: {n_params / 1e6:.2f}M parameters, layers {getattr(config, 'layer_types', None)}")
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         (no_decay if p.dim() < 2 else decay).append(p)
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     sched = LrSchedule(args.lr, args.warmup)
-    state = {"step": 0, "elapsed": 0.0, "tokens": 0, "history": [], "deadline": args.trunk_minutes * 60.0,
-             "done": False, "best_probe": None}
+    state = {
+        "step": 0,
+        "elapsed": 0.0,
+        "tokens": 0,
+        "history": [],
+        "deadline": args.trunk_minutes * 60.0,
+        "done": False,
+        "best_probe": None,
+    }
     if args.resume and ckpt_path.exists():
         ck = torch.load(ckpt_path, map_location=device, weights_only=False)
         model.load_state_dict(ck["model"])
@@ -492,19 +537,29 @@ def train_trunk(args, corpus: Corpus, tok, mix: Mixture, probe_prompts: list[dic
 
     def checkpoint() -> None:
         state["elapsed"] = time.time() - t_start
-        save_ckpt(ckpt_path, {"model": model.state_dict(), "opt": opt.state_dict(), "state": state,
-                              "config": config.to_dict()})
+        save_ckpt(
+            ckpt_path,
+            {"model": model.state_dict(), "opt": opt.state_dict(), "state": state, "config": config.to_dict()},
+        )
 
     def evaluate(final: bool = False) -> dict:
         t0 = time.time()
         hl = heldout_losses(model, held, device)
         pr = copy_probe(model, tok, probe_prompts, args.probe_tokens, device)
-        rec = {"step": state["step"], "tokens": state["tokens"], "minutes": (time.time() - t_start) / 60,
-               "heldout_plain": hl["plain"], "heldout_copy": hl["copy"], **{f"probe_{k}": v for k, v in pr.items()}}
+        rec = {
+            "step": state["step"],
+            "tokens": state["tokens"],
+            "minutes": (time.time() - t_start) / 60,
+            "heldout_plain": hl["plain"],
+            "heldout_copy": hl["copy"],
+            **{f"probe_{k}": v for k, v in pr.items()},
+        }
         state["history"].append(rec)
-        log(f"EVAL step {state['step']} tokens {state['tokens'] / 1e6:.2f}M | held-out loss plain {hl['plain']:.3f} "
+        log(
+            f"EVAL step {state['step']} tokens {state['tokens'] / 1e6:.2f}M | held-out loss plain {hl['plain']:.3f} "
             f"copy {hl['copy']:.3f} | copy probe {100 * pr['copy']:.1f}% (prefix {100 * pr['prefix']:.1f}%) "
-            f"rep4 {100 * pr['rep4']:.1f}% | eval {time.time() - t0:.0f}s" + (" [final]" if final else ""))
+            f"rep4 {100 * pr['rep4']:.1f}% | eval {time.time() - t0:.0f}s" + (" [final]" if final else "")
+        )
         return rec
 
     while True:
@@ -531,8 +586,10 @@ def train_trunk(args, corpus: Corpus, tok, mix: Mixture, probe_prompts: list[dic
         if state["step"] % args.log_every == 0:
             tps = win_tokens / (now - win_t0)
             remaining = state["deadline"] - (now - t_start)
-            log(f"step {state['step']} loss {loss_acc / loss_n:.3f} lr {lr:.2e} {tps:.0f} tok/s "
-                f"tokens {state['tokens'] / 1e6:.2f}M elapsed {(now - t_start) / 60:.1f}m ETA {remaining / 60:.1f}m")
+            log(
+                f"step {state['step']} loss {loss_acc / loss_n:.3f} lr {lr:.2e} {tps:.0f} tok/s "
+                f"tokens {state['tokens'] / 1e6:.2f}M elapsed {(now - t_start) / 60:.1f}m ETA {remaining / 60:.1f}m"
+            )
             win_tokens, win_t0, loss_acc, loss_n = 0, now, 0.0, 0
         if now - last_eval >= args.eval_every_min * 60:
             rec = evaluate()
@@ -542,8 +599,10 @@ def train_trunk(args, corpus: Corpus, tok, mix: Mixture, probe_prompts: list[dic
                 # reached the target: finish with a short learning-rate decay, then stop
                 elapsed_now = time.time() - t_start
                 state["deadline"] = min(state["deadline"], elapsed_now + args.final_decay_min * 60)
-                log(f"copy probe reached {100 * rec['probe_copy']:.1f}% >= target; decaying until "
-                    f"{state['deadline'] / 60:.1f} min")
+                log(
+                    f"copy probe reached {100 * rec['probe_copy']:.1f}% >= target; decaying until "
+                    f"{state['deadline'] / 60:.1f} min"
+                )
             win_t0 = time.time()
         if now - last_ckpt >= args.ckpt_every_min * 60:
             checkpoint()
@@ -600,8 +659,16 @@ class MtpTrainHead(nn.Module):
         self.gate_proj = nn.Linear(h, inter, bias=False)
         self.up_proj = nn.Linear(h, inter, bias=False)
         self.down_proj = nn.Linear(inter, h, bias=False)
-        for lin in (self.fc, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj,
-                    self.down_proj):
+        for lin in (
+            self.fc,
+            self.q_proj,
+            self.k_proj,
+            self.v_proj,
+            self.o_proj,
+            self.gate_proj,
+            self.up_proj,
+            self.down_proj,
+        ):
             nn.init.normal_(lin.weight, std=0.02)
 
     def init_from_trunk(self, model) -> None:
@@ -626,10 +693,12 @@ class MtpTrainHead(nn.Module):
             self.fc.weight[:, : self.h].normal_(std=0.02)
 
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, embed: torch.Tensor):
-        b, n, h = hidden.shape
+        b, n, _h = hidden.shape
         eps, n_h, n_kv, hd = self.eps, self.n_h, self.n_kv, self.hd
         emb = F.embedding(next_tokens, embed)
-        x = self.fc(torch.cat([_gnorm(emb, self.pre_fc_norm_embedding, eps), _gnorm(hidden, self.pre_fc_norm_hidden, eps)], -1))
+        x = self.fc(
+            torch.cat([_gnorm(emb, self.pre_fc_norm_embedding, eps), _gnorm(hidden, self.pre_fc_norm_hidden, eps)], -1)
+        )
         residual = x
         y = _gnorm(x, self.input_layernorm, eps)
         qg = self.q_proj(y).view(b, n, n_h, 2 * hd)
@@ -650,8 +719,9 @@ class MtpTrainHead(nn.Module):
         groups = n_h // n_kv
         k = k.repeat_interleave(groups, dim=2)
         v = v.repeat_interleave(groups, dim=2)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=True, scale=hd**-0.5)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=hd**-0.5
+        )
         attn = attn.transpose(1, 2).reshape(b, n, n_h * hd)
         x = residual + self.o_proj(attn * torch.sigmoid(gate))
         residual = x
@@ -765,8 +835,10 @@ def train_mtp(args, corpus, tok, mix, trunk: dict, device) -> dict:
         n_loss += 1
         now = time.time()
         if state["step"] % args.log_every == 0:
-            log(f"MTP step {state['step']} loss {acc_loss / n_loss:.3f} lr {lr:.2e} {win_tok / (now - win_t0):.0f} tok/s "
-                f"elapsed {(now - t_start) / 60:.1f}m ETA {(deadline - (now - t_start)) / 60:.1f}m")
+            log(
+                f"MTP step {state['step']} loss {acc_loss / n_loss:.3f} lr {lr:.2e} {win_tok / (now - win_t0):.0f} tok/s "
+                f"elapsed {(now - t_start) / 60:.1f}m ETA {(deadline - (now - t_start)) / 60:.1f}m"
+            )
             win_t0, win_tok, acc_loss, n_loss = now, 0, 0.0, 0
         if now - last_eval >= args.eval_every_min * 60:
             acc = mtp_accuracy(head, model, held, embed, device)
@@ -806,7 +878,9 @@ def export(args, tok, trunk: dict, mtp: dict, prompts: list[dict], corpus: Corpu
     config.dtype = "bfloat16"
     config.save_pretrained(str(out))
     eos_id = tok.convert_tokens_to_ids(EOS)
-    GenerationConfig(eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False, max_new_tokens=128).save_pretrained(str(out))
+    GenerationConfig(eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False, max_new_tokens=128).save_pretrained(
+        str(out)
+    )
     tok.save_pretrained(str(out))
     with open(out / "eval_prompts.jsonl", "w") as fh:
         for p in prompts:
@@ -828,7 +902,9 @@ def export(args, tok, trunk: dict, mtp: dict, prompts: list[dict], corpus: Corpu
         a = loaded(input_ids=x).logits
         b = ref(input_ids=x).logits
     trunk_diff = float((a - b).abs().max())
-    log(f"check: AutoModelForCausalLM.from_pretrained trunk logits max|diff| vs rounded training model = {trunk_diff:.2e}")
+    log(
+        f"check: AutoModelForCausalLM.from_pretrained trunk logits max|diff| vs rounded training model = {trunk_diff:.2e}"
+    )
     head_r = MtpTrainHead(config)
     head_r.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in head.state_dict().items()})
     head_r.eval()
@@ -845,8 +921,10 @@ def export(args, tok, trunk: dict, mtp: dict, prompts: list[dict], corpus: Corpu
     mtp_diff = float((lg_proj - lg_train[0]).abs().max())
     step_diff = float((l1 - lg_train[0, 50]).abs().max())
     agree = float((lg_proj.argmax(-1) == lg_train[0].argmax(-1)).float().mean())
-    log(f"check: load_mtp_head logits max|diff| vs training module = {mtp_diff:.2e} (forward_one {step_diff:.2e}), "
-        f"argmax agreement {100 * agree:.1f}%")
+    log(
+        f"check: load_mtp_head logits max|diff| vs training module = {mtp_diff:.2e} (forward_one {step_diff:.2e}), "
+        f"argmax agreement {100 * agree:.1f}%"
+    )
     files = {f.name: f.stat().st_size for f in sorted(out.iterdir())}
     ts, ms = trunk["state"], mtp["state"]
     report = {
@@ -854,19 +932,45 @@ def export(args, tok, trunk: dict, mtp: dict, prompts: list[dict], corpus: Corpu
         "seed": args.seed,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
-        "corpus": {"stdlib": str(corpus.root), "train_files": len(corpus.train), "heldout_files": len(corpus.held),
-                   "heldout": [r for r, _ in corpus.held]},
-        "architecture": {"model_type": config.model_type, "parameters_trunk": trunk["n_params"],
-                         "parameters_mtp": sum(p.numel() for p in head.parameters()),
-                         "layer_types": getattr(config, "layer_types", None), "hidden_size": config.hidden_size,
-                         "vocab_size": config.vocab_size, "seq_len": args.seq_len, "batch": args.batch,
-                         "train_dtype": args.dtype},
-        "trunk": {"steps": ts["step"], "tokens": ts["tokens"], "minutes": ts["elapsed"] / 60,
-                  "final": ts.get("final"), "history": ts["history"], "target_copy": args.target_copy},
-        "mtp": {"steps": ms["step"], "tokens": ms["tokens"], "minutes": ms["elapsed"] / 60, "init": ms.get("init"),
-                "final": ms.get("final"), "history": ms.get("history")},
-        "export_checks": {"trunk_logits_max_abs_diff": trunk_diff, "mtp_logits_max_abs_diff": mtp_diff,
-                          "mtp_forward_one_max_abs_diff": step_diff, "mtp_argmax_agreement": agree},
+        "corpus": {
+            "stdlib": str(corpus.root),
+            "train_files": len(corpus.train),
+            "heldout_files": len(corpus.held),
+            "heldout": [r for r, _ in corpus.held],
+        },
+        "architecture": {
+            "model_type": config.model_type,
+            "parameters_trunk": trunk["n_params"],
+            "parameters_mtp": sum(p.numel() for p in head.parameters()),
+            "layer_types": getattr(config, "layer_types", None),
+            "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size,
+            "seq_len": args.seq_len,
+            "batch": args.batch,
+            "train_dtype": args.dtype,
+        },
+        "trunk": {
+            "steps": ts["step"],
+            "tokens": ts["tokens"],
+            "minutes": ts["elapsed"] / 60,
+            "final": ts.get("final"),
+            "history": ts["history"],
+            "target_copy": args.target_copy,
+        },
+        "mtp": {
+            "steps": ms["step"],
+            "tokens": ms["tokens"],
+            "minutes": ms["elapsed"] / 60,
+            "init": ms.get("init"),
+            "final": ms.get("final"),
+            "history": ms.get("history"),
+        },
+        "export_checks": {
+            "trunk_logits_max_abs_diff": trunk_diff,
+            "mtp_logits_max_abs_diff": mtp_diff,
+            "mtp_forward_one_max_abs_diff": step_diff,
+            "mtp_argmax_agreement": agree,
+        },
         "separator": SEP,
         "files": files,
     }
@@ -880,7 +984,9 @@ def export(args, tok, trunk: dict, mtp: dict, prompts: list[dict], corpus: Corpu
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", default="/work/train/run")
-    ap.add_argument("--export-dir", default=str(Path(__file__).resolve().parents[1] / "src/lattice_inference/default_model"))
+    ap.add_argument(
+        "--export-dir", default=str(Path(__file__).resolve().parents[1] / "src/lattice_inference/default_model")
+    )
     ap.add_argument("--stage", default="all", choices=["all", "tokenizer", "trunk", "mtp", "export"])
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--seed", type=int, default=1234)
@@ -900,11 +1006,18 @@ def parse_args(argv=None):
     ap.add_argument("--seq-len", type=int, default=384)
     ap.add_argument("--batch", type=int, default=12)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="training compute (bf16 = autocast)")
-    ap.add_argument("--synth-share", type=float, default=0.15,
-                    help="share of synthetic 'random identifiers, separator, same again' documents (induction)")
+    ap.add_argument(
+        "--synth-share",
+        type=float,
+        default=0.15,
+        help="share of synthetic 'random identifiers, separator, same again' documents (induction)",
+    )
     ap.add_argument("--synth-from-step", type=int, default=0, help="synthetic documents only from this step on")
-    ap.add_argument("--synth-schedule", default="", help="STEP:SHARE,... piecewise-constant synthetic share "
-                    "(overrides --synth-share from each STEP on)")
+    ap.add_argument(
+        "--synth-schedule",
+        default="",
+        help="STEP:SHARE,... piecewise-constant synthetic share (overrides --synth-share from each STEP on)",
+    )
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--max-steps", type=int, default=0, help="0: limited by --trunk-minutes only")
@@ -923,7 +1036,9 @@ def parse_args(argv=None):
     ap.add_argument("--eval-copy", type=int, default=24)
     ap.add_argument("--eval-free", type=int, default=12)
     args = ap.parse_args(argv)
-    args.command_line = " ".join(shlex.quote(a) for a in ["tools/train_default_model.py", *(sys.argv[1:] if argv is None else argv)])
+    args.command_line = " ".join(
+        shlex.quote(a) for a in ["tools/train_default_model.py", *(sys.argv[1:] if argv is None else argv)]
+    )
     return args
 
 
@@ -955,7 +1070,9 @@ def main(argv=None) -> None:
         return
     mix = Mixture(corpus, tok, args.seq_len, cpt, synth_share=args.synth_share, synth_from_step=args.synth_from_step)
     if args.synth_schedule:
-        mix.synth_schedule = sorted((int(a), float(b)) for a, b in (x.split(":") for x in args.synth_schedule.split(",")))
+        mix.synth_schedule = sorted(
+            (int(a), float(b)) for a, b in (x.split(":") for x in args.synth_schedule.split(","))
+        )
     prompts = build_eval_prompts(corpus, tok, args.seed, args.eval_copy, args.eval_free, cpt, args.seq_len)
     probe = [p for p in prompts if p["kind"] == "copy"][: args.probe_prompts]
     trunk = train_trunk(args, corpus, tok, mix, probe, device)
