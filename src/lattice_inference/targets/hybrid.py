@@ -88,6 +88,28 @@ def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     return x * inv_norm
 
 
+def _kernel_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor,
+    use_qk_l2norm: bool,
+) -> list[torch.Tensor]:
+    """Kernel inputs as transformers' delta-rule kernels prepare them: grouped k heads repeated to the v heads,
+    ``[batch, heads, seq, ...]`` float32, q and k L2-normalised when asked (scaling is left to the caller)."""
+    num_k_heads, num_v_heads = key.shape[2], value.shape[-2]
+    if num_k_heads != num_v_heads:
+        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    fmt = torch.contiguous_format
+    out = [x.transpose(1, 2).to(torch.float32, memory_format=fmt) for x in (query, key, value, beta, g)]
+    if use_qk_l2norm:
+        out[0] = _l2norm(out[0], dim=-1, eps=1e-6)
+        out[1] = _l2norm(out[1], dim=-1, eps=1e-6)
+    return out
+
+
 def recurrent_gated_delta_rule_with_states(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -110,17 +132,8 @@ def recurrent_gated_delta_rule_with_states(
     ``g``/``beta`` ``[batch, seq, v_heads]``.
     """
     initial_dtype = query.dtype
-    _, sequence_length, num_k_heads, _ = key.shape
-    num_v_heads = value.shape[-2]
-    if num_k_heads != num_v_heads:
-        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-    query, key, value, beta, decay = [
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (query, key, value, beta, g)
-    ]
-    if use_qk_l2norm_in_kernel:
-        query = _l2norm(query, dim=-1, eps=1e-6)
-        key = _l2norm(key, dim=-1, eps=1e-6)
+    sequence_length = key.shape[1]
+    query, key, value, beta, decay = _kernel_inputs(query, key, value, beta, g, use_qk_l2norm_in_kernel)
     query = query / (query.shape[-1] ** 0.5)
 
     state_shape = (sequence_length + 1, *initial_state.shape)
@@ -188,17 +201,9 @@ def gated_delta_rule_window(
     to float32 rounding (~1e-7 on states of norm ~1). Shapes as in `recurrent_gated_delta_rule_with_states`.
     """
     initial_dtype = query.dtype
-    _, length, num_k_heads, k_head_dim = key.shape
-    num_v_heads, v_head_dim = value.shape[-2:]
-    if num_k_heads != num_v_heads:
-        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-    query, key, value, beta, g = [
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (query, key, value, beta, g)
-    ]
-    if use_qk_l2norm_in_kernel:
-        query = _l2norm(query, dim=-1, eps=1e-6)
-        key = _l2norm(key, dim=-1, eps=1e-6)
+    _, length, _, k_head_dim = key.shape
+    v_head_dim = value.shape[-1]
+    query, key, value, beta, g = _kernel_inputs(query, key, value, beta, g, use_qk_l2norm_in_kernel)
     query = query * k_head_dim**-0.5
 
     log_decay = g.cumsum(dim=-1)  # G_i: log of the decay from the window start through token i
