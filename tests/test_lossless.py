@@ -114,16 +114,29 @@ def test_oracle_drafts_full_partial_rejected_and_eos(arch, models):
 
 
 def test_cache_length_after_each_round(arch, models):
-    """After each round the cache holds prompt + emitted tokens minus the pending one."""
+    """After each round the cache holds prompt + emitted tokens minus the pending one, both when the first draft
+    is verified inside the prefill forward (plain target) and when it is not (recording wrapper)."""
     model = models[0.02]
-    rec = RecordingTarget(TransformersTarget(model))
     prompt = make_prompts(3)[2]
-    dec = SpeculativeDecoder(rec, NgramDrafter(max_ngram=3, min_ngram=1, max_draft=4), max_draft=4)
-    emitted = 0
-    for chunk in dec.stream(prompt, NEW_TOKENS):
-        emitted += len(chunk)
-        # Every emitted token but the pending last one is in the cache.
-        assert rec.inner.length == len(prompt) + emitted - 1
-        assert rec.inner._cache.get_seq_length() == len(prompt) + emitted - 1
-    assert emitted == NEW_TOKENS
-    assert len(rec.rollbacks) == dec.metrics.target_forwards
+    runs = {}
+    for fused in (True, False):
+        target = TransformersTarget(model)
+        rec = None if fused else RecordingTarget(target)
+        dec = SpeculativeDecoder(rec or target, NgramDrafter(max_ngram=3, min_ngram=1, max_draft=4), max_draft=4)
+        emitted, chunks = 0, []
+        for chunk in dec.stream(prompt, NEW_TOKENS):
+            emitted += len(chunk)
+            chunks.append(chunk)
+            # Every emitted token but the pending last one is in the cache.
+            assert target.length == len(prompt) + emitted - 1
+            assert target.cache.get_seq_length() == len(prompt) + emitted - 1
+        assert emitted == NEW_TOKENS
+        runs[fused] = ([t for c in chunks for t in c], dec.metrics)
+        if not fused:
+            assert len(chunks[0]) == 1
+            assert len(rec.rollbacks) == dec.metrics.target_forwards
+    (fused_ids, fused_m), (plain_ids, plain_m) = runs[True], runs[False]
+    assert fused_ids == plain_ids
+    # The prefill forward verified a draft: one more drafted round, no more target forwards.
+    assert fused_m.drafts >= 1 and fused_m.target_forwards <= plain_m.target_forwards
+    assert fused_m.drafted_tokens > plain_m.drafted_tokens or fused_m.target_forwards < plain_m.target_forwards

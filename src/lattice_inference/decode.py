@@ -98,20 +98,18 @@ class SpeculativeDecoder:
         target, drafter = self.target, self.drafter
         self._capture_hidden_if_needed()
         start = time.perf_counter()
-        first = [int(target.prefill(prompt_ids).argmax())]
-        hidden = self._hidden_rows(len(prompt_ids))
+        first, hidden = self._prefill(prompt_ids, max_new_tokens)
         m.prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         self.stop_reason = ""
         out = self._emit(first, max_new_tokens)
         m.new_tokens = len(out)
         if drafter is not None:
-            drafter.reset(prompt_ids)
             self._inform_drafter(first, hidden, 0)
         try:
             if out:
                 yield out
-            pending = first[0]
+            pending = first[-1]
             while not self.stop_reason:
                 remaining = max_new_tokens - m.new_tokens
                 draft: list[int] = []
@@ -131,6 +129,25 @@ class SpeculativeDecoder:
         finally:
             m.decode_s = time.perf_counter() - start
             m.drafter_forwards = int(getattr(drafter, "forward_count", 0))
+
+    def _prefill(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor | None]:
+        """Prefill the prompt; return the first emitted tokens and (if wanted) the prompt's hidden states.
+
+        Where the target can verify a draft inside the prefill forward and the drafter needs no hidden states,
+        the first draft is proposed from the prompt alone and verified there, saving one forward.
+        """
+        target, drafter = self.target, self.drafter
+        if drafter is not None:
+            drafter.reset(prompt_ids)
+        fused = getattr(target, "prefill_with_draft", None)
+        if drafter is None or self._wants_hidden or fused is None or max_new_tokens < 2:
+            return [int(target.prefill(prompt_ids).argmax())], self._hidden_rows(len(prompt_ids))
+        draft = drafter.propose(min(self.max_draft, max_new_tokens - 1))[: max_new_tokens - 1]
+        verdict = verify_greedy(draft, greedy_choices(fused(prompt_ids, draft)))
+        target.rollback(len(prompt_ids) + verdict.accepted)
+        if draft:
+            self.metrics.record_round(len(draft), verdict.accepted, in_prefill=True)
+        return verdict.tokens, None
 
     def _capture_hidden_if_needed(self) -> None:
         """Switch the target's hidden-state capture on when the drafter reads hidden states."""

@@ -32,9 +32,10 @@ class GenerationMetrics:
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
-    def record_round(self, drafted: int, accepted: int) -> None:
-        """Count one verification round that drafted ``drafted`` tokens and accepted ``accepted`` of them."""
-        self.target_forwards += 1
+    def record_round(self, drafted: int, accepted: int, *, in_prefill: bool = False) -> None:
+        """Count one verification round that drafted ``drafted`` tokens and accepted ``accepted`` of them
+        (``in_prefill``: the draft was verified by the prefill forward, which is not counted as a target forward)."""
+        self.target_forwards += not in_prefill
         if drafted == 0:
             return
         self.drafts += 1

@@ -144,6 +144,20 @@ class TransformersTarget(CausalLMTarget):
         self._cache.crop(0)  # bound sliding-window layers back to their window
         return logits
 
+    def prefill_with_draft(self, token_ids: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
+        """Prefill ``token_ids`` and verify ``draft`` in the same forward: logits ``[len(draft) + 1, vocab]`` for
+        the last prompt position and every draft position. Roll back to ``len(token_ids) + accepted`` after.
+
+        This saves the separate first verification forward (transformers' prompt lookup does the same); it is
+        offered only where rolling back into a prefill is a cheap crop.
+        """
+        if not token_ids:
+            raise TokenError("cannot prefill an empty prompt: at least one token is needed")
+        self._check_ids(token_ids)
+        self._check_ids(draft)
+        self._new_cache()
+        return self._run([*token_ids, *draft], logits_to_keep=len(draft) + 1)
+
     def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
         if self._cache is None:
             raise RuntimeError("forward() called before prefill()")
