@@ -22,13 +22,32 @@ from lattice_inference.drafters.base import Drafter
 from lattice_inference.drafters.mtp import MtpDrafter
 from lattice_inference.drafters.ngram import NgramDrafter
 from lattice_inference.errors import ConfigError
-from lattice_inference.loading import load_model
+from lattice_inference.loading import LoadedModel, eos_token_ids_of, load_model
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.mtp import MtpHead, load_mtp_head
 from lattice_inference.streaming import TextStream
 from lattice_inference.targets import make_target
 
 METHODS = ("greedy", "ngram", "mtp")
+
+
+def check_draft_length(draft_length: int) -> None:
+    """The reference's MTP draft length counts the target's own token: 2..8."""
+    if not 2 <= draft_length <= 8:
+        raise ConfigError(f"draft_length counts the target token and must be 2..8, got {draft_length}")
+
+
+def mtp_head_for(loaded: LoadedModel, draft_length: int) -> MtpHead:
+    """The MTP head of a loaded checkpoint, sharing the trunk's embedding and ``lm_head`` and its dtype."""
+    lm = loaded.model
+    return load_mtp_head(
+        loaded.source,
+        dtype=next(lm.parameters()).dtype,
+        device=next(lm.parameters()).device,
+        draft_length=draft_length,
+        embed_tokens=lm.get_input_embeddings().weight,
+        lm_head=lm.get_output_embeddings().weight,
+    )
 
 
 @dataclass
@@ -71,9 +90,7 @@ class Generator:
         if method == "mtp" and mtp_head is None:
             raise ConfigError("method 'mtp' needs an MTP head: pass mtp_head=load_mtp_head(dir) or use from_pretrained")
         if eos_token_ids is None:
-            eos = model.generation_config.eos_token_id
-            eos = eos if eos is not None else tokenizer.eos_token_id
-            eos_token_ids = [] if eos is None else list(eos) if isinstance(eos, list | tuple) else [eos]
+            eos_token_ids = eos_token_ids_of(model, tokenizer)
         self.model = model
         self.tokenizer = tokenizer
         self.method = method
@@ -89,8 +106,7 @@ class Generator:
             )
         elif method == "mtp":
             assert mtp_head is not None
-            if not 2 <= draft_length <= 8:
-                raise ConfigError(f"draft_length counts the target token and must be 2..8, got {draft_length}")
+            check_draft_length(draft_length)
             max_draft = draft_length - 1
             drafter = MtpDrafter(mtp_head, num_drafts=max_draft, eos_token_ids=self.eos_token_ids)
         self.decoder = SpeculativeDecoder(
@@ -102,15 +118,7 @@ class Generator:
         """Load ``model`` (a local directory, or a hub id with internet) and build a generator over it."""
         loaded = load_model(model, dtype=dtype, device=device)
         if options.get("method") == "mtp" and options.get("mtp_head") is None:
-            lm = loaded.model
-            options["mtp_head"] = load_mtp_head(
-                loaded.source,
-                dtype=next(lm.parameters()).dtype,
-                device=device,
-                draft_length=int(options.get("draft_length", 4)),  # type: ignore[call-overload]
-                embed_tokens=lm.get_input_embeddings().weight,
-                lm_head=lm.get_output_embeddings().weight,
-            )
+            options["mtp_head"] = mtp_head_for(loaded, int(options.get("draft_length", 4)))  # type: ignore[call-overload]
         return cls(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, **options)  # type: ignore[arg-type]
 
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:

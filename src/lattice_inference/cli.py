@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lattice_inference.api import METHODS
+from lattice_inference.api import METHODS, check_draft_length
 from lattice_inference.errors import ConfigError, LatticeError, ModelLoadError
 
 
@@ -81,8 +81,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def _check_options(args: argparse.Namespace) -> None:
     if args.method not in METHODS:
         raise ConfigError(f"unknown method {args.method!r}; choose from {', '.join(METHODS)}")
-    if not 2 <= args.draft_length <= 8:
-        raise ConfigError(f"--draft-length counts the target token and must be 2..8, got {args.draft_length}")
+    check_draft_length(args.draft_length)
     if args.min_ngram > args.max_ngram:
         raise ConfigError(f"--min-ngram ({args.min_ngram}) is larger than --max-ngram ({args.max_ngram})")
 
@@ -150,9 +149,8 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from lattice_inference import benchmark
-    from lattice_inference.api import Generator
+    from lattice_inference.api import Generator, mtp_head_for
     from lattice_inference.loading import load_model
-    from lattice_inference.mtp import load_mtp_head
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
@@ -160,8 +158,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     if "greedy" not in methods:
         methods.insert(0, "greedy")
-    if not 2 <= args.draft_length <= 8:
-        raise ConfigError(f"--draft-length counts the target token and must be 2..8, got {args.draft_length}")
+    check_draft_length(args.draft_length)
     model_dir = args.model or default_model_dir()
     prompts_path = args.prompts or str(Path(model_dir) / "eval_prompts.jsonl")
     if not args.prompts and not Path(prompts_path).is_file():
@@ -172,15 +169,7 @@ def _bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     loaded = load_model(model_dir, dtype=args.dtype)
     lm, tok = loaded.model, loaded.tokenizer
-    head = None
-    if "mtp" in methods:
-        head = load_mtp_head(
-            loaded.source,
-            dtype=next(lm.parameters()).dtype,
-            draft_length=args.draft_length,
-            embed_tokens=lm.get_input_embeddings().weight,
-            lm_head=lm.get_output_embeddings().weight,
-        )
+    head = mtp_head_for(loaded, args.draft_length) if "mtp" in methods else None
     generators = {
         m: Generator(
             lm,

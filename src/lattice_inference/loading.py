@@ -24,7 +24,7 @@ class LoadedModel:
     source: str
 
 
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+def eos_token_ids_of(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """EOS ids from the generation config, falling back to the model config, then the tokenizer."""
     for value in (
         getattr(model.generation_config, "eos_token_id", None),
@@ -74,4 +74,4 @@ def load_model(model: str | Path, dtype: str = "auto", device: str = "cpu") -> L
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot load model '{source}': {first_line}") from exc
     lm = lm.to(device).eval()
-    return LoadedModel(model=lm, tokenizer=tokenizer, eos_token_ids=_eos_ids(lm, tokenizer), source=source)
+    return LoadedModel(model=lm, tokenizer=tokenizer, eos_token_ids=eos_token_ids_of(lm, tokenizer), source=source)
