@@ -43,7 +43,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from lattice_inference.errors import ConfigError, TokenError, UnsupportedModelError
+from lattice_inference.errors import ConfigError, UnsupportedModelError
 from lattice_inference.targets.transformers import CausalLMTarget
 
 SUPPORTED_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
@@ -396,9 +396,7 @@ class HybridTarget(CausalLMTarget):
     # -- Target protocol (vocab_size, max_positions, length, cache: see CausalLMTarget) ------------------
 
     def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
-        if not token_ids:
-            raise TokenError("cannot prefill an empty prompt: at least one token is needed")
-        self._check_ids(token_ids)
+        self._check_prefill(token_ids)
         self._reset()
         try:
             logits = self._run(token_ids, logits_to_keep=1)[-1]
@@ -411,11 +409,7 @@ class HybridTarget(CausalLMTarget):
         return logits
 
     def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
-        if self._cache is None:
-            raise RuntimeError("forward() called before prefill()")
-        if not token_ids:
-            raise TokenError("forward() needs at least one token")
-        self._check_ids(token_ids)
+        self._check_forward(token_ids)
         self._commit()
         try:
             logits = self._forward_keeping_window(token_ids)

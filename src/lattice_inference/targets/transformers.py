@@ -97,6 +97,18 @@ class CausalLMTarget:
             if not 0 <= t < self._vocab_size:
                 raise TokenError(f"token id {t} is outside the vocabulary of size {self._vocab_size}")
 
+    def _check_prefill(self, token_ids: Sequence[int]) -> None:
+        if not token_ids:
+            raise TokenError("cannot prefill an empty prompt: at least one token is needed")
+        self._check_ids(token_ids)
+
+    def _check_forward(self, token_ids: Sequence[int]) -> None:
+        if self._cache is None:
+            raise RuntimeError("forward() called before prefill()")
+        if not token_ids:
+            raise TokenError("forward() needs at least one token")
+        self._check_ids(token_ids)
+
     def _new_cache(self) -> None:
         """Start from an empty cache that records past states so that it can be cropped."""
         self._cache = use_growable_layers(DynamicCache(config=self.model.config))
@@ -136,9 +148,7 @@ class TransformersTarget(CausalLMTarget):
         super().__init__(model)
 
     def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
-        if not token_ids:
-            raise TokenError("cannot prefill an empty prompt: at least one token is needed")
-        self._check_ids(token_ids)
+        self._check_prefill(token_ids)
         self._new_cache()
         logits = self._run(token_ids, logits_to_keep=1)[-1]
         self._cache.crop(0)  # bound sliding-window layers back to their window
@@ -151,19 +161,13 @@ class TransformersTarget(CausalLMTarget):
         This saves the separate first verification forward (transformers' prompt lookup does the same); it is
         offered only where rolling back into a prefill is a cheap crop.
         """
-        if not token_ids:
-            raise TokenError("cannot prefill an empty prompt: at least one token is needed")
-        self._check_ids(token_ids)
+        self._check_prefill(token_ids)
         self._check_ids(draft)
         self._new_cache()
         return self._run([*token_ids, *draft], logits_to_keep=len(draft) + 1)
 
     def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
-        if self._cache is None:
-            raise RuntimeError("forward() called before prefill()")
-        if not token_ids:
-            raise TokenError("forward() needs at least one token")
-        self._check_ids(token_ids)
+        self._check_forward(token_ids)
         return self._run(token_ids, logits_to_keep=0)
 
     def rollback(self, length: int) -> None:
