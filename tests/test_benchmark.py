@@ -6,15 +6,20 @@ import json
 
 import pytest
 
-from lattice_inference.benchmark import copy_rate, load_prompts, repetition_rate
+from lattice_inference.benchmark import copy_counts, copy_rate, format_table, load_prompts, repetition_rate
 from lattice_inference.cli import main
 from lattice_inference.errors import ConfigError
 from lattice_inference.toy import save_toy_model_dir
 
 
 def test_copy_and_repetition_rates():
-    assert copy_rate([1, 2, 3, 4], [1, 2, 9, 4, 5]) == 0.75
+    assert copy_rate([1, 2, 3, 4], [1, 2, 9, 4, 5]) == 0.6  # the 5th reference token was never produced
+    assert copy_rate([1, 2, 3, 4], [1, 2, 9, 4, 5], budget=4) == 0.75
     assert copy_rate([], [1]) == 0.0
+    assert copy_rate([1], []) == 0.0
+    # output past the reference's end is not compared; an early stop (EOS) misses what it never produced
+    assert copy_counts([1, 2, 3, 7, 7, 7], [1, 2, 3], budget=6) == (3, 3)
+    assert copy_counts([1, 2], [1, 2, 3, 4], budget=3) == (2, 3)
     assert repetition_rate([1, 2, 3, 4, 5, 6, 7]) == 0.0
     assert repetition_rate([7] * 10) == pytest.approx(6 / 7)
     assert repetition_rate([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(1 / 5)
@@ -46,6 +51,18 @@ def test_bench_json_reports_identical_outputs(tmp_path, capsys):
     assert report["rows"][0]["speedup_vs_greedy"] == 1.0
     assert report["rows"][1]["mean_acceptance_length"] >= 1.0
     assert 0.0 <= report["greedy_copy_rate"] <= 1.0
+    # one report per prompt kind, each over its own prompts; the copy rate only where references exist
+    assert set(report["groups"]) == {"copy", "free"}
+    assert report["groups"]["copy"]["prompts"] == 1 and report["groups"]["free"]["prompts"] == 1
+    assert report["groups"]["free"]["greedy_copy_rate"] is None
+    assert report["groups"]["copy"]["greedy_copy_rate"] == report["greedy_copy_rate"]
+    for group in report["groups"].values():
+        assert [r["method"] for r in group["rows"]] == ["greedy", "ngram"]
+        assert group["rows"][0]["speedup_vs_greedy"] == 1.0
+    per_kind_tokens = sum(g["rows"][1]["new_tokens"] for g in report["groups"].values())
+    assert per_kind_tokens == report["rows"][1]["new_tokens"]
+    table = format_table(report)
+    assert "== copy: 1 prompts ==" in table and "== free: 1 prompts ==" in table and "== all prompts" in table
     assert main([*argv]) == 0
     assert "acceptance per position" in capsys.readouterr().out
     assert main(["bench", "--model", str(model), "--prompts", str(prompts), "--methods", "beam"]) == 2

@@ -198,10 +198,11 @@ class Mixture:
         repeat_share: float = 0.2,
         synth_share: float = 0.0,
         synth_from_step: int = 0,
+        edit_share: float = 0.25,
     ) -> None:
         self.corpus, self.tok, self.seq_len = corpus, tok, seq_len
         self.cpt = chars_per_token
-        self.copy_share, self.repeat_share = copy_share, repeat_share
+        self.copy_share, self.repeat_share, self.edit_share = copy_share, repeat_share, edit_share
         self.synth_share, self.synth_from_step = synth_share, synth_from_step
         self.synth_active = False
         self.synth_now = synth_share
@@ -254,7 +255,7 @@ class Mixture:
             n_tok = int(rng.integers(12, int(self.seq_len * 0.48)))
             lines = self.corpus.window(rng, int(n_tok * self.cpt))
             sep = SEP if rng.random() < 0.6 else ALT_SEPS[int(rng.integers(len(ALT_SEPS)))]
-            second = self._edit(rng, lines) if rng.random() < 0.25 else lines
+            second = self._edit(rng, lines) if rng.random() < self.edit_share else lines
             return "\n".join(lines) + sep + "\n".join(second)
         if r < self.copy_share + self.repeat_share:
             lines = self.corpus.window(rng, int(self.seq_len * self.cpt))
@@ -1012,6 +1013,10 @@ def parse_args(argv=None):
         default=0.15,
         help="share of synthetic 'random identifiers, separator, same again' documents (induction)",
     )
+    ap.add_argument(
+        "--copy-share", type=float, default=0.45, help="share of 'code chunk, separator, same chunk' documents"
+    )
+    ap.add_argument("--edit-share", type=float, default=0.25, help="share of copy documents whose copy is edited")
     ap.add_argument("--synth-from-step", type=int, default=0, help="synthetic documents only from this step on")
     ap.add_argument(
         "--synth-schedule",
@@ -1068,7 +1073,16 @@ def main(argv=None) -> None:
     log(f"tokenizer: vocab {len(tok)}, {cpt:.2f} chars/token")
     if args.stage == "tokenizer":
         return
-    mix = Mixture(corpus, tok, args.seq_len, cpt, synth_share=args.synth_share, synth_from_step=args.synth_from_step)
+    mix = Mixture(
+        corpus,
+        tok,
+        args.seq_len,
+        cpt,
+        copy_share=args.copy_share,
+        edit_share=args.edit_share,
+        synth_share=args.synth_share,
+        synth_from_step=args.synth_from_step,
+    )
     if args.synth_schedule:
         mix.synth_schedule = sorted(
             (int(a), float(b)) for a, b in (x.split(":") for x in args.synth_schedule.split(","))

@@ -4,10 +4,12 @@ For each prompt the methods run one after another (the order rotates between rep
 shared machine hit all of them alike). Reported per method: decode tokens/s (total new tokens over total
 decode seconds, prefill excluded), the speed-up over greedy measured in the same run, mean acceptance length,
 acceptance rate and acceptance per draft position, and the share of prompts whose output is token for token
-greedy's. Where prompts carry a reference continuation, the *copy rate* (share of greedy's tokens that equal
-the reference continuation's token at the same index) and the *repetition rate* (share of greedy's 4-grams
-that already occurred earlier in its output) say whether the output is real copying or a degenerate loop: a
-speed-up only counts on output that is not degenerate.
+greedy's. Where prompts carry a reference continuation, the *copy rate* (share of the reference
+continuation's tokens, up to the token budget, that greedy reproduces at the same index) and the *repetition
+rate* (share of greedy's 4-grams that already occurred earlier in its output) say whether the output is real
+copying or a degenerate loop: a speed-up only counts on output that is not degenerate. Every number is
+reported for each prompt ``kind`` (copy-heavy and free continuation behave differently by design) and for all
+prompts together.
 """
 
 from __future__ import annotations
@@ -54,11 +56,19 @@ def load_prompts(path: str | Path) -> list[BenchPrompt]:
     return out
 
 
-def copy_rate(output: Sequence[int], reference: Sequence[int]) -> float:
-    """Share of ``output`` tokens equal to ``reference``'s token at the same index."""
-    if not output:
-        return 0.0
-    return sum(a == b for a, b in zip(output, reference, strict=False)) / len(output)
+def copy_counts(output: Sequence[int], reference: Sequence[int], budget: int) -> tuple[int, int]:
+    """(matched, compared): how many of the reference's first ``budget`` tokens ``output`` reproduces at the
+    same index, and how many there were. Output past the reference's end is not compared (nothing says what
+    the file held there); output that stops early (EOS) misses the tokens it never produced."""
+    ref = list(reference[:budget])
+    return sum(a == b for a, b in zip(output, ref, strict=False)), len(ref)
+
+
+def copy_rate(output: Sequence[int], reference: Sequence[int], budget: int | None = None) -> float:
+    """Share of the reference's first ``budget`` tokens (all of them by default) that ``output`` reproduces at
+    the same index; 0.0 for an empty reference."""
+    matched, compared = copy_counts(output, reference, len(reference) if budget is None else budget)
+    return matched / compared if compared else 0.0
 
 
 def repetition_rate(output: Sequence[int], n: int = 4) -> float:
@@ -110,6 +120,65 @@ class MethodStats:
         return self.new_tokens / self.decode_s if self.decode_s else 0.0
 
 
+@dataclass
+class _Group:
+    """Per-method stats over one set of prompts (one ``kind``, or all of them)."""
+
+    methods: list[str]
+    n_prompts: int = 0
+    copy_matched: int = 0
+    copy_compared: int = 0
+    repetition: list[float] = field(default_factory=list)
+    stats: dict[str, MethodStats] = field(default_factory=dict)
+    rep_tokens: dict[str, int] = field(default_factory=dict)
+    rep_secs: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.stats = {m: MethodStats(m) for m in self.methods}
+        self.start_rep()
+
+    def start_rep(self) -> None:
+        self.rep_tokens = dict.fromkeys(self.methods, 0)
+        self.rep_secs = dict.fromkeys(self.methods, 0.0)
+
+    def end_rep(self) -> None:
+        for m in self.methods:
+            secs = self.rep_secs[m]
+            self.stats[m].per_rep_tps.append(self.rep_tokens[m] / secs if secs else 0.0)
+
+    def add(self, name: str, m: GenerationMetrics, same_as_greedy: bool) -> None:
+        self.stats[name].add(m, same_as_greedy)
+        self.rep_tokens[name] += m.new_tokens
+        self.rep_secs[name] += m.decode_s
+
+    def report(self) -> dict[str, Any]:
+        greedy_tps = self.stats["greedy"].per_rep_tps
+        rows = []
+        for name in self.methods:
+            s = self.stats[name]
+            ratios = [a / b for a, b in zip(s.per_rep_tps, greedy_tps, strict=True) if b]
+            rows.append(
+                {
+                    "method": name,
+                    "tokens_per_s": statistics.median(s.per_rep_tps),
+                    "speedup_vs_greedy": statistics.median(ratios) if ratios else 0.0,
+                    "mean_acceptance_length": s.metrics.mean_acceptance_length,
+                    "acceptance_rate": s.metrics.acceptance_rate,
+                    "acceptance_per_position": s.metrics.acceptance_per_position,
+                    "target_forwards": s.metrics.target_forwards,
+                    "drafter_forwards": s.metrics.drafter_forwards,
+                    "identical_share": s.identical / s.runs if s.runs else 0.0,
+                    "new_tokens": s.new_tokens,
+                }
+            )
+        return {
+            "prompts": self.n_prompts,
+            "greedy_copy_rate": self.copy_matched / self.copy_compared if self.copy_compared else None,
+            "greedy_repetition_rate": statistics.fmean(self.repetition) if self.repetition else 0.0,
+            "rows": rows,
+        }
+
+
 def run_bench(
     generators: dict[str, Generator],
     prompts: Sequence[BenchPrompt],
@@ -118,91 +187,94 @@ def run_bench(
     reps: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run every generator on every prompt ``reps`` times (after one warm-up); return the report dict."""
+    """Run every generator on every prompt ``reps`` times (after one warm-up); return the report dict.
+
+    The report's top level covers all prompts; ``groups`` holds the same report for each prompt ``kind``
+    (e.g. copy-heavy and free continuation), whose acceptance and speed-ups differ by design. Speed-ups are
+    medians over repetitions of (method tokens/s) / (greedy tokens/s) within the same repetition.
+    """
     if "greedy" not in generators:
         raise ConfigError("the benchmark needs the greedy method as its reference")
     methods = list(generators)
-    stats = {name: MethodStats(name) for name in methods}
     tokenizer = generators["greedy"].tokenizer
-    quality = {"copy_rate": [], "repetition_rate": []}
+    overall = _Group(methods)
+    by_kind = {k: _Group(methods) for k in dict.fromkeys(p.kind for p in prompts)}
     encoded = [generators["greedy"].encode(p.prompt) for p in prompts]
     for gen in generators.values():  # warm-up
         gen.generate(encoded[0], max_new_tokens=min(16, max_new_tokens))
     for rep in range(reps):
-        rep_tokens = dict.fromkeys(methods, 0)
-        rep_secs = dict.fromkeys(methods, 0.0)
+        for g in (overall, *by_kind.values()):
+            g.start_rep()
         for i, (p, ids) in enumerate(zip(prompts, encoded, strict=True)):
             order = methods[(rep + i) % len(methods) :] + methods[: (rep + i) % len(methods)]
             outs = {name: generators[name].generate(ids, max_new_tokens=max_new_tokens) for name in order}
-            reference_ids = outs["greedy"].token_ids
+            greedy_ids = outs["greedy"].token_ids
+            groups = (overall, by_kind[p.kind])
             for name in methods:
-                m = outs[name].metrics
-                stats[name].add(m, outs[name].token_ids == reference_ids)
-                rep_tokens[name] += m.new_tokens
-                rep_secs[name] += m.decode_s
+                for g in groups:
+                    g.add(name, outs[name].metrics, outs[name].token_ids == greedy_ids)
             if rep == 0:
-                quality["repetition_rate"].append(repetition_rate(reference_ids))
-                if p.reference is not None:
-                    ref = tokenizer(p.reference, add_special_tokens=False).input_ids
-                    quality["copy_rate"].append(copy_rate(reference_ids, ref))
+                ref = tokenizer(p.reference, add_special_tokens=False).input_ids if p.reference else None
+                for g in groups:
+                    g.n_prompts += 1
+                    g.repetition.append(repetition_rate(greedy_ids))
+                    if ref:
+                        matched, compared = copy_counts(greedy_ids, ref, max_new_tokens)
+                        g.copy_matched += matched
+                        g.copy_compared += compared
             if progress:
                 progress(f"rep {rep + 1}/{reps} prompt {i + 1}/{len(prompts)} ({p.kind})")
-        for name in methods:
-            stats[name].per_rep_tps.append(rep_tokens[name] / rep_secs[name] if rep_secs[name] else 0.0)
-    greedy_tps = stats["greedy"].per_rep_tps
-    rows = []
-    for name in methods:
-        s = stats[name]
-        ratios = [a / b for a, b in zip(s.per_rep_tps, greedy_tps, strict=True) if b]
-        rows.append(
-            {
-                "method": name,
-                "tokens_per_s": statistics.median(s.per_rep_tps),
-                "speedup_vs_greedy": statistics.median(ratios) if ratios else 0.0,
-                "mean_acceptance_length": s.metrics.mean_acceptance_length,
-                "acceptance_rate": s.metrics.acceptance_rate,
-                "acceptance_per_position": s.metrics.acceptance_per_position,
-                "target_forwards": s.metrics.target_forwards,
-                "drafter_forwards": s.metrics.drafter_forwards,
-                "identical_share": s.identical / s.runs if s.runs else 0.0,
-                "new_tokens": s.new_tokens,
-            }
-        )
-    mean = statistics.fmean
+        for g in (overall, *by_kind.values()):
+            g.end_rep()
     return {
-        "prompts": len(prompts),
+        **overall.report(),
         "reps": reps,
         "max_new_tokens": max_new_tokens,
-        "greedy_copy_rate": mean(quality["copy_rate"]) if quality["copy_rate"] else None,
-        "greedy_repetition_rate": mean(quality["repetition_rate"]),
-        "rows": rows,
+        "groups": {k: g.report() for k, g in by_kind.items()},
     }
 
 
-def format_table(report: dict[str, Any]) -> str:
-    """The report as a fixed-width text table."""
+def _format_rows(rows: list[dict[str, Any]]) -> list[str]:
     head = (
         f"{'method':<8} {'tok/s':>8} {'speed-up':>9} {'mean acc len':>13} {'acc rate':>9} {'identical':>10}"
         "  acceptance per position"
     )
     lines = [head, "-" * len(head)]
-    for r in report["rows"]:
+    for r in rows:
         per = " ".join(f"{x:.2f}" for x in r["acceptance_per_position"]) or "-"
         lines.append(
             f"{r['method']:<8} {r['tokens_per_s']:>8.1f} {r['speedup_vs_greedy']:>8.2f}x "
             f"{r['mean_acceptance_length']:>13.2f} {r['acceptance_rate']:>9.1%} {r['identical_share']:>10.0%}  {per}"
         )
-    copy = report["greedy_copy_rate"]
-    lines.append(
+    return lines
+
+
+def _quality_line(group: dict[str, Any]) -> str:
+    copy = group["greedy_copy_rate"]
+    return (
         f"greedy output: copy rate {'n/a' if copy is None else f'{copy:.1%}'}, "
-        f"4-gram repetition rate {report['greedy_repetition_rate']:.1%} "
-        f"({report['prompts']} prompts x {report['reps']} reps, {report['max_new_tokens']} new tokens each)"
+        f"4-gram repetition rate {group['greedy_repetition_rate']:.1%}"
     )
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as fixed-width text tables: one per prompt kind, then all prompts when there are several."""
+    groups = report.get("groups") or {}
+    sections = [(k, g) for k, g in groups.items()] if len(groups) > 1 else []
+    sections.append(("all prompts", report))
+    lines: list[str] = []
+    for title, g in sections:
+        lines.append(f"== {title}: {g['prompts']} prompts ==")
+        lines += _format_rows(g["rows"])
+        lines.append(_quality_line(g))
+        lines.append("")
+    lines.append(f"{report['reps']} timed reps after a warm-up, {report['max_new_tokens']} new tokens per prompt")
     return "\n".join(lines)
 
 
 def plot(report: dict[str, Any], path: str | Path) -> None:
-    """Draw speed-up and per-position acceptance to ``path`` (needs the optional matplotlib extra)."""
+    """Draw speed-up per prompt kind and per-position acceptance to ``path`` (needs the optional matplotlib
+    extra)."""
     try:
         import matplotlib
 
@@ -210,16 +282,22 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ConfigError("--plot needs matplotlib: pip install 'lattice-inference[plot]'") from exc
-    rows = report["rows"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.bar([r["method"] for r in rows], [r["speedup_vs_greedy"] for r in rows], color="tab:blue")
-    ax1.axhline(1.0, color="grey", lw=0.8)
+    groups = report.get("groups") or {"all prompts": report}
+    methods = [r["method"] for r in report["rows"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(groups)
+    for gi, (kind, g) in enumerate(groups.items()):
+        xs = [i + gi * width for i in range(len(methods))]
+        ax1.bar(xs, [r["speedup_vs_greedy"] for r in g["rows"]], width=width, label=kind)
+        for r in g["rows"]:
+            per = r["acceptance_per_position"]
+            if per:
+                ax2.plot(range(1, len(per) + 1), per, marker="o", label=f"{r['method']} ({kind})")
+    ax1.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(methods))], methods)
+    ax1.axhline(1.0, color="grey", linewidth=0.8)
     ax1.set_ylabel("decode speed-up over greedy")
     ax1.set_title("speed-up (same run)")
-    for r in rows:
-        per = r["acceptance_per_position"]
-        if per:
-            ax2.plot(range(1, len(per) + 1), per, marker="o", label=r["method"])
+    ax1.legend()
     ax2.set_xlabel("draft position")
     ax2.set_ylabel("acceptance")
     ax2.set_ylim(0, 1.05)
