@@ -458,3 +458,27 @@ def test_draft_tokens_chain_forward_one_and_draft_vocab_restricts_the_argmax(che
     with pytest.raises(ValueError, match="must equal cache_len"):
         head.draft_tokens(5, 1, h)
     assert head.cache_len == 3
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_draft_with_catch_up_equals_prefill_then_draft(family: str, checkpoints) -> None:
+    """The drafter's fused round (catch-up slots + first draft step in one forward) changes nothing but the
+    number of forwards: same drafts, same cache slots, same next step."""
+    path, cfg, _ = checkpoints[family]
+    gen = torch.Generator().manual_seed(21)
+    hid = torch.randn(9, cfg.hidden_size, generator=gen)
+    toks = torch.randint(0, cfg.vocab_size, (9,), generator=gen).tolist()
+    fused, split = load_mtp_head(path), load_mtp_head(path)
+    for head in (fused, split):
+        head.prefill(hid[:2], toks[1:3], 0)
+    split.prefill(hid[2:6], toks[3:7], 2)
+    expected = split.draft_tokens(toks[7], 6, hid[6], num_tokens=3)
+    with pytest.raises(ValueError, match="minus 4 catch-up rows must equal cache_len 2"):
+        fused.draft_tokens(toks[7], 7, hid[6], num_tokens=3, catch_up=(hid[2:6], toks[3:7]))
+    assert fused.cache_len == 2
+    drafts = fused.draft_tokens(toks[7], 6, hid[6], num_tokens=3, catch_up=(hid[2:6], toks[3:7]))
+    assert drafts == expected and fused.cache_len == split.cache_len == 9
+    torch.testing.assert_close(fused._k[:9], split._k[:9], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(fused._v[:9], split._v[:9], atol=ATOL, rtol=ATOL)
+    with pytest.raises(ValueError, match="shape"):
+        fused.draft_tokens(toks[7], 9, hid[6], catch_up=(hid[:2], toks[:3]))

@@ -74,12 +74,17 @@ class MtpDrafter:
             return []
         head = self.head
         head.rollback_cache_to(self._committed)
-        if last > self._committed:
+        catch_up = None
+        if last > self._committed:  # slots for newly accepted positions, filled in the first draft forward
             lo, hi = self._committed - self._hidden_start, last - self._hidden_start
-            head.prefill(self._hidden[lo:hi], self._history[self._committed + 1 : last + 1], self._committed)
-            self.forward_count += 1
+            catch_up = (self._hidden[lo:hi], self._history[self._committed + 1 : last + 1])
         drafts = head.draft_tokens(
-            self._history[-1], last, self._row(last), num_tokens=count, eos_token_ids=self.eos_token_ids
+            self._history[-1],
+            last,
+            self._row(last),
+            num_tokens=count,
+            eos_token_ids=self.eos_token_ids,
+            catch_up=catch_up,
         )
         self.forward_count += len(drafts)
         self._committed = last + 1

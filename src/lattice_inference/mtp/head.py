@@ -258,40 +258,53 @@ class MtpHead:
         hidden: torch.Tensor | Sequence[float],
         num_tokens: int | None = None,
         eos_token_ids: Sequence[int] = (),
+        *,
+        catch_up: tuple[torch.Tensor, Tokens] | None = None,
     ) -> list[int]:
         """Draft up to ``num_tokens`` (default ``draft_length - 1``) tokens by chaining ``forward_one``.
 
         ``next_token_id`` is ``x_{t+1}`` (the target's argmax at ``position = t``) and ``hidden`` the target's
         post-norm ``h_t``. Step ``j`` feeds the previous draft with this head's own post-norm hidden at
         ``t + j``. Stops early after drafting an EOS. Drafts are argmax (first index on ties, like torch).
+
+        ``catch_up=(hiddens [m, H], next_tokens [m])`` first fills slots ``t - m .. t - 1`` exactly as
+        ``prefill(hiddens, next_tokens, t - m)`` would, inside the first draft step's forward (one forward per
+        round fewer; logits are computed for the draft row only). Then ``t - m`` must equal ``cache_len``.
         """
         count = self.config.num_drafts if num_tokens is None else num_tokens
         if count < 1:
             raise ValueError(f"num_tokens must be >= 1, got {count}")
-        if not _is_int(position) or position != self._len:
-            raise ValueError(f"MTP position {position!r} must equal cache_len {self._len}")
-        if self.max_seq_len is not None and position + count > self.max_seq_len:
-            raise ValueError(f"drafting {count} tokens from position {position} passes max_seq_len {self.max_seq_len}")
         if not _is_int(next_token_id):
             raise TokenError(f"MTP token_id must be an int, got {next_token_id!r}")
         ids = self._check_tokens([next_token_id])
         hid = self._check_hiddens(hidden, 1, single=True)
+        m = 0
+        if catch_up is not None:
+            up_ids = self._check_tokens(catch_up[1])
+            m = int(up_ids.shape[0])
+            ids = torch.cat([up_ids, ids])
+            hid = torch.cat([self._check_hiddens(catch_up[0], m, single=False), hid])
+        if not _is_int(position) or position - m != self._len:
+            where = f"position {position!r}" if not m else f"position {position!r} minus {m} catch-up rows"
+            raise ValueError(f"MTP {where} must equal cache_len {self._len}")
+        if self.max_seq_len is not None and position + count > self.max_seq_len:
+            raise ValueError(f"drafting {count} tokens from position {position} passes max_seq_len {self.max_seq_len}")
         eos = set(eos_token_ids)
         drafts: list[int] = []
-        pos = position
+        pos = position - m
         for _ in range(count):
+            _, out = self._forward(ids, pos, hid, want_logits=False)
+            out = out[-1:]
             if self._draft_head is None:
-                logits, out = self._forward(ids, pos, hid, want_logits=True)
-                token = int(torch.argmax(logits[0]))  # type: ignore[index]
+                token = int(torch.argmax(F.linear(out.to(self.dtype), self._lm_head).float()))
             else:
-                _, out = self._forward(ids, pos, hid, want_logits=False)
                 token = int(self._draft_ids[int(torch.argmax(F.linear(out.to(self.dtype), self._draft_head)))])
             drafts.append(token)
             if token in eos:
                 break
+            pos += int(ids.shape[0])
             ids = torch.tensor([token], dtype=torch.long, device=self.device)
             hid = out.to(self.dtype)
-            pos += 1
         return drafts
 
     def set_draft_vocab(self, token_ids: Iterable[int] | torch.Tensor | None) -> None:
