@@ -187,3 +187,33 @@ def test_cli_mtp_errors(models, tmp_path, capsys):
     assert main(["generate", "--model", str(plain), "--prompt", "x", "--method", "mtp"]) == 2
     err = capsys.readouterr().err
     assert "lattice: error:" in err and "Traceback" not in err
+
+
+def test_draft_vocab_restricts_drafts_and_keeps_the_output(models, capsys):
+    """--draft-vocab N drafts only ids < N; drafts outside it are never proposed, the output stays greedy's."""
+    import json
+
+    from lattice_inference.errors import ConfigError
+
+    path = str(models["echo-looping"])
+    args = ["generate", "--model", path, "--prompt", "abcabcabc", "--max-new-tokens", "24", "--json"]
+    assert main([*args, "--method", "greedy", "--dtype", "float32"]) == 0
+    greedy = json.loads(capsys.readouterr().out)
+    assert min(greedy["token_ids"]) > 0
+    full = Generator.from_pretrained(path, dtype="float32", method="mtp", draft_length=3)
+    low = min(greedy["token_ids"])  # every drafted id would be >= low: none fits below it
+    tiny = Generator.from_pretrained(path, dtype="float32", method="mtp", draft_length=3, draft_vocab=low)
+    ids = full.encode("abcabcabc")
+    a, b = full.generate(ids, 24), tiny.generate(ids, 24)
+    assert a.token_ids == b.token_ids == greedy["token_ids"]
+    assert a.metrics.accepted_tokens > 0  # the echo head's drafts are accepted over the whole vocabulary ...
+    assert b.metrics.drafted_tokens > 0 and b.metrics.accepted_tokens == 0  # ... and none from ids < low
+
+    assert main([*args, "--method", "mtp", "--draft-length", "3", "--dtype", "float32", "--draft-vocab", "64"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == greedy["token_ids"]
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--method", "mtp", "--draft-vocab", "0"])
+    assert exc.value.code == 2
+    assert "must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="draft_vocab must be a positive number"):
+        Generator.from_pretrained(path, method="mtp", draft_vocab=-3)

@@ -22,6 +22,9 @@ def _positive_int(text: str) -> int:
     return value
 
 
+DRAFT_VOCAB_HELP = "mtp: draft only among token ids 0..N-1, the frequent ones in BPE order (default: all)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lattice`` command."""
     parser = argparse.ArgumentParser(prog="lattice", description="Lossless speculative decoding for Hugging Face LMs.")
@@ -41,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--draft-length", type=_positive_int, default=4, help="mtp: tokens per round counting the target's (2..8)"
     )
+    gen.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
     gen.add_argument("--match", choices=("first", "recent"), default="first", help="which earlier occurrence to copy")
     gen.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -54,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens per prompt (default 128)")
     bench.add_argument("--max-draft", type=_positive_int, default=4, help="ngram: draft tokens per round")
     bench.add_argument("--draft-length", type=_positive_int, default=2, help="mtp: tokens per round (2..8)")
+    bench.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
     bench.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
     bench.add_argument("--reps", type=_positive_int, default=1, help="timed repetitions after a warm-up")
     bench.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
@@ -121,6 +126,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_draft=args.max_draft,
         match=args.match,
         draft_length=args.draft_length,
+        draft_vocab=args.draft_vocab,
     )
     prompt_ids = gen.encode(text, chat=args.chat)
     if args.json:
@@ -169,7 +175,7 @@ def _bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     loaded = load_model(model_dir, dtype=args.dtype)
     lm, tok = loaded.model, loaded.tokenizer
-    head = mtp_head_for(loaded, args.draft_length) if "mtp" in methods else None
+    head = mtp_head_for(loaded, args.draft_length, args.draft_vocab) if "mtp" in methods else None
     generators = {
         m: Generator(
             lm,
