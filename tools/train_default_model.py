@@ -26,6 +26,15 @@ Run on this 2-core CPU (background, low priority)::
 
 Add ``--resume`` to continue after an interruption. With a GPU, ``--device cuda`` and larger ``--hidden`` /
 ``--layers`` train a bigger model with the same recipe.
+
+The defaults are the recipe the shipped model ended with, as one command: synthetic copy documents (random
+identifiers, a separator, the same again) from step 0 at share 0.5, falling to 0.3 at step 1600 and 0.15 at step
+3250, so induction (copying) emerges early; 60 % of the remaining documents are "excerpt, separator, excerpt"; the
+learning rate decays linearly over the last 45 % of the time budget. The shipped weights themselves came from the
+sequence of resumed commands recorded in ``training_report.json`` (``commands``): early runs had no synthetic
+documents, and copying only emerged once they were added. One seed gives one data stream (batches are keyed by
+``(seed, step)``); budgets are wall-clock minutes, so a faster machine trains more steps in the same budget
+(``--max-steps`` fixes the count instead).
 """
 
 from __future__ import annotations
@@ -506,7 +515,7 @@ def train_trunk(args, corpus: Corpus, tok, mix: Mixture, probe_prompts: list[dic
         betas=(0.9, 0.95),
         eps=1e-8,
     )
-    sched = LrSchedule(args.lr, args.warmup)
+    sched = LrSchedule(args.lr, args.warmup, args.decay_frac)
     state = {
         "step": 0,
         "elapsed": 0.0,
@@ -1006,38 +1015,41 @@ def parse_args(argv=None):
     ap.add_argument("--gdn-v-heads", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=384)
     ap.add_argument("--batch", type=int, default=12)
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="training compute (bf16 = autocast)")
+    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="training compute (bf16 = autocast)")
     ap.add_argument(
         "--synth-share",
         type=float,
-        default=0.15,
+        default=0.5,
         help="share of synthetic 'random identifiers, separator, same again' documents (induction)",
     )
     ap.add_argument(
-        "--copy-share", type=float, default=0.45, help="share of 'code chunk, separator, same chunk' documents"
+        "--copy-share", type=float, default=0.6, help="share of 'code chunk, separator, same chunk' documents"
     )
-    ap.add_argument("--edit-share", type=float, default=0.25, help="share of copy documents whose copy is edited")
+    ap.add_argument("--edit-share", type=float, default=0.15, help="share of copy documents whose copy is edited")
     ap.add_argument("--synth-from-step", type=int, default=0, help="synthetic documents only from this step on")
     ap.add_argument(
         "--synth-schedule",
-        default="",
+        default="1600:0.3,3250:0.15",
         help="STEP:SHARE,... piecewise-constant synthetic share (overrides --synth-share from each STEP on)",
     )
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument(
+        "--decay-frac", type=float, default=0.45, help="linear decay to 10%% of --lr over this last share of the run"
+    )
     ap.add_argument("--max-steps", type=int, default=0, help="0: limited by --trunk-minutes only")
-    ap.add_argument("--trunk-minutes", type=float, default=62.0)
+    ap.add_argument("--trunk-minutes", type=float, default=150.0)
     ap.add_argument("--extend-minutes", type=float, default=0.0, help="with --resume: add to the trunk budget")
     ap.add_argument("--target-copy", type=float, default=0.8)
     ap.add_argument("--final-decay-min", type=float, default=6.0)
-    ap.add_argument("--mtp-minutes", type=float, default=15.0)
+    ap.add_argument("--mtp-minutes", type=float, default=12.0)
     ap.add_argument("--mtp-lr", type=float, default=1e-3)
-    ap.add_argument("--eval-every-min", type=float, default=8.0)
+    ap.add_argument("--eval-every-min", type=float, default=4.0)
     ap.add_argument("--ckpt-every-min", type=float, default=4.0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--heldout-seqs", type=int, default=16)
-    ap.add_argument("--probe-prompts", type=int, default=12)
-    ap.add_argument("--probe-tokens", type=int, default=64)
+    ap.add_argument("--probe-prompts", type=int, default=24, help="held-out copy prompts in the probe")
+    ap.add_argument("--probe-tokens", type=int, default=160, help="reference tokens compared per probe prompt")
     ap.add_argument("--eval-copy", type=int, default=24)
     ap.add_argument("--eval-free", type=int, default=12)
     args = ap.parse_args(argv)
