@@ -67,3 +67,16 @@ def test_bench_json_reports_identical_outputs(tmp_path, capsys):
     assert "acceptance per position" in capsys.readouterr().out
     assert main(["bench", "--model", str(model), "--prompts", str(prompts), "--methods", "beam"]) == 2
     assert "unknown method(s) beam" in capsys.readouterr().err
+
+
+def test_bench_default_methods_skip_mtp_without_a_head(tmp_path, capsys):
+    model = save_toy_model_dir(tmp_path / "m", "qwen3", init_std=0.02, seed=2)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "one two one two one"}) + "\n")
+    argv = ["bench", "--model", str(model), "--prompts", str(prompts), "--max-new-tokens", "8", "--json"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert [r["method"] for r in json.loads(out.out)["rows"]] == ["greedy", "ngram"]
+    assert "no MTP methods:" in out.err
+    assert main([*argv, "--methods", "ngram+mtp"]) == 2  # asked for explicitly: an error, not a skip
+    assert "lattice: error:" in capsys.readouterr().err

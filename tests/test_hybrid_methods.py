@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5Text
 
 from lattice_inference import Generator
 from lattice_inference.cli import main
+from lattice_inference.errors import ConfigError
 from lattice_inference.mtp import MtpConfig, load_mtp_head
 from lattice_inference.mtp.testing import random_mtp_tensors
 from lattice_inference.toy import byte_tokenizer
@@ -193,8 +194,6 @@ def test_draft_vocab_restricts_drafts_and_keeps_the_output(models, capsys):
     """--draft-vocab N drafts only ids < N; drafts outside it are never proposed, the output stays greedy's."""
     import json
 
-    from lattice_inference.errors import ConfigError
-
     path = str(models["echo-looping"])
     args = ["generate", "--model", path, "--prompt", "abcabcabc", "--max-new-tokens", "24", "--json"]
     assert main([*args, "--method", "greedy", "--dtype", "float32"]) == 0
@@ -217,3 +216,31 @@ def test_draft_vocab_restricts_drafts_and_keeps_the_output(models, capsys):
     assert "must be at least 1, got 0" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="draft_vocab must be a positive number"):
         Generator.from_pretrained(path, method="mtp", draft_vocab=-3)
+
+
+def test_ngram_plus_mtp_equals_greedy_and_uses_both_drafters(models, greedy_runs):
+    """ngram+mtp: lookup where an n-gram matches, the MTP head elsewhere; both draft, the output is greedy's."""
+    from lattice_inference.drafters.fallback import FallbackDrafter
+
+    used = [0, 0]
+    for kind, (greedy, expected) in greedy_runs.items():
+        both = Generator(
+            greedy.model,
+            greedy.tokenizer,
+            method="ngram+mtp",
+            min_ngram=2,
+            max_draft=4,
+            draft_length=3,
+            mtp_head=load_mtp_head(models[kind], dtype=torch.float32, draft_length=3),
+        )
+        drafter = both.decoder.drafter
+        assert isinstance(drafter, FallbackDrafter) and drafter.uses_hidden_states
+        for prompt, want in expected:
+            got = both.generate(prompt, max_new_tokens=NEW)
+            assert got.token_ids == want, (kind, prompt)
+            assert sum(drafter.proposals_by) == got.metrics.drafts
+            used = [u + n for u, n in zip(used, drafter.proposals_by, strict=True)]
+            assert got.metrics.drafter_forwards == drafter.drafters[1].forward_count
+    assert used[0] > 0 and used[1] > 0, used
+    with pytest.raises(ConfigError, match="'ngram\\+mtp' needs an MTP head"):
+        Generator(greedy.model, greedy.tokenizer, method="ngram+mtp")

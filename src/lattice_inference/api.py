@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.drafters.base import Drafter
+from lattice_inference.drafters.fallback import FallbackDrafter
 from lattice_inference.drafters.mtp import MtpDrafter
 from lattice_inference.drafters.ngram import NgramDrafter
 from lattice_inference.errors import ConfigError
@@ -28,7 +29,12 @@ from lattice_inference.mtp import MtpHead, load_mtp_head
 from lattice_inference.streaming import TextStream
 from lattice_inference.targets import make_target
 
-METHODS = ("greedy", "ngram", "mtp")
+METHODS = ("greedy", "ngram", "mtp", "ngram+mtp")
+
+
+def needs_mtp_head(method: str) -> bool:
+    """Whether ``method`` drafts with the model's MTP head."""
+    return method in ("mtp", "ngram+mtp")
 
 
 def check_draft_length(draft_length: int) -> None:
@@ -85,7 +91,8 @@ class Generator:
     ``max_ngram``/``min_ngram`` bound the n-gram lengths tried (longest first), ``max_draft`` the tokens
     drafted per round, ``match`` which earlier occurrence is copied (``first``, as vLLM and transformers, or
     ``recent``). For ``mtp``, ``draft_length`` counts the target's token as the reference does (2..8): each
-    round drafts ``draft_length - 1`` tokens.
+    round drafts ``draft_length - 1`` tokens. ``ngram+mtp`` drafts by prompt lookup where an n-gram matches
+    and with the MTP head otherwise (`FallbackDrafter`).
     """
 
     def __init__(
@@ -104,28 +111,37 @@ class Generator:
     ) -> None:
         if method not in METHODS:
             raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-        if method == "mtp" and mtp_head is None:
-            raise ConfigError("method 'mtp' needs an MTP head: pass mtp_head=load_mtp_head(dir) or use from_pretrained")
+        if needs_mtp_head(method) and mtp_head is None:
+            raise ConfigError(
+                f"method {method!r} needs an MTP head: pass mtp_head=load_mtp_head(dir) or use from_pretrained"
+            )
         if eos_token_ids is None:
             eos_token_ids = eos_token_ids_of(model, tokenizer)
         self.model = model
         self.tokenizer = tokenizer
         self.method = method
         self.eos_token_ids = [int(t) for t in eos_token_ids]
-        drafter: Drafter | None = None
-        if method == "ngram":
-            drafter = NgramDrafter(
-                max_ngram=max_ngram,
-                min_ngram=min_ngram,
-                max_draft=max_draft,
-                match=match,
-                eos_token_ids=self.eos_token_ids,
+        drafters: list[Drafter] = []
+        if method in ("ngram", "ngram+mtp"):
+            drafters.append(
+                NgramDrafter(
+                    max_ngram=max_ngram,
+                    min_ngram=min_ngram,
+                    max_draft=max_draft,
+                    match=match,
+                    eos_token_ids=self.eos_token_ids,
+                )
             )
-        elif method == "mtp":
+        if needs_mtp_head(method):
             assert mtp_head is not None
             check_draft_length(draft_length)
-            max_draft = draft_length - 1
-            drafter = MtpDrafter(mtp_head, num_drafts=max_draft, eos_token_ids=self.eos_token_ids)
+            drafters.append(MtpDrafter(mtp_head, num_drafts=draft_length - 1, eos_token_ids=self.eos_token_ids))
+            max_draft = max(max_draft, draft_length - 1) if method == "ngram+mtp" else draft_length - 1
+        drafter: Drafter | None = None
+        if len(drafters) == 1:
+            drafter = drafters[0]
+        elif drafters:
+            drafter = FallbackDrafter(drafters)
         self.decoder = SpeculativeDecoder(
             make_target(model), drafter, max_draft=max_draft, eos_token_ids=self.eos_token_ids
         )
@@ -139,7 +155,7 @@ class Generator:
         draft_vocab = options.pop("draft_vocab", None)
         check_draft_vocab(draft_vocab)  # type: ignore[arg-type]
         loaded = load_model(model, dtype=dtype, device=device)
-        if options.get("method") == "mtp" and options.get("mtp_head") is None:
+        if needs_mtp_head(str(options.get("method"))) and options.get("mtp_head") is None:
             draft_length = int(options.get("draft_length", 4))  # type: ignore[call-overload]
             options["mtp_head"] = mtp_head_for(loaded, draft_length, draft_vocab)  # type: ignore[arg-type]
         return cls(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, **options)  # type: ignore[arg-type]

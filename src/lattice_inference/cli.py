@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lattice_inference.api import METHODS, check_draft_length
+from lattice_inference.api import METHODS, check_draft_length, needs_mtp_head
 from lattice_inference.errors import ConfigError, LatticeError, ModelLoadError
 
 
@@ -22,6 +22,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
+DEFAULT_BENCH_METHODS = ("greedy", "ngram", "mtp", "ngram+mtp")
 DRAFT_VOCAB_HELP = "mtp: draft only among token ids 0..N-1, the frequent ones in BPE order (default: all)"
 
 
@@ -35,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
     gen.add_argument(
-        "--method", default="ngram", help="greedy (plain decoding), ngram (prompt lookup, default) or mtp (MTP head)"
+        "--method",
+        default="ngram",
+        help="greedy (plain decoding), ngram (prompt lookup, default), mtp (the model's MTP head) or ngram+mtp "
+        "(prompt lookup where an n-gram matches, the MTP head otherwise)",
     )
     gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="generation budget (default 256)")
     gen.add_argument("--max-ngram", type=_positive_int, default=5, help="longest n-gram to match (default 5)")
@@ -54,7 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run several methods on the same prompts and compare speed and output")
     bench.add_argument("--model", help="model directory (default: the bundled model)")
     bench.add_argument("--prompts", help="JSONL of {prompt, kind, reference_continuation} (default: bundled set)")
-    bench.add_argument("--methods", default="greedy,ngram,mtp", help="comma-separated methods (greedy is required)")
+    bench.add_argument(
+        "--methods",
+        help="comma-separated methods; greedy, the reference, is always run (default: greedy,ngram and, where the "
+        "model has an MTP head, mtp,ngram+mtp)",
+    )
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens per prompt (default 128)")
     bench.add_argument("--max-draft", type=_positive_int, default=4, help="ngram: draft tokens per round")
     bench.add_argument("--draft-length", type=_positive_int, default=2, help="mtp: tokens per round (2..8)")
@@ -138,7 +146,7 @@ def _generate(args: argparse.Namespace) -> int:
             "method": args.method,
             "metrics": out.metrics.to_dict(),
         }
-        if args.method == "mtp":
+        if needs_mtp_head(args.method):
             payload["mtp_metrics"] = out.metrics.reference_mtp()
         sys.stdout.write(json.dumps(payload) + "\n")
         return 0
@@ -158,7 +166,8 @@ def _bench(args: argparse.Namespace) -> int:
     from lattice_inference.api import Generator, mtp_head_for
     from lattice_inference.loading import load_model
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    explicit = args.methods is not None
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if explicit else list(DEFAULT_BENCH_METHODS)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
@@ -175,7 +184,15 @@ def _bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     loaded = load_model(model_dir, dtype=args.dtype)
     lm, tok = loaded.model, loaded.tokenizer
-    head = mtp_head_for(loaded, args.draft_length, args.draft_vocab) if "mtp" in methods else None
+    head = None
+    if any(map(needs_mtp_head, methods)):
+        try:
+            head = mtp_head_for(loaded, args.draft_length, args.draft_vocab)
+        except LatticeError as exc:
+            if explicit:
+                raise
+            methods = [m for m in methods if not needs_mtp_head(m)]
+            benchmark.log(f"no MTP methods: {exc}")
     generators = {
         m: Generator(
             lm,

@@ -1,0 +1,61 @@
+"""Several drafters in order of preference: each round, the first one that proposes anything drafts.
+
+``ngram+mtp`` is the useful pairing: prompt lookup where the context already holds the continuation (a quote,
+an edit of code in the prompt, a summary reusing phrases), the model's own MTP head everywhere else. Every
+drafter sees every accepted token and hidden state, whether or not it drafted, so each stays exactly where it
+would be on its own; the output is still the target's, token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lattice_inference.drafters.base import Drafter
+from lattice_inference.errors import ConfigError
+
+
+class FallbackDrafter:
+    """Asks ``drafters`` in order and returns the first non-empty proposal.
+
+    ``proposals_by`` counts, per drafter (by position in ``drafters``), the rounds it drafted for.
+    """
+
+    def __init__(self, drafters: Sequence[Drafter]) -> None:
+        if not drafters:
+            raise ConfigError("a fallback drafter needs at least one drafter")
+        self.drafters = list(drafters)
+        self.uses_hidden_states = any(getattr(d, "uses_hidden_states", False) for d in self.drafters)
+        self.proposals_by = [0] * len(self.drafters)
+
+    @property
+    def forward_count(self) -> int:
+        """Model forwards the drafters ran (an n-gram lookup runs none)."""
+        return sum(int(getattr(d, "forward_count", 0)) for d in self.drafters)
+
+    def reset(self, prompt_ids: Sequence[int]) -> None:
+        """Start a new generation in every drafter."""
+        self.proposals_by = [0] * len(self.drafters)
+        for d in self.drafters:
+            d.reset(prompt_ids)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append accepted tokens in every drafter."""
+        for d in self.drafters:
+            d.extend(token_ids)
+
+    def observe(self, hidden_states: torch.Tensor, start_position: int) -> None:
+        """Pass the target's hidden states to the drafters that read them."""
+        for d in self.drafters:
+            if getattr(d, "uses_hidden_states", False):
+                d.observe(hidden_states, start_position)  # type: ignore[attr-defined]
+
+    def propose(self, max_tokens: int) -> list[int]:
+        """The first non-empty proposal of ``drafters``, in order (empty if none proposes)."""
+        for i, d in enumerate(self.drafters):
+            draft = d.propose(max_tokens)
+            if draft:
+                self.proposals_by[i] += 1
+                return draft
+        return []
