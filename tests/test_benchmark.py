@@ -80,3 +80,14 @@ def test_bench_default_methods_skip_mtp_without_a_head(tmp_path, capsys):
     assert "no MTP methods:" in out.err
     assert main([*argv, "--methods", "ngram+mtp"]) == 2  # asked for explicitly: an error, not a skip
     assert "lattice: error:" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from lattice_inference.benchmark import plot
+
+    row = {"method": "greedy", "speedup_vs_greedy": 1.0, "acceptance_per_position": []}
+    fast = {"method": "ngram", "speedup_vs_greedy": 2.0, "acceptance_per_position": [0.9, 0.5]}
+    group = {"rows": [row, fast]}
+    plot({"rows": [row, fast], "groups": {"copy": group, "free": group}}, tmp_path / "b.png")
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -298,6 +298,8 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     ax1.set_ylabel("decode speed-up over greedy")
     ax1.set_title("speed-up (same run)")
     ax1.legend()
+    longest = max((len(r["acceptance_per_position"]) for g in groups.values() for r in g["rows"]), default=0)
+    ax2.set_xticks(range(1, longest + 1))
     ax2.set_xlabel("draft position")
     ax2.set_ylabel("acceptance")
     ax2.set_ylim(0, 1.05)
