@@ -346,17 +346,6 @@ def build_eval_prompts(
     return prompts
 
 
-def repeated_4gram_rate(tokens: list[int]) -> float:
-    grams = [tuple(tokens[i : i + 4]) for i in range(len(tokens) - 3)]
-    if not grams:
-        return 0.0
-    seen, rep = set(), 0
-    for g in grams:
-        rep += g in seen
-        seen.add(g)
-    return rep / len(grams)
-
-
 @torch.no_grad()
 def greedy(model, ids: list[int], max_new: int, eos_id: int, device) -> list[int]:
     inp = torch.tensor([ids], device=device)
@@ -376,20 +365,22 @@ def copy_probe(model, tok, prompts: list[dict], max_new: int, device) -> dict:
     share of the exact-prefix match, and the 4-gram repetition rate inside the outputs."""
     model.eval()
     eos_id = tok.convert_tokens_to_ids(EOS)
+    from lattice_inference.benchmark import copy_counts, repetition_rate
+
     match = total = prefix = 0
     reps = []
     for p in prompts:
         ref = tok(p["reference_continuation"], add_special_tokens=False)["input_ids"][:max_new]
         ids = tok(p["prompt"], add_special_tokens=False)["input_ids"]
         out = greedy(model, ids, len(ref), eos_id, device)
-        out = out + [-1] * (len(ref) - len(out))
-        match += sum(int(a == b) for a, b in zip(out, ref, strict=False))
-        total += len(ref)
+        matched, compared = copy_counts(out, ref, max_new)
+        match += matched
+        total += compared
         n = 0
-        while n < len(ref) and out[n] == ref[n]:
+        while n < min(len(ref), len(out)) and out[n] == ref[n]:
             n += 1
         prefix += n
-        reps.append(repeated_4gram_rate([t for t in out if t >= 0]))
+        reps.append(repetition_rate(out))
     model.train()
     return {"copy": match / max(total, 1), "prefix": prefix / max(total, 1), "rep4": float(np.mean(reps))}
 
@@ -459,6 +450,16 @@ class LrSchedule:
         if progress <= start:
             return self.peak
         return self.peak * max(0.1, 1.0 - 0.9 * (progress - start) / self.decay_frac)
+
+
+def update(opt: torch.optim.Optimizer, loss: torch.Tensor, params, lr: float) -> None:
+    """One optimiser step at learning rate ``lr``: backward, clip the gradient norm to 1, step, clear."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 @torch.no_grad()
@@ -577,16 +578,11 @@ def train_trunk(args, corpus: Corpus, tok, mix: Mixture, probe_prompts: list[dic
         progress = max(state["step"] / max_steps, elapsed / state["deadline"])
         if progress >= 1.0:
             break
-        lr = sched(state["step"], progress)
-        for g in opt.param_groups:
-            g["lr"] = lr
         x = mix.batch(args.seed, state["step"], args.batch).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=x, labels=x, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        lr = sched(state["step"], progress)
+        update(opt, loss, model.parameters(), lr)
         state["step"] += 1
         state["tokens"] += x.numel()
         win_tokens += x.numel()
@@ -827,17 +823,12 @@ def train_mtp(args, corpus, tok, mix, trunk: dict, device) -> dict:
         progress = elapsed / deadline
         if progress >= 1.0:
             break
-        lr = sched(state["step"], progress)
-        for g in opt.param_groups:
-            g["lr"] = lr
         x = mix.batch(mtp_seed, state["step"], args.batch).to(device)
         hid = trunk_hidden(model, x)
         logits, _ = head(hid[:, :-2], x[:, 1:-1], embed)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 2:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        lr = sched(state["step"], progress)
+        update(opt, loss, head.parameters(), lr)
         state["step"] += 1
         state["tokens"] += x.numel()
         win_tok += x.numel()

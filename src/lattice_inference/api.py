@@ -29,12 +29,19 @@ from lattice_inference.mtp import MtpHead, load_mtp_head
 from lattice_inference.streaming import TextStream
 from lattice_inference.targets import make_target
 
-METHODS = ("greedy", "ngram", "mtp", "ngram+mtp")
+#: Each method and the drafters it asks, in order of preference.
+METHOD_DRAFTERS: dict[str, tuple[str, ...]] = {
+    "greedy": (),
+    "ngram": ("ngram",),
+    "mtp": ("mtp",),
+    "ngram+mtp": ("ngram", "mtp"),
+}
+METHODS = tuple(METHOD_DRAFTERS)
 
 
 def needs_mtp_head(method: str) -> bool:
     """Whether ``method`` drafts with the model's MTP head."""
-    return method in ("mtp", "ngram+mtp")
+    return "mtp" in METHOD_DRAFTERS.get(method, ())
 
 
 def check_draft_length(draft_length: int) -> None:
@@ -121,8 +128,9 @@ class Generator:
         self.tokenizer = tokenizer
         self.method = method
         self.eos_token_ids = [int(t) for t in eos_token_ids]
+        parts = METHOD_DRAFTERS[method]
         drafters: list[Drafter] = []
-        if method in ("ngram", "ngram+mtp"):
+        if "ngram" in parts:
             drafters.append(
                 NgramDrafter(
                     max_ngram=max_ngram,
@@ -132,11 +140,11 @@ class Generator:
                     eos_token_ids=self.eos_token_ids,
                 )
             )
-        if needs_mtp_head(method):
+        if "mtp" in parts:
             assert mtp_head is not None
             check_draft_length(draft_length)
             drafters.append(MtpDrafter(mtp_head, num_drafts=draft_length - 1, eos_token_ids=self.eos_token_ids))
-            max_draft = max(max_draft, draft_length - 1) if method == "ngram+mtp" else draft_length - 1
+            max_draft = max(max_draft, draft_length - 1) if "ngram" in parts else draft_length - 1
         drafter: Drafter | None = None
         if len(drafters) == 1:
             drafter = drafters[0]
@@ -153,7 +161,6 @@ class Generator:
         ``options`` are the constructor's; ``draft_vocab=N`` (method ``mtp``) restricts the head's draft argmax
         to the first ``N`` token ids (see `mtp_head_for`)."""
         draft_vocab = options.pop("draft_vocab", None)
-        check_draft_vocab(draft_vocab)  # type: ignore[arg-type]
         loaded = load_model(model, dtype=dtype, device=device)
         if needs_mtp_head(str(options.get("method"))) and options.get("mtp_head") is None:
             draft_length = int(options.get("draft_length", 4))  # type: ignore[call-overload]

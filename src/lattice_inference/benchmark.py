@@ -129,9 +129,9 @@ class _Group:
     copy_matched: int = 0
     copy_compared: int = 0
     repetition: list[float] = field(default_factory=list)
-    stats: dict[str, MethodStats] = field(default_factory=dict)
-    rep_tokens: dict[str, int] = field(default_factory=dict)
-    rep_secs: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, MethodStats] = field(init=False)
+    rep_tokens: dict[str, int] = field(init=False)
+    rep_secs: dict[str, float] = field(init=False)
 
     def __post_init__(self) -> None:
         self.stats = {m: MethodStats(m) for m in self.methods}
@@ -214,14 +214,14 @@ def run_bench(
                 for g in groups:
                     g.add(name, outs[name].metrics, outs[name].token_ids == greedy_ids)
             if rep == 0:
-                ref = tokenizer(p.reference, add_special_tokens=False).input_ids if p.reference else None
+                ref = tokenizer(p.reference, add_special_tokens=False).input_ids if p.reference else []
+                repetition = repetition_rate(greedy_ids)
+                matched, compared = copy_counts(greedy_ids, ref, max_new_tokens)
                 for g in groups:
                     g.n_prompts += 1
-                    g.repetition.append(repetition_rate(greedy_ids))
-                    if ref:
-                        matched, compared = copy_counts(greedy_ids, ref, max_new_tokens)
-                        g.copy_matched += matched
-                        g.copy_compared += compared
+                    g.repetition.append(repetition)
+                    g.copy_matched += matched
+                    g.copy_compared += compared
             if progress:
                 progress(f"rep {rep + 1}/{reps} prompt {i + 1}/{len(prompts)} ({p.kind})")
         for g in (overall, *by_kind.values()):

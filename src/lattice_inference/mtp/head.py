@@ -292,19 +292,17 @@ class MtpHead:
         eos = set(eos_token_ids)
         drafts: list[int] = []
         pos = position - m
+        scorer = self._lm_head if self._draft_head is None else self._draft_head
         for _ in range(count):
             _, out = self._forward(ids, pos, hid, want_logits=False)
-            out = out[-1:]
-            if self._draft_head is None:
-                token = int(torch.argmax(F.linear(out.to(self.dtype), self._lm_head).float()))
-            else:
-                token = int(self._draft_ids[int(torch.argmax(F.linear(out.to(self.dtype), self._draft_head)))])
+            hid = out[-1:].to(self.dtype)  # exact: the head's own dtype, widened to float32 and back
+            best = int(torch.argmax(F.linear(hid, scorer)))
+            token = best if self._draft_ids is None else int(self._draft_ids[best])
             drafts.append(token)
             if token in eos:
                 break
             pos += int(ids.shape[0])
             ids = torch.tensor([token], dtype=torch.long, device=self.device)
-            hid = out.to(self.dtype)
         return drafts
 
     def set_draft_vocab(self, token_ids: Iterable[int] | torch.Tensor | None) -> None:
