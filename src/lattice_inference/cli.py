@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--plot", help="write a PNG of speed-up and per-position acceptance (needs matplotlib)")
     bench.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+
+    from lattice_inference.serve.command import add_parser as add_serve_parser
+
+    add_serve_parser(sub, _positive_int, DRAFT_VOCAB_HELP)
     return parser
 
 
@@ -221,6 +225,14 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from lattice_inference.serve import command
+
+    _check_options(args)
+    quiet_transformers()
+    return command.run(args, args.model or default_model_dir())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lattice`` command; returns the process exit code."""
     parser = build_parser()
@@ -230,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "serve":
+            return _serve(args)
     except LatticeError as exc:
         print(f"lattice: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,277 @@
+"""The ASGI application: OpenAI-compatible routes over one `Engine`, a bounded `GenerationQueue`, metrics.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics``. With an API key, every route but ``/health`` needs ``Authorization: Bearer KEY``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncGenerator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from lattice_inference.serve.engine import Delta, Engine, Finish, GenerationJob
+from lattice_inference.serve.errors import APIError
+from lattice_inference.serve.metrics import ServerMetrics
+from lattice_inference.serve.queue import GenerationQueue, Job, QueueFull
+from lattice_inference.serve.responses import CompletionFormat, EventStreamResponse, sse
+from lattice_inference.serve.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+
+DEFAULT_MAX_BODY = 4 * 1024 * 1024
+#: Text completions without ``max_tokens`` get OpenAI's default of 16 tokens; chat gets the rest of the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+class CountRequests:
+    """ASGI middleware: count every HTTP request by endpoint and the status code it was answered with."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        status = 500
+
+        async def send_status(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+class Server:
+    """The routes' shared state: the engine, its queue, the metrics, the key and the body limit."""
+
+    def __init__(self, engine: Engine, *, api_key: str | None, max_queue: int, max_body: int) -> None:
+        self.engine = engine
+        self.api_key = api_key or None
+        self.max_body = max_body
+        self.metrics = ServerMetrics()
+        self.queue = GenerationQueue(max_queue, on_depth=self.metrics.set_depth)
+        self.started = int(time.time())
+
+    # -- request checks ------------------------------------------------------------------------------------------
+
+    def authorize(self, request: Request) -> None:
+        """401 unless the request carries the server's key (when it has one)."""
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise APIError(401, "missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+        if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "incorrect API key", code="invalid_api_key")
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, or 413 as soon as it is known to exceed the limit."""
+        declared = request.headers.get("content-length", "")
+        too_large = APIError(413, f"the request body exceeds {self.max_body} bytes", code="request_too_large")
+        if declared.isdigit() and int(declared) > self.max_body:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def check_model(self, model: str) -> None:
+        """404 for a model this server does not serve."""
+        if model != self.engine.name:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; this server serves {self.engine.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    # -- routes ----------------------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "waiting": self.queue.waiting, "running": self.queue.running})
+
+    async def prometheus(self, request: Request) -> Response:
+        self.authorize(request)
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, request: Request) -> Response:
+        self.authorize(request)
+        card = {"id": self.engine.name, "object": "model", "created": self.started, "owned_by": "lattice"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def chat_completions(self, request: Request) -> Any:
+        arrived = time.perf_counter()
+        self.authorize(request)
+        body = parse_body(await self.read_body(request), ChatCompletionRequest)
+        self.check_model(body.model)
+        prompt_ids = await run_in_threadpool(self.engine.encode_chat, body.messages)
+        return await self._complete(request, body, prompt_ids, None, arrived, chat=True)
+
+    async def completions(self, request: Request) -> Any:
+        arrived = time.perf_counter()
+        self.authorize(request)
+        body = parse_body(await self.read_body(request), CompletionRequest)
+        self.check_model(body.model)
+        prompt_ids = await run_in_threadpool(self.engine.encode_prompt, body.prompt)
+        return await self._complete(request, body, prompt_ids, COMPLETIONS_DEFAULT_MAX_TOKENS, arrived, chat=False)
+
+    # -- generation ---------------------------------------------------------------------------------------------
+
+    async def _complete(
+        self,
+        request: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        prompt_ids: list[int],
+        default_max_tokens: int | None,
+        arrived: float,
+        *,
+        chat: bool,
+    ) -> Any:
+        engine = self.engine
+        job = GenerationJob(
+            prompt_ids=prompt_ids,
+            max_tokens=engine.budget(prompt_ids, body.requested_max_tokens, default_max_tokens),
+            settings=engine.settings_for(body.speculative),
+            sampling=engine.sampling_for(body.temperature, body.top_p, body.seed),
+            stops=body.stops,
+        )
+        try:
+            queued = self.queue.submit(lambda: engine.generate(job, self.metrics.observe_generation))
+        except QueueFull as exc:
+            raise APIError(
+                429, f"the server is busy: {exc}; retry later", code="queue_full", headers={"Retry-After": "1"}
+            ) from None
+        fmt = CompletionFormat(chat, engine.name)
+        endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+        if body.stream:
+            events = self._stream(queued, fmt, body.include_usage, endpoint, arrived)
+            return EventStreamResponse(events, on_disconnect=queued.cancel)
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, queued))
+        try:
+            text, finish = await self._collect(queued, endpoint, arrived)
+        finally:
+            watcher.cancel()
+        if finish is None:  # the client went away; nobody reads this
+            return APIError(499, "the client closed the request").response()
+        self.metrics.latency.labels(endpoint).observe(time.perf_counter() - arrived)
+        return JSONResponse(fmt.whole(text, finish))
+
+    async def _collect(self, queued: Job, endpoint: str, arrived: float) -> tuple[str, Finish | None]:
+        pieces: list[str] = []
+        finish: Finish | None = None
+        try:
+            async for item in queued.results():
+                if isinstance(item, Delta):
+                    if not pieces:
+                        self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - arrived)
+                    pieces.append(item.text)
+                else:
+                    finish = item
+        except Exception as exc:
+            raise APIError(500, f"generation failed: {type(exc).__name__}: {exc}") from exc
+        return "".join(pieces), finish
+
+    async def _stream(
+        self, queued: Job, fmt: CompletionFormat, include_usage: bool, endpoint: str, arrived: float
+    ) -> AsyncGenerator[bytes, None]:
+        first = fmt.first_chunk()
+        if first is not None:
+            yield sse(first)
+        got_token = False
+        try:
+            async for item in queued.results():
+                if isinstance(item, Delta):
+                    if not got_token:
+                        got_token = True
+                        self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - arrived)
+                    if item.text:
+                        yield sse(fmt.text_chunk(item.text))
+                elif isinstance(item, Finish):
+                    yield sse(fmt.finish_chunk(item))
+                    if include_usage:
+                        yield sse(fmt.usage_chunk(item))
+                    self.metrics.latency.labels(endpoint).observe(time.perf_counter() - arrived)
+        except Exception as exc:
+            error = APIError(500, f"generation failed: {type(exc).__name__}: {exc}")
+            yield sse(error.body())
+        finally:
+            queued.cancel()
+        yield sse("[DONE]")
+
+
+async def _cancel_on_disconnect(request: Request, queued: Job) -> None:
+    """Cancel ``queued`` when the client disconnects (the body has been read, so only that message is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    queued.cancel()
+
+
+def _json_error(status: int, message: str) -> JSONResponse:
+    return APIError(status, message).response()
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return _json_error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return _json_error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def create_app(
+    engine: Engine, *, api_key: str | None = None, max_queue: int = 16, max_body: int = DEFAULT_MAX_BODY
+) -> Starlette:
+    """The server's ASGI app over ``engine``; ``app.state.server`` holds its queue and metrics."""
+    server = Server(engine, api_key=api_key, max_queue=max_queue, max_body=max_body)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncGenerator[None, None]:
+        yield
+        server.queue.close()
+
+    app = Starlette(
+        routes=[
+            Route("/health", server.health, methods=["GET"]),
+            Route("/metrics", server.prometheus, methods=["GET"]),
+            Route("/v1/models", server.models, methods=["GET"]),
+            Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+            Route("/v1/completions", server.completions, methods=["POST"]),
+        ],
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
+        lifespan=lifespan,
+    )
+    app.state.server = server
+    app.add_middleware(CountRequests, metrics=server.metrics)
+    return app
+
+
+__all__ = ["Server", "create_app"]

@@ -1,0 +1,81 @@
+"""The ``lattice serve`` sub-command: parse its options, load the model once, run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+
+DEFAULT_PORT = 8000
+
+
+def add_parser(sub: argparse._SubParsersAction, positive_int: Callable[[str], int], draft_vocab_help: str) -> None:
+    """Add ``serve`` to the ``lattice`` command's sub-parsers."""
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    serve.add_argument("--model", help="model directory (default: the bundled model)")
+    serve.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
+    serve.add_argument("--method", default="ngram", help="default method: greedy, ngram (default), mtp or ngram+mtp")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    serve.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (or LATTICE_API_KEY)"
+    )
+    serve.add_argument(
+        "--max-queue", type=int, default=16, help="requests that may wait behind the running one; beyond: 429"
+    )
+    serve.add_argument("--max-body", type=positive_int, default=4 * 1024 * 1024, help="request body limit, bytes")
+    serve.add_argument("--max-ngram", type=positive_int, default=5, help="longest n-gram to match (default 5)")
+    serve.add_argument("--min-ngram", type=positive_int, default=2, help="shortest n-gram to match (default 2)")
+    serve.add_argument("--max-draft", type=positive_int, default=4, help="draft tokens per round (default 4)")
+    serve.add_argument(
+        "--draft-length", type=positive_int, default=4, help="mtp: tokens per round counting the target's (2..8)"
+    )
+    serve.add_argument("--draft-vocab", type=positive_int, help=draft_vocab_help)
+    serve.add_argument("--match", choices=("first", "recent"), default="first", help="which earlier occurrence to copy")
+    serve.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
+    serve.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
+    serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+
+
+def build_engine(args: argparse.Namespace, model_dir: str):  # -> Engine (imported lazily)
+    """Load the model once and wrap it in an `Engine` with the command's default speculation settings."""
+    from lattice_inference.loading import load_model
+    from lattice_inference.serve.engine import Engine, Settings
+
+    settings = Settings(
+        method=args.method,
+        max_draft=args.max_draft,
+        max_ngram=args.max_ngram,
+        min_ngram=args.min_ngram,
+        match=args.match,
+        draft_length=args.draft_length,
+    )
+    loaded = load_model(model_dir, dtype=args.dtype)
+    name = args.served_model_name or None
+    return Engine(loaded, settings, name=name, draft_vocab=args.draft_vocab)
+
+
+def run(args: argparse.Namespace, model_dir: str) -> int:
+    """Serve until interrupted; returns the exit code."""
+    from lattice_inference.errors import ConfigError
+
+    try:
+        import uvicorn
+
+        from lattice_inference.serve.app import create_app
+    except ImportError as exc:
+        raise ConfigError(f"lattice serve needs its extra: pip install 'lattice-inference[serve]' ({exc})") from None
+    import torch
+
+    if args.max_queue < 0:
+        raise ConfigError(f"--max-queue must be non-negative, got {args.max_queue}")
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port must be 1..65535, got {args.port}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = build_engine(args, model_dir)
+    api_key = args.api_key or os.environ.get("LATTICE_API_KEY") or None
+    app = create_app(engine, api_key=api_key, max_queue=args.max_queue, max_body=args.max_body)
+    print(f"lattice serve: {engine.name} ({args.method}) on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,259 @@
+"""The loaded model behind the server: prompt encoding, per-request generators, and one generation as events.
+
+The weights and tokenizer are loaded once. Each distinct set of speculation settings gets its own `Generator`
+over them (a drafter and a target with its own cache, cheap to build), kept in a small LRU cache; only one
+generation runs at a time (`GenerationQueue`), so they can share the model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+
+from lattice_inference.api import Generator, mtp_head_for, needs_mtp_head
+from lattice_inference.errors import LatticeError
+from lattice_inference.loading import LoadedModel
+from lattice_inference.metrics import GenerationMetrics
+from lattice_inference.mtp import MtpHead
+from lattice_inference.serve.errors import bad_request
+from lattice_inference.serve.schemas import Message, Speculative
+from lattice_inference.serve.stops import StopMatcher
+from lattice_inference.streaming import TextStream
+
+#: Whether this build's `Generator` can sample (``temperature`` > 0); without it only greedy is served.
+SAMPLING_AVAILABLE = "temperature" in inspect.signature(Generator.stream_tokens).parameters
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Speculation settings of one generation (the server's defaults, overridden per request)."""
+
+    method: str = "ngram"
+    max_draft: int = 4
+    max_ngram: int = 5
+    min_ngram: int = 2
+    match: str = "first"
+    draft_length: int = 4
+
+    def override(self, spec: Speculative | None) -> Settings:
+        """These settings with the fields ``spec`` sets replaced."""
+        if spec is None:
+            return self
+        return replace(self, **{k: v for k, v in spec.model_dump().items() if v is not None})
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings of one generation; temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class GenerationJob:
+    """Everything one generation needs, validated."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    settings: Settings
+    sampling: Sampling = field(default_factory=Sampling)
+    stops: Sequence[str] = ()
+
+
+@dataclass
+class Delta:
+    """Text released by one decode round (possibly empty: held back) and the tokens it accepted."""
+
+    text: str
+    tokens: int
+
+
+@dataclass
+class Finish:
+    """The end of a generation: OpenAI's finish reason, token counts and the acceptance metrics."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    metrics: dict[str, Any]
+
+
+class Engine:
+    """One loaded model served under ``name`` with default speculation ``settings``."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        settings: Settings,
+        *,
+        name: str | None = None,
+        draft_vocab: int | None = None,
+        cache_size: int = 8,
+    ) -> None:
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.defaults = settings
+        self.name = name or Path(loaded.source).name
+        self.draft_vocab = draft_vocab
+        self.cache_size = cache_size
+        self._generators: OrderedDict[Settings, Generator] = OrderedDict()
+        self._heads: dict[int, MtpHead] = {}
+        self.mtp_error: str | None = None
+        try:
+            self._head(settings.draft_length)
+        except LatticeError as exc:
+            if needs_mtp_head(settings.method):
+                raise
+            self.mtp_error = str(exc)
+        config = loaded.model.config
+        self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        self.vocab_size = int(config.vocab_size)
+
+    # -- validation on the event loop, before a request is queued --------------------------------------------
+
+    def settings_for(self, spec: Speculative | None) -> Settings:
+        """The request's speculation settings, or a 400 naming what cannot be served."""
+        settings = self.defaults.override(spec)
+        if settings.min_ngram > settings.max_ngram:
+            raise bad_request(
+                f"min_ngram ({settings.min_ngram}) is larger than max_ngram ({settings.max_ngram})",
+                param="speculative.min_ngram",
+            )
+        if needs_mtp_head(settings.method) and self.mtp_error is not None:
+            raise bad_request(
+                f"method {settings.method!r} needs an MTP head, which this model lacks: {self.mtp_error}",
+                param="speculative.method",
+            )
+        return settings
+
+    def sampling_for(self, temperature: float | None, top_p: float | None, seed: int | None) -> Sampling:
+        """The request's sampling settings; absent temperature means 0 (greedy, the model's own default here)."""
+        sampling = Sampling(temperature or 0.0, 1.0 if top_p is None else top_p, seed)
+        if sampling.temperature > 0 and not SAMPLING_AVAILABLE:
+            raise bad_request(
+                "sampling is not available in this build: temperature must be 0 (greedy)", param="temperature"
+            )
+        return sampling
+
+    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+        """Token ids of ``messages`` through the tokenizer's chat template, ready for the assistant's turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                turns, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except TemplateError as exc:
+            raise bad_request(f"the chat template refused these messages: {exc}", param="messages") from None
+        return [int(t) for t in ids]
+
+    def encode_prompt(self, prompt: str | list[str] | list[int]) -> list[int]:
+        """Token ids of a text completion's prompt (a string, a list of one string, or token ids)."""
+        if isinstance(prompt, list) and isinstance(prompt[0], int):
+            bad = [t for t in prompt if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise bad_request(f"token id {bad[0]} is outside the vocabulary of size {self.vocab_size}", "prompt")
+            return [int(t) for t in prompt]
+        text = prompt if isinstance(prompt, str) else str(prompt[0])
+        if not text.strip():
+            raise bad_request("the prompt is empty", param="prompt")
+        return list(self.tokenizer(text, add_special_tokens=True).input_ids)
+
+    def budget(self, prompt_ids: Sequence[int], requested: int | None, default: int | None) -> int:
+        """Tokens to generate: the request's, else ``default``, else the rest of the model's positions."""
+        room = None if self.max_positions is None else self.max_positions - len(prompt_ids)
+        if room is not None and room < 1:
+            raise bad_request(
+                f"the prompt has {len(prompt_ids)} tokens; this model has {self.max_positions} positions",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            wanted = default if default is not None else room
+            return min(wanted, room) if room is not None and wanted is not None else (wanted or 256)
+        if room is not None and requested > room:
+            raise bad_request(
+                f"max_tokens {requested} plus the prompt's {len(prompt_ids)} tokens exceeds this model's "
+                f"{self.max_positions} positions",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return requested
+
+    # -- generation, on the worker thread -----------------------------------------------------------------------
+
+    def _head(self, draft_length: int) -> MtpHead:
+        if draft_length not in self._heads:
+            self._heads[draft_length] = mtp_head_for(self.loaded, draft_length, self.draft_vocab)
+        return self._heads[draft_length]
+
+    def generator(self, settings: Settings) -> Generator:
+        """A generator for ``settings`` over the loaded model (built once, then reused)."""
+        gen = self._generators.get(settings)
+        if gen is None:
+            gen = Generator(
+                self.loaded.model,
+                self.tokenizer,
+                method=settings.method,
+                max_ngram=settings.max_ngram,
+                min_ngram=settings.min_ngram,
+                max_draft=settings.max_draft,
+                match=settings.match,
+                draft_length=settings.draft_length,
+                mtp_head=self._head(settings.draft_length) if needs_mtp_head(settings.method) else None,
+                eos_token_ids=self.loaded.eos_token_ids,
+            )
+            self._generators[settings] = gen
+            while len(self._generators) > self.cache_size:
+                self._generators.popitem(last=False)
+        self._generators.move_to_end(settings)
+        return gen
+
+    def _token_stream(self, gen: Generator, job: GenerationJob) -> Iterator[list[int]]:
+        if not SAMPLING_AVAILABLE:
+            return gen.stream_tokens(job.prompt_ids, job.max_tokens)
+        s = job.sampling
+        return gen.stream_tokens(  # type: ignore[call-arg]
+            job.prompt_ids, job.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed
+        )
+
+    def generate(
+        self, job: GenerationJob, on_done: Callable[[str, GenerationMetrics, str], None] | None = None
+    ) -> Iterator[Delta | Finish]:
+        """Run one generation: a `Delta` per decode round, then a `Finish` (not when closed early).
+
+        Closing the iterator stops the generation after the round in flight; ``on_done(method, metrics,
+        finish_reason)`` is called in every case (``finish_reason`` ``"cancelled"`` when closed early).
+        """
+        gen = self.generator(job.settings)
+        text, stops = TextStream(self.tokenizer), StopMatcher(job.stops)
+        tokens = self._token_stream(gen, job)
+        reason = "cancelled"
+        try:
+            for chunk in tokens:
+                yield Delta(stops.push(text.push(chunk)), len(chunk))
+                if stops.stopped:
+                    break
+            if not stops.stopped:
+                tail = stops.push(text.flush())
+                tail += stops.flush()
+                if tail:
+                    yield Delta(tail, 0)
+            reason = "stop" if stops.stopped or gen.decoder.stop_reason == "eos" else "length"
+        finally:
+            tokens.close()  # type: ignore[attr-defined]
+            metrics = gen.metrics
+            if on_done is not None:
+                on_done(job.settings.method, metrics, reason)
+        yield Finish(
+            reason, metrics.prompt_tokens, metrics.new_tokens, {"method": job.settings.method, **metrics.to_dict()}
+        )

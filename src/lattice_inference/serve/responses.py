@@ -1,0 +1,118 @@
+"""OpenAI response bodies (chat and text completions, whole or as stream chunks) and the SSE response."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+import anyio
+from starlette.types import Receive, Scope, Send
+
+from lattice_inference.serve.engine import Finish
+
+
+class CompletionFormat:
+    """Builds one request's bodies: ``chat`` (``chat.completion``) or text (``text_completion``)."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def _choice(self, text: str | None, finish_reason: str | None, *, whole: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if not self.chat:
+            choice["text"] = text or ""
+        elif whole:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["delta"] = {} if text is None else {"content": text}
+        return {**choice, "logprobs": None, "finish_reason": finish_reason}
+
+    @staticmethod
+    def usage(finish: Finish) -> dict[str, int]:
+        """OpenAI's ``usage`` object."""
+        return {
+            "prompt_tokens": finish.prompt_tokens,
+            "completion_tokens": finish.completion_tokens,
+            "total_tokens": finish.prompt_tokens + finish.completion_tokens,
+        }
+
+    def whole(self, text: str, finish: Finish) -> dict[str, Any]:
+        """The non-streamed response, with the acceptance metrics in ``speculative_metrics``."""
+        body = self._envelope(
+            "chat.completion" if self.chat else "text_completion", [self._choice(text, finish.reason, whole=True)]
+        )
+        return {**body, "usage": self.usage(finish), "speculative_metrics": finish.metrics}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", choices)
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        """Chat streams open with the assistant role, as OpenAI's do."""
+        if not self.chat:
+            return None
+        chunk = self._chunk([self._choice(None, None, whole=False)])
+        chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        return chunk
+
+    def text_chunk(self, text: str) -> dict[str, Any]:
+        """A chunk carrying newly released text."""
+        return self._chunk([self._choice(text, None, whole=False)])
+
+    def finish_chunk(self, finish: Finish) -> dict[str, Any]:
+        """The chunk with the finish reason (and the acceptance metrics)."""
+        return {**self._chunk([self._choice(None, finish.reason, whole=False)]), "speculative_metrics": finish.metrics}
+
+    def usage_chunk(self, finish: Finish) -> dict[str, Any]:
+        """``stream_options.include_usage``: a last chunk with no choices and the usage."""
+        return {**self._chunk([]), "usage": self.usage(finish)}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event ``data: ...`` line."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+class EventStreamResponse:
+    """Streams ``events`` as ``text/event-stream``; calls ``on_disconnect`` as soon as the client goes away.
+
+    Starlette's own streaming response only notices a gone client when a write fails, which can be many
+    rounds later while stop-string text is held back; this one listens for the disconnect message meanwhile.
+    """
+
+    def __init__(self, events: AsyncGenerator[bytes, None], on_disconnect: Callable[[], None]) -> None:
+        self.events = events
+        self.on_disconnect = on_disconnect
+        self.status_code = 200
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        async with anyio.create_task_group() as group:
+
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                self.on_disconnect()
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            try:
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
+                async for event in self.events:
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:
+                self.on_disconnect()
+            finally:
+                group.cancel_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    await self.events.aclose()

@@ -1,0 +1,219 @@
+"""Request bodies of the OpenAI endpoints, validated with pydantic (strict types: ``"5"`` is not a number).
+
+Fields this server cannot honour are refused with a 400 that names them rather than silently ignored, unless
+they hold the value that means "off" (``logprobs: false``, ``presence_penalty: 0``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lattice_inference.api import METHODS
+from lattice_inference.serve.errors import APIError, bad_request
+
+ROLES = ("system", "developer", "user", "assistant")
+
+#: Fields of the OpenAI API this server does not implement, and the values of them it accepts (all "off").
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class Speculative(_Strict):
+    """The ``speculative`` extension: speculation settings for one request (unset fields: the server's)."""
+
+    method: str | None = None
+    max_draft: int | None = Field(None, ge=1, le=64)
+    max_ngram: int | None = Field(None, ge=1, le=64)
+    min_ngram: int | None = Field(None, ge=1, le=64)
+    match: Literal["first", "recent"] | None = None
+    draft_length: int | None = Field(None, ge=2, le=8)
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, method: str | None) -> str | None:
+        if method is not None and method not in METHODS:
+            raise ValueError(f"unknown speculation method {method!r}; choose from {', '.join(METHODS)}")
+        return method
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+
+    include_usage: bool = False
+
+
+class _Generation(_Strict):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    n: int = 1
+    speculative: Speculative | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, accepted in UNSUPPORTED.items():
+                value = data.get(name)
+                if not any(value == ok and type(value) is type(ok) for ok in accepted):
+                    raise ValueError(f"'{name}' is not supported by this server")
+        return data
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"n must be 1: this server generates one choice per request, got {n}")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4:
+            raise ValueError(f"at most 4 stop strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    @property
+    def stops(self) -> list[str]:
+        """The stop strings as a list."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The client's token budget, if it set one."""
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ContentPart(_Strict):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is understood."""
+
+    type: str
+    text: str | None = None
+
+
+class Message(_Strict):
+    """A chat message."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; choose from {', '.join(ROLES)}")
+        return role
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
+        for part in content if isinstance(content, list) else ():
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"content parts of type {part.type!r} are not supported; only text")
+        return content
+
+    def text(self) -> str:
+        """The message's content as one string."""
+        if isinstance(self.content, list):
+            return "".join(part.text or "" for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Generation):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Message]
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, messages: list[Message]) -> list[Message]:
+        if not messages:
+            raise ValueError("messages must hold at least one message")
+        return messages
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Generation):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of one string, or a list of token ids."""
+
+    prompt: str | list[str] | list[int]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[str] | list[int]) -> str | list[str] | list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) and len(prompt) != 1:
+            raise ValueError(f"one prompt per request, got {len(prompt)}")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt
+
+
+RequestT = TypeVar("RequestT", bound=_Generation)
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list[str]", "list[int]", "list[ContentPart]", "dict"}
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """``messages.0.role``-style name of the field an error is about (pydantic's union tags dropped)."""
+    parts = [str(p) for p in loc if str(p) not in _UNION_TAGS and not str(p).startswith(("function-", "literal["))]
+    return ".".join(parts) or None
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming its field."""
+    err = exc.errors()[0]
+    param = _param(tuple(err.get("loc", ())))
+    message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    return bad_request(f"{param}: {message}" if param else message, param=param)
+
+
+def parse_body(raw: bytes, model: type[RequestT]) -> RequestT:
+    """Parse and validate a JSON request body, raising `APIError` (400) for anything malformed."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
