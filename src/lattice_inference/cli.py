@@ -26,6 +26,20 @@ DEFAULT_BENCH_METHODS = ("greedy", "ngram", "mtp", "ngram+mtp")
 DRAFT_VOCAB_HELP = "mtp: draft only among token ids 0..N-1, the frequent ones in BPE order (default: all)"
 
 
+def add_draft_options(parser: argparse.ArgumentParser) -> None:
+    """The speculation options ``generate`` and ``serve`` share."""
+    parser.add_argument("--max-ngram", type=_positive_int, default=5, help="longest n-gram to match (default 5)")
+    parser.add_argument("--min-ngram", type=_positive_int, default=2, help="shortest n-gram to match (default 2)")
+    parser.add_argument("--max-draft", type=_positive_int, default=4, help="draft tokens per round (default 4)")
+    parser.add_argument(
+        "--draft-length", type=_positive_int, default=4, help="mtp: tokens per round counting the target's (2..8)"
+    )
+    parser.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
+    parser.add_argument(
+        "--match", choices=("first", "recent"), default="first", help="which earlier occurrence to copy"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lattice`` command."""
     parser = argparse.ArgumentParser(prog="lattice", description="Lossless speculative decoding for Hugging Face LMs.")
@@ -42,14 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(prompt lookup where an n-gram matches, the MTP head otherwise)",
     )
     gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="generation budget (default 256)")
-    gen.add_argument("--max-ngram", type=_positive_int, default=5, help="longest n-gram to match (default 5)")
-    gen.add_argument("--min-ngram", type=_positive_int, default=2, help="shortest n-gram to match (default 2)")
-    gen.add_argument("--max-draft", type=_positive_int, default=4, help="draft tokens per round (default 4)")
-    gen.add_argument(
-        "--draft-length", type=_positive_int, default=4, help="mtp: tokens per round counting the target's (2..8)"
-    )
-    gen.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
-    gen.add_argument("--match", choices=("first", "recent"), default="first", help="which earlier occurrence to copy")
+    add_draft_options(gen)
     gen.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -76,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from lattice_inference.serve.command import add_parser as add_serve_parser
 
-    add_serve_parser(sub, _positive_int, DRAFT_VOCAB_HELP)
+    add_serve_parser(sub, _positive_int, add_draft_options)
     return parser
 
 

@@ -123,34 +123,29 @@ class Server:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def chat_completions(self, request: Request) -> Any:
-        arrived = time.perf_counter()
-        self.authorize(request)
-        body = parse_body(await self.read_body(request), ChatCompletionRequest)
-        self.check_model(body.model)
-        prompt_ids = await run_in_threadpool(self.engine.encode_chat, body.messages)
-        return await self._complete(request, body, prompt_ids, None, arrived, chat=True)
+        return await self._endpoint(request, chat=True)
 
     async def completions(self, request: Request) -> Any:
-        arrived = time.perf_counter()
-        self.authorize(request)
-        body = parse_body(await self.read_body(request), CompletionRequest)
-        self.check_model(body.model)
-        prompt_ids = await run_in_threadpool(self.engine.encode_prompt, body.prompt)
-        return await self._complete(request, body, prompt_ids, COMPLETIONS_DEFAULT_MAX_TOKENS, arrived, chat=False)
+        return await self._endpoint(request, chat=False)
 
     # -- generation ---------------------------------------------------------------------------------------------
 
-    async def _complete(
-        self,
-        request: Request,
-        body: ChatCompletionRequest | CompletionRequest,
-        prompt_ids: list[int],
-        default_max_tokens: int | None,
-        arrived: float,
-        *,
-        chat: bool,
-    ) -> Any:
+    async def _endpoint(self, request: Request, *, chat: bool) -> Any:
+        """Validate a (chat) completion request, queue its generation, and answer whole or streamed."""
+        arrived = time.perf_counter()
+        self.authorize(request)
+        raw = await self.read_body(request)
         engine = self.engine
+        body: ChatCompletionRequest | CompletionRequest
+        if chat:
+            body = parse_body(raw, ChatCompletionRequest)
+            self.check_model(body.model)
+            prompt_ids = await run_in_threadpool(engine.encode_chat, body.messages)
+        else:
+            body = parse_body(raw, CompletionRequest)
+            self.check_model(body.model)
+            prompt_ids = await run_in_threadpool(engine.encode_prompt, body.prompt)
+        default_max_tokens = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
         job = GenerationJob(
             prompt_ids=prompt_ids,
             max_tokens=engine.budget(prompt_ids, body.requested_max_tokens, default_max_tokens),

@@ -5,12 +5,20 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lattice_inference.serve.engine import Engine
 
 DEFAULT_PORT = 8000
 
 
-def add_parser(sub: argparse._SubParsersAction, positive_int: Callable[[str], int], draft_vocab_help: str) -> None:
-    """Add ``serve`` to the ``lattice`` command's sub-parsers."""
+def add_parser(
+    sub: argparse._SubParsersAction,
+    positive_int: Callable[[str], int],
+    add_draft_options: Callable[[argparse.ArgumentParser], None],
+) -> None:
+    """Add ``serve`` to the ``lattice`` command's sub-parsers (``add_draft_options``: those ``generate`` has)."""
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     serve.add_argument("--model", help="model directory (default: the bundled model)")
     serve.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
@@ -24,32 +32,20 @@ def add_parser(sub: argparse._SubParsersAction, positive_int: Callable[[str], in
         "--max-queue", type=int, default=16, help="requests that may wait behind the running one; beyond: 429"
     )
     serve.add_argument("--max-body", type=positive_int, default=4 * 1024 * 1024, help="request body limit, bytes")
-    serve.add_argument("--max-ngram", type=positive_int, default=5, help="longest n-gram to match (default 5)")
-    serve.add_argument("--min-ngram", type=positive_int, default=2, help="shortest n-gram to match (default 2)")
-    serve.add_argument("--max-draft", type=positive_int, default=4, help="draft tokens per round (default 4)")
-    serve.add_argument(
-        "--draft-length", type=positive_int, default=4, help="mtp: tokens per round counting the target's (2..8)"
-    )
-    serve.add_argument("--draft-vocab", type=positive_int, help=draft_vocab_help)
-    serve.add_argument("--match", choices=("first", "recent"), default="first", help="which earlier occurrence to copy")
+    add_draft_options(serve)
     serve.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
     serve.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
 
 
-def build_engine(args: argparse.Namespace, model_dir: str):  # -> Engine (imported lazily)
+def build_engine(args: argparse.Namespace, model_dir: str) -> Engine:
     """Load the model once and wrap it in an `Engine` with the command's default speculation settings."""
+    from dataclasses import fields
+
     from lattice_inference.loading import load_model
     from lattice_inference.serve.engine import Engine, Settings
 
-    settings = Settings(
-        method=args.method,
-        max_draft=args.max_draft,
-        max_ngram=args.max_ngram,
-        min_ngram=args.min_ngram,
-        match=args.match,
-        draft_length=args.draft_length,
-    )
+    settings = Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)})
     loaded = load_model(model_dir, dtype=args.dtype)
     name = args.served_model_name or None
     return Engine(loaded, settings, name=name, draft_vocab=args.draft_vocab)

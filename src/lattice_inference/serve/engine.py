@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -200,16 +200,12 @@ class Engine:
         """A generator for ``settings`` over the loaded model (built once, then reused)."""
         gen = self._generators.get(settings)
         if gen is None:
+            head = self._head(settings.draft_length) if needs_mtp_head(settings.method) else None
             gen = Generator(
                 self.loaded.model,
                 self.tokenizer,
-                method=settings.method,
-                max_ngram=settings.max_ngram,
-                min_ngram=settings.min_ngram,
-                max_draft=settings.max_draft,
-                match=settings.match,
-                draft_length=settings.draft_length,
-                mtp_head=self._head(settings.draft_length) if needs_mtp_head(settings.method) else None,
+                **asdict(settings),
+                mtp_head=head,
                 eos_token_ids=self.loaded.eos_token_ids,
             )
             self._generators[settings] = gen
