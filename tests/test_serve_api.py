@@ -201,3 +201,22 @@ def test_api_key(loaded):
         api = client(base, key="s3cret")
         assert api.chat.completions.create(**OK_CHAT).choices[0].message.content is not None
         assert request(base, "GET", "/metrics", headers={"authorization": "Bearer s3cret"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--method", "medusa"],
+        ["--draft-length", "9"],
+        ["--min-ngram", "4", "--max-ngram", "2"],
+        ["--max-queue", "-1"],
+        ["--port", "70000"],
+        ["--model", "/nonexistent/model"],
+    ],
+)
+def test_serve_command_rejects_bad_options_with_one_line(argv, capsys):
+    from lattice_inference.cli import main
+
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lattice: error:") and "\n" not in err
