@@ -11,8 +11,12 @@ as a user would start it); the client is the real ``openai`` client streaming ``
   the median over ``--reps`` passes, next to the median absolute figures. Every pass also checks that the server's
   text equals the API's.
 
-Run: ``.venv/bin/python bench/bench_serve.py`` (bundled model, its 36 held-out prompts cut to ``--prompts 8``,
-3 passes); ``--model DIR`` for another model, ``--methods greedy,ngram``, ``--json FILE`` to save everything.
+Prompts are sent as token ids (``/v1/completions`` takes them), encoded once here, so both sides see the same
+input; conversations of the prompt set go through the chat template.
+
+Run: ``.venv/bin/python bench/bench_serve.py`` (bundled model, its held-out prompts cut to ``--prompts 8``,
+3 passes); ``--model smollm2`` (or a folder / GGUF file) with ``--methods greedy,ngram``, ``--json FILE`` to
+save everything.
 """
 
 from __future__ import annotations
@@ -37,15 +41,16 @@ import torch
 
 from lattice_inference import benchmark
 from lattice_inference.api import Generator, mtp_head_for, needs_mtp_head
-from lattice_inference.cli import default_model_dir, quiet_transformers
+from lattice_inference.cli import quiet_transformers
 from lattice_inference.loading import load_model
+from lattice_inference.model_source import resolve_model
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="model directory (default: the bundled model)")
+    p.add_argument("--model", default="bundled", help="what `lattice serve --model` takes (default: bundled)")
     p.add_argument("--methods", default="greedy,ngram,mtp,ngram+mtp", help="comma-separated methods")
-    p.add_argument("--prompts", type=int, default=8, help="how many of the model's eval prompts (default 8)")
+    p.add_argument("--prompts", type=int, default=8, help="how many of the model's bench prompts (default 8)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per prompt (default 128)")
     p.add_argument("--reps", type=int, default=3, help="timed passes after a warm-up (default 3)")
     p.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default 2)")
@@ -61,9 +66,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(args: argparse.Namespace, model_dir: str, port: int) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "lattice_inference.cli", "serve", "--model", model_dir, "--port", str(port),
+        sys.executable, "-m", "lattice_inference.cli", "serve", "--model", args.model, "--port", str(port),
         "--threads", str(args.threads), "--dtype", args.dtype, "--draft-length", str(args.draft_length),
         "--log-level", "warning",
     ]  # fmt: skip
@@ -79,7 +84,7 @@ def start_server(args: argparse.Namespace, model_dir: str, port: int) -> subproc
             time.sleep(0.2)
 
 
-def time_api(gen: Generator, prompt: str, max_tokens: int) -> tuple[str, float, float, int]:
+def time_api(gen: Generator, prompt: list[int], max_tokens: int) -> tuple[str, float, float, int]:
     """(text, TTFT, total seconds, tokens) of one streamed generation through the Python API."""
     start = time.perf_counter()
     first, pieces = 0.0, []
@@ -91,7 +96,7 @@ def time_api(gen: Generator, prompt: str, max_tokens: int) -> tuple[str, float, 
 
 
 def time_server(
-    api: openai.OpenAI, model: str, method: str, prompt: str, max_tokens: int
+    api: openai.OpenAI, model: str, method: str, prompt: list[int], max_tokens: int
 ) -> tuple[str, float, float, int]:
     """(text, TTFT, total seconds, tokens) of one streamed completion through the server."""
     start = time.perf_counter()
@@ -111,7 +116,7 @@ def time_server(
     return "".join(pieces), first, end, tokens
 
 
-def one_pass(runs: dict, prompts: list[str], max_tokens: int) -> dict[str, dict]:
+def one_pass(runs: dict, prompts: list[list[int]], max_tokens: int) -> dict[str, dict]:
     """Per side: median TTFT, tokens/s over all prompts, and the texts. The sides take turns prompt by prompt
     (alternating which goes first), so load from other processes hits both alike."""
     ttfts: dict[str, list[float]] = {side: [] for side in runs}
@@ -135,19 +140,19 @@ def main() -> None:
     args = parse_args()
     quiet_transformers()
     torch.set_num_threads(args.threads)
-    model_dir = args.model or default_model_dir()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    rows = benchmark.load_prompts(Path(model_dir) / "eval_prompts.jsonl") if args.model is None else []
-    prompts = [r.prompt for r in rows][: args.prompts] or ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n"]
-    loaded = load_model(model_dir, dtype=args.dtype)
+    rows = benchmark.load_prompts(benchmark.default_prompts_path(resolve_model(args.model)))[: args.prompts]
+    loaded = load_model(args.model, dtype=args.dtype)
     head = mtp_head_for(loaded, args.draft_length) if any(map(needs_mtp_head, methods)) else None
     gens = {
         m: Generator(loaded.model, loaded.tokenizer, method=m, draft_length=args.draft_length, mtp_head=head,
                      eos_token_ids=loaded.eos_token_ids)
         for m in methods
     }  # fmt: skip
+    # Token ids on both sides: conversations go through the chat template here, once, and identically.
+    prompts = [benchmark.encode_prompt(gens[methods[0]], r) for r in rows]
     port = free_port()
-    server = start_server(args, model_dir, port)
+    server = start_server(args, port)
     try:
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
         model = api.models.list().data[0].id

@@ -20,7 +20,6 @@ openai = pytest.importorskip("openai")
 import uvicorn  # noqa: E402
 
 from lattice_inference.api import Generator  # noqa: E402
-from lattice_inference.cli import default_model_dir  # noqa: E402
 from lattice_inference.loading import LoadedModel, load_model  # noqa: E402
 from lattice_inference.serve.app import create_app  # noqa: E402
 from lattice_inference.serve.engine import Engine, Settings  # noqa: E402
@@ -39,7 +38,7 @@ PROMPTS = [
 
 def load_tiny() -> LoadedModel:
     """The bundled model in float32, where every method is exactly greedy."""
-    return load_model(default_model_dir(), dtype="float32")
+    return load_model("bundled", dtype="float32")
 
 
 def greedy(loaded: LoadedModel) -> Generator:

@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from lattice_inference.serve.command import add_parser as add_serve_parser
 
-    add_serve_parser(sub, _positive_int, add_draft_options)
+    add_serve_parser(sub, _positive_int, add_draft_options, MODEL_HELP)
     return parser
 
 
@@ -256,7 +256,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     _check_options(args)
     quiet_transformers()
-    return command.run(args, args.model or default_model_dir())
+    return command.run(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -17,11 +18,14 @@ def add_parser(
     sub: argparse._SubParsersAction,
     positive_int: Callable[[str], int],
     add_draft_options: Callable[[argparse.ArgumentParser], None],
+    model_help: str,
 ) -> None:
     """Add ``serve`` to the ``lattice`` command's sub-parsers (``add_draft_options``: those ``generate`` has)."""
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    serve.add_argument("--model", help="model directory (default: the bundled model)")
-    serve.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
+    serve.add_argument("--model", help=model_help)
+    serve.add_argument(
+        "--served-model-name", help="the model id clients send (default: --model's name, or its file/folder name)"
+    )
     serve.add_argument("--method", default="ngram", help="default method: greedy, ngram (default), mtp or ngram+mtp")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
@@ -38,7 +42,16 @@ def add_parser(
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
 
 
-def build_engine(args: argparse.Namespace, model_dir: str) -> Engine:
+def served_name(model: str | None) -> str:
+    """The model id a server of ``--model`` answers to: ``smollm2``, ``bundled``, a hub id, or the last part of
+    a folder or file path."""
+    from lattice_inference.model_source import resolve_model
+
+    source = resolve_model(model)
+    return source.name if source.kind == "hub" else Path(source.name).name
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
     """Load the model once and wrap it in an `Engine` with the command's default speculation settings."""
     from dataclasses import fields
 
@@ -46,12 +59,12 @@ def build_engine(args: argparse.Namespace, model_dir: str) -> Engine:
     from lattice_inference.serve.engine import Engine, Settings
 
     settings = Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)})
-    loaded = load_model(model_dir, dtype=args.dtype)
-    name = args.served_model_name or None
+    name = args.served_model_name or served_name(args.model)
+    loaded = load_model(args.model, dtype=args.dtype)
     return Engine(loaded, settings, name=name, draft_vocab=args.draft_vocab)
 
 
-def run(args: argparse.Namespace, model_dir: str) -> int:
+def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; returns the exit code."""
     from lattice_inference.errors import ConfigError
 
@@ -69,7 +82,7 @@ def run(args: argparse.Namespace, model_dir: str) -> int:
         raise ConfigError(f"--port must be 1..65535, got {args.port}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = build_engine(args, model_dir)
+    engine = build_engine(args)
     api_key = args.api_key or os.environ.get("LATTICE_API_KEY") or None
     app = create_app(engine, api_key=api_key, max_queue=args.max_queue, max_body=args.max_body)
     print(f"lattice serve: {engine.name} ({args.method}) on http://{args.host}:{args.port}/v1", flush=True)
