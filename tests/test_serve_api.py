@@ -124,6 +124,8 @@ BAD_BODIES = [
     # (body, status, param)
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
+    (b"[" * 30_000, 400, None),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}', 400, "messages.0.content"),
     ({"model": MODEL_NAME, "max_tokens": 4}, 400, "messages"),
     ({**OK_CHAT, "max_tokens": "4"}, 400, "max_tokens"),
     ({**OK_CHAT, "max_tokens": 0}, 400, "max_tokens"),

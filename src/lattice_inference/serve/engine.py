@@ -86,6 +86,14 @@ class Finish:
     metrics: dict[str, Any]
 
 
+def _check_text(text: str, param: str) -> None:
+    """400 for text that is not valid Unicode (JSON can carry lone surrogates; tokenizers refuse them)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{param}: the text is not valid Unicode ({exc.reason})", param=param) from None
+
+
 class Engine:
     """One loaded model served under ``name`` with default speculation ``settings``."""
 
@@ -148,6 +156,8 @@ class Engine:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
         turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        for i, turn in enumerate(turns):
+            _check_text(turn["content"], f"messages.{i}.content")
         try:
             ids = self.tokenizer.apply_chat_template(
                 turns, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -164,6 +174,7 @@ class Engine:
                 raise bad_request(f"token id {bad[0]} is outside the vocabulary of size {self.vocab_size}", "prompt")
             return [int(t) for t in prompt]
         text = prompt if isinstance(prompt, str) else str(prompt[0])
+        _check_text(text, "prompt")
         if not text.strip():
             raise bad_request("the prompt is empty", param="prompt")
         return list(self.tokenizer(text, add_special_tokens=True).input_ids)

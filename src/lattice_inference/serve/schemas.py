@@ -209,7 +209,7 @@ def parse_body(raw: bytes, model: type[RequestT]) -> RequestT:
     """Parse and validate a JSON request body, raising `APIError` (400) for anything malformed."""
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError; RecursionError: deep nesting
         raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
