@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -152,6 +153,7 @@ def main() -> None:
     # Token ids on both sides: conversations go through the chat template here, once, and identically.
     prompts = [benchmark.encode_prompt(gens[methods[0]], r) for r in rows]
     port = free_port()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the server
     server = start_server(args, port)
     try:
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-pytest.importorskip("starlette")
 
 from lattice_inference.serve.stops import StopMatcher
 

@@ -169,6 +169,7 @@ class Server:
             text, finish = await self._collect(queued, endpoint, arrived)
         finally:
             watcher.cancel()
+            queued.cancel()  # a no-op after the end; stops the generation if this handler was cancelled
         if finish is None:  # the client went away; nobody reads this
             return APIError(499, "the client closed the request").response()
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - arrived)
