@@ -190,6 +190,7 @@ def main() -> None:
             "server_tok_s": med(lambda p: p["server"]["tok_s"]),
             "tok_s_ratio": med(lambda p: p["server"]["tok_s"] / p["api"]["tok_s"]),
             "same_text": same,
+            "passes": [{side: {k: v for k, v in p[side].items() if k != "texts"} for side in p} for p in ps],
         }
         report[m] = row
         print(f"| {m} | {row['api_ttft_ms']:.1f} | {row['server_ttft_ms']:.1f} | {row['ttft_ratio']:.2f} | "
