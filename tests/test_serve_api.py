@@ -222,3 +222,11 @@ def test_serve_command_rejects_bad_options_with_one_line(argv, capsys):
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("lattice: error:") and "\n" not in err
+
+
+def test_prompt_filling_the_context_is_a_400(server):
+    body = {"model": MODEL_NAME, "prompt": [5] * 4096, "max_tokens": 1}
+    error = post(server, "/v1/completions", body).json()["error"]
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    body = {"model": MODEL_NAME, "prompt": [5, 99999]}
+    assert post(server, "/v1/completions", body).json()["error"]["param"] == "prompt"

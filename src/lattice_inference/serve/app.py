@@ -148,7 +148,9 @@ class Server:
         default_max_tokens = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
         job = GenerationJob(
             prompt_ids=prompt_ids,
-            max_tokens=engine.budget(prompt_ids, body.requested_max_tokens, default_max_tokens),
+            max_tokens=engine.budget(
+                prompt_ids, body.requested_max_tokens, default_max_tokens, "messages" if chat else "prompt"
+            ),
             settings=engine.settings_for(body.speculative),
             sampling=engine.sampling_for(body.temperature, body.top_p, body.seed),
             stops=body.stops,

@@ -179,18 +179,22 @@ class Engine:
             raise bad_request("the prompt is empty", param="prompt")
         return list(self.tokenizer(text, add_special_tokens=True).input_ids)
 
-    def budget(self, prompt_ids: Sequence[int], requested: int | None, default: int | None) -> int:
-        """Tokens to generate: the request's, else ``default``, else the rest of the model's positions."""
+    def budget(
+        self, prompt_ids: Sequence[int], requested: int | None, default: int | None, prompt_param: str = "prompt"
+    ) -> int:
+        """Tokens to generate: the request's, else ``default``, else the rest of the model's positions (256
+        where the model does not say how many it has)."""
         room = None if self.max_positions is None else self.max_positions - len(prompt_ids)
         if room is not None and room < 1:
             raise bad_request(
                 f"the prompt has {len(prompt_ids)} tokens; this model has {self.max_positions} positions",
-                param="messages",
+                param=prompt_param,
                 code="context_length_exceeded",
             )
         if requested is None:
-            wanted = default if default is not None else room
-            return min(wanted, room) if room is not None and wanted is not None else (wanted or 256)
+            if room is None:
+                return default or 256
+            return room if default is None else min(default, room)
         if room is not None and requested > room:
             raise bad_request(
                 f"max_tokens {requested} plus the prompt's {len(prompt_ids)} tokens exceeds this model's "
