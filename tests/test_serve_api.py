@@ -230,3 +230,21 @@ def test_prompt_filling_the_context_is_a_400(server):
     assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
     body = {"model": MODEL_NAME, "prompt": [5, 99999]}
     assert post(server, "/v1/completions", body).json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.skipif(not SAMPLING_AVAILABLE, reason="this build cannot sample")
+@pytest.mark.parametrize(("method", "stream"), [("ngram", False), ("ngram+mtp", True)])
+def test_sampling_with_a_seed_equals_generator(server, reference, method, stream):
+    sampling = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
+    want = reference.generate(PROMPTS[4], MAX_TOKENS, **sampling)
+    out = client(server).completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[4], max_tokens=MAX_TOKENS, stream=stream,
+        extra_body={"speculative": {"method": method}}, **sampling,
+    )  # fmt: skip
+    if stream:
+        text, chunks = stream_text(out, chat=False)
+        metrics = chunks[-1].speculative_metrics
+    else:
+        text, metrics = out.choices[0].text, out.speculative_metrics
+    assert text == want.text
+    assert metrics["seed"] == 7

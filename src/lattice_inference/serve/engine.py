@@ -7,7 +7,6 @@ generation runs at a time (`GenerationQueue`), so they can share the model.
 
 from __future__ import annotations
 
-import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -26,8 +25,9 @@ from lattice_inference.serve.schemas import Message, Speculative
 from lattice_inference.serve.stops import StopMatcher
 from lattice_inference.streaming import TextStream
 
-#: Whether this build's `Generator` can sample (``temperature`` > 0); without it only greedy is served.
-SAMPLING_AVAILABLE = "temperature" in inspect.signature(Generator.stream_tokens).parameters
+#: Whether this build's `Generator` can sample (``temperature`` > 0, through ``Generator.start``); without it
+#: only greedy is served.
+SAMPLING_AVAILABLE = callable(getattr(Generator, "start", None))
 
 
 @dataclass(frozen=True)
@@ -229,13 +229,15 @@ class Engine:
         self._generators.move_to_end(settings)
         return gen
 
-    def _token_stream(self, gen: Generator, job: GenerationJob) -> Iterator[list[int]]:
+    def _start(self, gen: Generator, job: GenerationJob) -> tuple[Iterator[list[int]], Any]:
+        """The generation's token chunks, and what reports its ``metrics`` and ``stop_reason`` afterwards."""
         if not SAMPLING_AVAILABLE:
-            return gen.stream_tokens(job.prompt_ids, job.max_tokens)
+            return gen.stream_tokens(job.prompt_ids, job.max_tokens), gen.decoder
         s = job.sampling
-        return gen.stream_tokens(  # type: ignore[call-arg]
+        handle = gen.start(  # type: ignore[attr-defined]
             job.prompt_ids, job.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed
         )
+        return iter(handle), handle
 
     def generate(
         self, job: GenerationJob, on_done: Callable[[str, GenerationMetrics, str], None] | None = None
@@ -247,7 +249,7 @@ class Engine:
         """
         gen = self.generator(job.settings)
         text, stops = TextStream(self.tokenizer), StopMatcher(job.stops)
-        tokens = self._token_stream(gen, job)
+        tokens, state = self._start(gen, job)
         reason = "cancelled"
         try:
             for chunk in tokens:
@@ -259,12 +261,15 @@ class Engine:
                 tail += stops.flush()
                 if tail:
                     yield Delta(tail, 0)
-            reason = "stop" if stops.stopped or gen.decoder.stop_reason == "eos" else "length"
+            reason = "stop" if stops.stopped or state.stop_reason == "eos" else "length"
         finally:
-            tokens.close()  # type: ignore[attr-defined]
-            metrics = gen.metrics
+            close = getattr(tokens, "close", None)
+            if close is not None:
+                close()  # runs the decode loop's cleanup
+            metrics = state.metrics
             if on_done is not None:
                 on_done(job.settings.method, metrics, reason)
-        yield Finish(
-            reason, metrics.prompt_tokens, metrics.new_tokens, {"method": job.settings.method, **metrics.to_dict()}
-        )
+        details = {"method": job.settings.method, **metrics.to_dict()}
+        if getattr(state, "seed", None) is not None:
+            details["seed"] = state.seed
+        yield Finish(reason, metrics.prompt_tokens, metrics.new_tokens, details)
