@@ -4,7 +4,8 @@ Both sides run the same model (same dtype, same torch threads) on the same promp
 ``max_tokens``; only one of them works at any moment. The server runs in its own process (``lattice serve``,
 as a user would start it); the client is the real ``openai`` client streaming ``/v1/completions``.
 
-- ``TTFT``: from the call (``gen.stream(...)`` / ``completions.create(stream=True)``) to the first text.
+- ``TTFT``: from the call (``gen.stream_tokens(...)``, decoded as it streams, / ``completions.create(stream=True)``)
+  to the first text.
 - ``tok/s``: completion tokens / wall time from the call to the last text (prefill included), over all prompts.
 - ``server/API``: the ratio within one pass, the sides taking turns prompt by prompt (paired, so slow drifts of
   this shared machine cancel); reported:
@@ -45,6 +46,7 @@ from lattice_inference.api import Generator, mtp_head_for, needs_mtp_head
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.loading import load_model
 from lattice_inference.model_source import resolve_model
+from lattice_inference.streaming import TextStream
 
 
 def parse_args() -> argparse.Namespace:
@@ -88,12 +90,17 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
 def time_api(gen: Generator, prompt: list[int], max_tokens: int) -> tuple[str, float, float, int]:
     """(text, TTFT, total seconds, tokens) of one streamed generation through the Python API."""
     start = time.perf_counter()
-    first, pieces = 0.0, []
-    for piece in gen.stream(prompt, max_tokens):
-        if not pieces:
+    text = TextStream(gen.tokenizer)
+    first, pieces, tokens = 0.0, [], 0
+    for chunk in gen.stream_tokens(prompt, max_tokens):
+        tokens += len(chunk)
+        piece = text.push(chunk)
+        if piece and not pieces:
             first = time.perf_counter() - start
-        pieces.append(piece)
-    return "".join(pieces), first, time.perf_counter() - start, gen.metrics.new_tokens
+        if piece:
+            pieces.append(piece)
+    pieces.append(text.flush())
+    return "".join(pieces), first, time.perf_counter() - start, tokens
 
 
 def time_server(
