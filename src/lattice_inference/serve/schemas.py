@@ -15,6 +15,8 @@ from lattice_inference.api import METHODS
 from lattice_inference.serve.errors import APIError, bad_request
 
 ROLES = ("system", "developer", "user", "assistant")
+#: Longest stop string accepted (holding back a possible stop's start costs up to its length squared per round).
+MAX_STOP_LENGTH = 1000
 
 #: Fields of the OpenAI API this server does not implement, and the values of them it accepts (all "off").
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -100,6 +102,8 @@ class _Generation(_Strict):
             raise ValueError(f"at most 4 stop strings, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_LENGTH for s in stops):
+            raise ValueError(f"stop strings may have at most {MAX_STOP_LENGTH} characters")
         return stop
 
     @property
