@@ -46,14 +46,15 @@ class Job:
             self.cancelled.set()
 
     async def results(self) -> AsyncIterator[Any]:
-        """The job's items as the worker produces them; re-raises the job's exception at the end."""
+        """The job's items as the worker produces them (none once cancelled); re-raises the job's exception."""
         while True:
             item = await self.items.get()
             if isinstance(item, _End):
-                if item.error is not None:
+                if item.error is not None and not self.cancelled.is_set():
                     raise item.error
                 return
-            yield item
+            if not self.cancelled.is_set():
+                yield item
 
 
 class GenerationQueue:
