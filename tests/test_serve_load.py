@@ -126,7 +126,7 @@ def test_full_queue_answers_429_and_a_hang_up_frees_the_worker(loaded, expected)
         body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
         started = time.perf_counter()
         refused = request(base, "POST", "/v1/completions", body)
-        assert refused.status_code == 429 and time.perf_counter() - started < 2
+        assert refused.status_code == 429 and time.perf_counter() - started < 5  # at once, not after the queue
         assert refused.headers["retry-after"] == "1" and refused.json()["error"]["type"] == "rate_limit_error"
         with pytest.raises(openai.RateLimitError):
             api.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
@@ -135,7 +135,7 @@ def test_full_queue_answers_429_and_a_hang_up_frees_the_worker(loaded, expected)
         long.close()
         thread.join(timeout=30)
         assert waiting["text"] == expected[(1, 0)]
-        assert waiting["done"] - hung_up < 10  # type: ignore[operator]
+        assert waiting["done"] - hung_up < 20  # type: ignore[operator]  (not the 3000-token run)
         samples = scrape(base)
         assert samples[("lattice_requests_total", (("endpoint", "/v1/completions"), ("status", "429")))] == 1
         assert samples[("lattice_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "429")))] == 1
