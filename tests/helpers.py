@@ -7,8 +7,11 @@ from collections.abc import Sequence
 
 import torch
 
+from lattice_inference.drafters.base import Drafter
+from lattice_inference.targets.base import Target
 
-class OracleDrafter:
+
+class OracleDrafter(Drafter):
     """Drafts the true continuation ``reference`` (prompt + greedy output), corrupting some tokens.
 
     ``corrupt`` is the chance that a draft position is replaced by a wrong token, so drafts are fully accepted,
@@ -39,7 +42,7 @@ class OracleDrafter:
         return draft
 
 
-class RecordingTarget:
+class RecordingTarget(Target):
     """Wraps a `Target` and records every forward (start position, tokens) and rollback."""
 
     def __init__(self, inner) -> None:
@@ -64,7 +67,7 @@ class RecordingTarget:
         self.inner.rollback(length)
 
 
-class ContextKeyedTarget:
+class ContextKeyedTarget(Target):
     """A pure-Python `Target` whose next-token logits are a deterministic function of the whole context.
 
     ``table`` maps a context suffix (tuple) to a forced next token; other contexts get a hash-based token from

@@ -23,6 +23,7 @@ from transformers import (
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from lattice_inference.decode import SpeculativeDecoder
+from lattice_inference.drafters.base import Drafter
 from lattice_inference.errors import ConfigError, TokenError, UnsupportedModelError
 from lattice_inference.targets import hybrid
 from lattice_inference.targets.hybrid import HybridTarget, is_hybrid, recurrent_gated_delta_rule_with_states
@@ -417,7 +418,7 @@ def test_bfloat16_rollback_keeps_fp32_state_and_runs(models: dict[str, PreTraine
 # Losslessness of the speculative decode loop
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the true greedy continuation, corrupted on purpose at a random offset in most rounds.
 
     Per round it picks one of: the exact continuation (fully accepted), a corruption at offset 0 (immediately

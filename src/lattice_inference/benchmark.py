@@ -186,12 +186,17 @@ def run_bench(
     max_new_tokens: int,
     reps: int = 1,
     progress: Callable[[str], None] | None = None,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """Run every generator on every prompt ``reps`` times (after one warm-up); return the report dict.
 
     The report's top level covers all prompts; ``groups`` holds the same report for each prompt ``kind``
     (e.g. copy-heavy and free continuation), whose acceptance and speed-ups differ by design. Speed-ups are
     medians over repetitions of (method tokens/s) / (greedy tokens/s) within the same repetition.
+
+    When the generators sample (their options' temperature > 0), prompt ``i`` is generated with seed
+    ``seed + i`` by every method in every repetition, so "identical" compares each method with plain sampling
+    (the ``greedy`` method: no drafter) under the same seed.
     """
     if "greedy" not in generators:
         raise ConfigError("the benchmark needs the greedy method as its reference")
@@ -200,6 +205,9 @@ def run_bench(
     overall = _Group(methods)
     by_kind = {k: _Group(methods) for k in dict.fromkeys(p.kind for p in prompts)}
     encoded = [generators["greedy"].encode(p.prompt) for p in prompts]
+    sampling = generators["greedy"].options.sampling
+    if seed is None and not sampling.greedy:
+        seed = sampling.seeded().seed
     for gen in generators.values():  # warm-up
         gen.generate(encoded[0], max_new_tokens=min(16, max_new_tokens))
     for rep in range(reps):
@@ -207,7 +215,8 @@ def run_bench(
             g.start_rep()
         for i, (p, ids) in enumerate(zip(prompts, encoded, strict=True)):
             order = methods[(rep + i) % len(methods) :] + methods[: (rep + i) % len(methods)]
-            outs = {name: generators[name].generate(ids, max_new_tokens=max_new_tokens) for name in order}
+            prompt_seed = None if seed is None else seed + i
+            outs = {name: generators[name].generate(ids, max_new_tokens, seed=prompt_seed) for name in order}
             greedy_ids = outs["greedy"].token_ids
             groups = (overall, by_kind[p.kind])
             for name in methods:
@@ -230,6 +239,7 @@ def run_bench(
         **overall.report(),
         "reps": reps,
         "max_new_tokens": max_new_tokens,
+        "sampling": {**sampling.to_dict(), "seed": seed},
         "groups": {k: g.report() for k, g in by_kind.items()},
     }
 
@@ -269,6 +279,13 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(_quality_line(g))
         lines.append("")
     lines.append(f"{report['reps']} timed reps after a warm-up, {report['max_new_tokens']} new tokens per prompt")
+    sampling = report.get("sampling") or {}
+    if sampling.get("temperature"):
+        knobs = ", ".join(f"{k} {sampling[k]}" for k in ("temperature", "top_k", "top_p", "min_p"))
+        lines.append(
+            f"sampled ({knobs}), prompt i with seed {sampling['seed']} + i; 'greedy' is plain sampling, the "
+            "reference of 'identical'"
+        )
     return "\n".join(lines)
 
 
