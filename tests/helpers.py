@@ -120,3 +120,57 @@ class ContextKeyedTarget(Target):
             out.append(t)
             ctx.append(t)
         return out
+
+
+class KeyedNoiseProcessor:
+    """A transformers logits processor adding the keyed Gumbel noise of `lattice_inference.sampling` for the
+    index being sampled (``input_ids.shape[1]``): with transformers' own warpers before it and greedy search,
+    ``model.generate`` is an independent reference for keyed sampling."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        from lattice_inference.sampling import gumbel_noise
+
+        return scores + gumbel_noise(self.seed, input_ids.shape[1], scores.shape[-1])
+
+
+def hf_warpers(options) -> list:
+    """transformers' warpers for ``options`` (a `SamplingOptions`), in ``generate``'s order."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    out = [TemperatureLogitsWarper(options.temperature)]
+    if options.top_k:
+        out.append(TopKLogitsWarper(options.top_k))
+    if options.top_p < 1:
+        out.append(TopPLogitsWarper(options.top_p))
+    if options.min_p:
+        out.append(MinPLogitsWarper(options.min_p))
+    return out
+
+
+def hf_sampled(model, prompt: Sequence[int], max_new: int, eos: int | None, options) -> list[int]:
+    """Plain keyed sampling by transformers' ``generate`` (its warpers + our keyed noise + greedy search), without
+    the final EOS."""
+    from transformers import LogitsProcessorList
+
+    ids = torch.tensor([list(prompt)])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+        min_new_tokens=0,
+        logits_processor=LogitsProcessorList([*hf_warpers(options), KeyedNoiseProcessor(options.seed)]),
+    )[0, len(prompt) :].tolist()
+    if eos is not None and eos in out:
+        out = out[: out.index(eos)]
+    return out
