@@ -63,7 +63,7 @@ DIST_SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=4), dict(tem
 
 @pytest.mark.parametrize("settings", DIST_SETTINGS)
 def test_keyed_sampler_draws_the_processed_softmax(settings):
-    n = 4000
+    n = 3000
     counts = Counter(
         KeyedSampler(SamplingOptions(**settings, seed=s), len(LOGITS)).choose(LOGITS[None], 17)[0] for s in range(n)
     )
@@ -99,7 +99,7 @@ def test_speculative_path_draws_the_processed_softmax():
     probs = process_logits(LOGITS, options).softmax(-1)
     target = FixedLogitsTarget(LOGITS)
     reference = [11, 0, 1, 11, 0, 2] * 3  # drafts of likely tokens: full, partial and rejected rounds
-    n = 2500
+    n = 2000
     by_index: list[Counter] = [Counter(), Counter(), Counter()]
     for s in range(n):
         drafter = OracleDrafter(reference, vocab=len(LOGITS), corrupt=0.2, seed=s)
