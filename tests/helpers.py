@@ -155,9 +155,8 @@ def hf_warpers(options) -> list:
     return out
 
 
-def hf_sampled(model, prompt: Sequence[int], max_new: int, eos: int | None, options) -> list[int]:
-    """Plain keyed sampling by transformers' ``generate`` (its warpers + our keyed noise + greedy search), without
-    the final EOS."""
+def hf_generate(model, prompt: Sequence[int], max_new: int, eos: int | None, processors: Sequence = ()) -> list[int]:
+    """transformers' greedy search (after ``processors``), without the final EOS."""
     from transformers import LogitsProcessorList
 
     ids = torch.tensor([list(prompt)])
@@ -169,8 +168,14 @@ def hf_sampled(model, prompt: Sequence[int], max_new: int, eos: int | None, opti
         eos_token_id=eos,
         pad_token_id=0,
         min_new_tokens=0,
-        logits_processor=LogitsProcessorList([*hf_warpers(options), KeyedNoiseProcessor(options.seed)]),
+        logits_processor=LogitsProcessorList(processors),
     )[0, len(prompt) :].tolist()
     if eos is not None and eos in out:
         out = out[: out.index(eos)]
     return out
+
+
+def hf_sampled(model, prompt: Sequence[int], max_new: int, eos: int | None, options) -> list[int]:
+    """Plain keyed sampling by transformers' ``generate`` (its warpers + our keyed noise + greedy search), without
+    the final EOS."""
+    return hf_generate(model, prompt, max_new, eos, [*hf_warpers(options), KeyedNoiseProcessor(options.seed)])

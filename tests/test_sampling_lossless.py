@@ -9,12 +9,10 @@ and argmax drafting) and ``ngram+mtp``; temperatures 0.3, 0.7, 1.0 and 1.5 with 
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from helpers import OracleDrafter, RecordingTarget, hf_sampled
-from test_hybrid_methods import write_model
+from test_hybrid_methods import prompts, write_model
 
 from lattice_inference import Generator, SamplingOptions
 from lattice_inference.decode import SpeculativeDecoder
@@ -41,12 +39,7 @@ def options_for(i: int, salt: int) -> SamplingOptions:
 
 
 def make_prompts(seed: int, n: int = 8) -> list[list[int]]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        span = [rng.randrange(256) for _ in range(rng.randint(3, 10))]
-        out.append(span * rng.randint(1, 3) + [rng.randrange(256) for _ in range(rng.randint(0, 5))])
-    return out
+    return prompts(n, seed)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma2"])

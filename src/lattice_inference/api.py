@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from typing import TypedDict, Unpack
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -54,6 +55,17 @@ __all__ = [
     "mtp_head_for",
     "needs_mtp_head",
 ]
+
+
+class SamplingArgs(TypedDict, total=False):
+    """The sampling keywords of `Generator.start` / `generate` / `stream` / `stream_tokens` (see `SamplingOptions`)."""
+
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+    seed: int | None
+
 
 #: The earlier name of the API's result type: the API and the decoder return the same `GenerationResult`.
 GenerationOutput = GenerationResult
@@ -188,16 +200,12 @@ class Generator:
             return [int(t) for t in ids]
         return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
 
-    def sampling(
-        self,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        seed: int | None = None,
-    ) -> SamplingOptions:
-        """The generator's default `SamplingOptions` with the given values replaced (validated: `ConfigError`)."""
-        given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": seed}
+    def sampling(self, **given: Unpack[SamplingArgs]) -> SamplingOptions:
+        """The generator's default `SamplingOptions` with the given values (None: keep) replaced; validated
+        (`ConfigError` naming a bad value)."""
+        unknown = sorted(set(given) - set(SamplingArgs.__annotations__))
+        if unknown:
+            raise TypeError(f"unexpected sampling argument(s): {', '.join(unknown)}")
         return replace(self.options.sampling, **{k: v for k, v in given.items() if v is not None})
 
     def start(
@@ -205,55 +213,36 @@ class Generator:
         prompt: str | Sequence[int],
         max_new_tokens: int = 256,
         chat: bool = False,
-        *,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        seed: int | None = None,
+        **sampling: Unpack[SamplingArgs],
     ) -> Generation:
         """Validate and start one generation; iterate over it for token-id chunks (``.seed``, ``.metrics``,
-        ``.stop_reason``, ``.result()``). Sampling arguments left as None take the generator's defaults
-        (greedy unless its options say otherwise)."""
-        sampling = self.sampling(temperature, top_k, top_p, min_p, seed)
-        return self.decoder.start(self.encode(prompt, chat), max_new_tokens, sampling)
+        ``.stop_reason``, ``.result()``).
+
+        Sampling keywords: ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` (1: off), ``min_p``
+        (0: off), ``seed`` (None: drawn at random when sampling, reported as ``.seed``); those not given take the
+        generator's defaults (`DecodeOptions.sampling`, greedy unless set)."""
+        options = self.sampling(**sampling)
+        return self.decoder.start(self.encode(prompt, chat), max_new_tokens, options)
 
     def stream_tokens(
         self,
         prompt: str | Sequence[int],
         max_new_tokens: int = 256,
         chat: bool = False,
-        *,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        seed: int | None = None,
+        **sampling: Unpack[SamplingArgs],
     ) -> Iterator[list[int]]:
-        """Yield chunks of generated token ids as each verification round accepts them."""
-        return iter(
-            self.start(
-                prompt, max_new_tokens, chat, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
-            )
-        )
+        """Yield chunks of generated token ids as each verification round accepts them (sampling as `start`)."""
+        return iter(self.start(prompt, max_new_tokens, chat, **sampling))
 
     def stream(
         self,
         prompt: str | Sequence[int],
         max_new_tokens: int = 256,
         chat: bool = False,
-        *,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        seed: int | None = None,
+        **sampling: Unpack[SamplingArgs],
     ) -> Iterator[str]:
-        """Yield generated text as it is accepted (whole characters only)."""
-        gen = self.start(
-            prompt, max_new_tokens, chat, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
-        )
-        return self.text_stream(gen)
+        """Yield generated text as it is accepted, whole characters only (sampling as `start`)."""
+        return self.text_stream(self.start(prompt, max_new_tokens, chat, **sampling))
 
     def text_stream(self, gen: Generation) -> Iterator[str]:
         """The text of a started generation as it is accepted (whole characters only)."""
@@ -271,17 +260,10 @@ class Generator:
         prompt: str | Sequence[int],
         max_new_tokens: int = 256,
         chat: bool = False,
-        *,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        seed: int | None = None,
+        **sampling: Unpack[SamplingArgs],
     ) -> GenerationResult:
-        """Generate to the end and return text, token ids, stop reason, metrics and the seed used."""
-        result = self.start(
-            prompt, max_new_tokens, chat, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
-        ).result()
+        """Generate to the end; return text, token ids, stop reason, metrics and the seed (sampling as `start`)."""
+        result = self.start(prompt, max_new_tokens, chat, **sampling).result()
         result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return result
 

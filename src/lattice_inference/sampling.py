@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -74,13 +74,7 @@ class SamplingOptions:
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready fields."""
-        return {
-            "temperature": self.temperature,
-            "top_k": self.top_k,
-            "top_p": self.top_p,
-            "min_p": self.min_p,
-            "seed": self.seed,
-        }
+        return asdict(self)
 
 
 def process_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
