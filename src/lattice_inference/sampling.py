@@ -105,8 +105,10 @@ def gumbel_noise(seed: int, index: int, vocab: int) -> torch.Tensor:
     """Standard Gumbel noise ``[vocab]`` (float32, CPU) for sequence index ``index``: a pure function of
     ``(seed, index, vocab)``, from a Philox generator keyed by the pair."""
     rng = np.random.Generator(np.random.Philox(key=[seed & _MASK64, index & _MASK64]))
-    exp = torch.from_numpy(rng.standard_exponential(vocab, dtype=np.float32))
-    return exp.clamp_min_(_TINY).log_().neg_()
+    g = rng.standard_exponential(vocab, dtype=np.float32)
+    np.maximum(g, _TINY, out=g)
+    np.log(g, out=g)
+    return torch.from_numpy(np.negative(g, out=g))
 
 
 class Sampler(Protocol):
