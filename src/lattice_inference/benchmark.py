@@ -92,6 +92,17 @@ def load_prompts(path: str | Path) -> list[BenchPrompt]:
     return out
 
 
+def first_per_kind(prompts: Sequence[BenchPrompt], n: int | None) -> list[BenchPrompt]:
+    """The first ``n`` prompts of each kind, in file order (all of them when ``n`` is None)."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        seen[p.kind] = seen.get(p.kind, 0) + 1
+        if n is None or seen[p.kind] <= n:
+            out.append(p)
+    return out
+
+
 def encode_prompt(gen: Generator, p: BenchPrompt, chat: bool = False) -> list[int]:
     """Token ids of a bench prompt: conversations through the chat template, text raw unless ``chat``."""
     if p.messages is not None:

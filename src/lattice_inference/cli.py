@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-length", type=_positive_int, default=2, help="mtp: tokens per round (2..8)")
     bench.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
     bench.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
+    bench.add_argument("--per-kind", type=_positive_int, help="use only the first N prompts of each kind")
     bench.add_argument("--reps", type=_positive_int, default=1, help="timed repetitions after a warm-up")
     bench.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -235,7 +236,8 @@ def _bench(args: argparse.Namespace) -> int:
         sampling=sampling_options(args).seeded(),
     )
     source = resolve_model(args.model)
-    prompts = benchmark.load_prompts(args.prompts or benchmark.default_prompts_path(source))[: args.limit]
+    prompts = benchmark.load_prompts(args.prompts or benchmark.default_prompts_path(source))
+    prompts = benchmark.first_per_kind(prompts, args.per_kind)[: args.limit]
     quiet_transformers()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,0 +1,186 @@
+"""Ours against the peers on the real model, same prompts, same dtype, side by side in one run.
+
+Engines (each request timed whole, prompt processing included, batch 1, greedy):
+- transformers' ``generate``: plain greedy, and prompt lookup with ``prompt_lookup_num_tokens`` 10 and 4;
+- ours (`Generator`): greedy, ``ngram`` with its defaults, ``ngram`` with ``--max-draft 10``;
+- llama.cpp through ``llama-cpp-python`` (plain and ``LlamaPromptLookupDecoding`` 10 / 4), where it is built
+  in ``/work/peers-venv`` (see ``peer_llamacpp.py``), on a GGUF of the same weights in the same precision given
+  with ``--llamacpp-gguf``; skipped with a message otherwise.
+
+Reported per prompt set (grounded, chat) and for all prompts: aggregate tokens/s (median over reps), speed-up
+over transformers' greedy (median over reps of the ratio within one rep), and the share of outputs identical to
+transformers' greedy output. The order of engines rotates between prompts so drifts hit all alike.
+
+    python bench/bench_peers.py --dtype bfloat16 --reps 3 --max-new-tokens 128 [--llamacpp-gguf FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lattice_inference import Generator
+from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, first_per_kind, load_prompts
+from lattice_inference.cli import quiet_transformers
+from lattice_inference.loading import load_model
+
+HERE = Path(__file__).parent
+PEERS_PYTHON = Path("/work/peers-venv/bin/python")
+Runner = Callable[[list[int]], list[int]]
+
+
+def hf_runner(model: torch.nn.Module, lookup: int | None, max_new: int, eos: int) -> Runner:
+    """transformers' own greedy ``generate``, with prompt lookup of ``lookup`` tokens when given."""
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+
+    def run(ids: list[int]) -> list[int]:
+        x = torch.tensor([ids])
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            pad_token_id=eos,
+            **extra,
+        )
+        return [t for t in out[0, len(ids) :].tolist() if t != eos]
+
+    return run
+
+
+def ours_runner(gen: Generator, max_new: int) -> Runner:
+    return lambda ids: gen.generate(ids, max_new_tokens=max_new).token_ids
+
+
+def run_llamacpp(gguf: str, prompts: list[list[int]], max_new: int, reps: int) -> dict[str, list[dict]]:
+    """Run the llama.cpp engines in the peers venv (a subprocess); their results keyed by engine name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
+        methods = {"llama.cpp": None, "llama.cpp lookup 10": 10, "llama.cpp lookup 4": 4}
+        req.write_text(json.dumps({"max_new_tokens": max_new, "methods": methods, "prompts": prompts}))
+        cmd = [
+            str(PEERS_PYTHON),
+            str(HERE / "peer_llamacpp.py"),
+            "--gguf",
+            gguf,
+            "--requests",
+            str(req),
+            "--out",
+            str(out),
+            "--reps",
+            str(reps),
+            "--threads",
+            str(torch.get_num_threads()),
+        ]
+        subprocess.run(cmd, check=True)
+        return json.loads(out.read_text())
+
+
+def summarise(results: dict[str, list[dict]], prompts: list, reference: str) -> dict[str, dict]:
+    """Per set: tokens/s, speed-up over ``reference`` and identical share, per engine."""
+    sets = {"all": list(range(len(prompts)))}
+    for i, p in enumerate(prompts):
+        sets.setdefault(p.set or p.kind, []).append(i)
+    ref_ids = {r["prompt"]: r["token_ids"] for r in results[reference] if r["rep"] == 0}
+    table: dict[str, dict] = {}
+    for name, idx in sets.items():
+        wanted = set(idx)
+        rows = {}
+        for engine, runs in results.items():
+            reps = sorted({r["rep"] for r in runs})
+            tps = []
+            for rep in reps:
+                mine = [r for r in runs if r["rep"] == rep and r["prompt"] in wanted]
+                tps.append(sum(len(r["token_ids"]) for r in mine) / sum(r["seconds"] for r in mine))
+            ref = [
+                sum(len(r["token_ids"]) for r in results[reference] if r["rep"] == rep and r["prompt"] in wanted)
+                / sum(r["seconds"] for r in results[reference] if r["rep"] == rep and r["prompt"] in wanted)
+                for rep in reps
+            ]
+            same = [r["token_ids"] == ref_ids[r["prompt"]] for r in runs if r["rep"] == 0 and r["prompt"] in wanted]
+            rows[engine] = {
+                "tokens_per_s": statistics.median(tps),
+                "speedup": statistics.median(a / b for a, b in zip(tps, ref, strict=True)),
+                "identical": sum(same) / len(same),
+            }
+        table[name] = {"prompts": len(idx), "engines": rows}
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prompts", default=str(GROUNDED_TASKS))
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--limit", type=int, help="first N prompts only")
+    ap.add_argument("--per-kind", type=int, help="first N prompts of each kind only")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llamacpp-gguf", help="GGUF of the same weights in the same precision, for llama.cpp")
+    ap.add_argument("--json", help="write the full report here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    quiet_transformers()
+    loaded = load_model(args.model, dtype=args.dtype)
+    eos = loaded.eos_token_ids[0]
+    prompts = first_per_kind(load_prompts(args.prompts), args.per_kind)[: args.limit]
+
+    def ours(**kw: object) -> Generator:
+        return Generator(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, **kw)  # type: ignore[arg-type]
+
+    greedy = ours(method="greedy")
+    encoded = [encode_prompt(greedy, p) for p in prompts]
+    n = args.max_new_tokens
+    runners: dict[str, Runner] = {
+        "transformers greedy": hf_runner(loaded.model, None, n, eos),
+        "transformers lookup 10": hf_runner(loaded.model, 10, n, eos),
+        "transformers lookup 4": hf_runner(loaded.model, 4, n, eos),
+        "ours greedy": ours_runner(greedy, n),
+        "ours ngram": ours_runner(ours(method="ngram"), n),
+        "ours ngram max-draft 10": ours_runner(ours(method="ngram", max_draft=10), n),
+    }
+    names = list(runners)
+    for run in runners.values():  # warm-up
+        run(encoded[0][:64])
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    for rep in range(args.reps):
+        for i, ids in enumerate(encoded):
+            k = (rep + i) % len(names)
+            for name in names[k:] + names[:k]:
+                start = time.perf_counter()
+                out = runners[name](ids)
+                results[name].append(
+                    {"prompt": i, "rep": rep, "token_ids": out, "seconds": time.perf_counter() - start}
+                )
+            print(f"[peers] rep {rep + 1}/{args.reps} prompt {i + 1}/{len(encoded)}", file=sys.stderr, flush=True)
+    if args.llamacpp_gguf:
+        if not PEERS_PYTHON.is_file():
+            print(f"[peers] llama.cpp skipped: {PEERS_PYTHON} not found (see bench/peer_llamacpp.py)", file=sys.stderr)
+        else:
+            results.update(run_llamacpp(args.llamacpp_gguf, encoded, n, args.reps))
+    else:
+        print("[peers] llama.cpp skipped: no --llamacpp-gguf given", file=sys.stderr)
+    table = summarise(results, prompts, "transformers greedy")
+    print(f"model {loaded.source} ({args.dtype}), {n} new tokens, {args.reps} reps, {torch.get_num_threads()} threads")
+    for name, group in table.items():
+        print(f"\n== {name}: {group['prompts']} prompts ==")
+        print(f"{'engine':<26} {'tok/s':>7} {'vs transformers greedy':>23} {'identical':>10}")
+        for engine, r in group["engines"].items():
+            print(f"{engine:<26} {r['tokens_per_s']:>7.1f} {r['speedup']:>22.2f}x {r['identical']:>10.0%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "table": table, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
