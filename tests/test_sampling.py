@@ -218,3 +218,18 @@ def test_cli_bad_sampling_one_line(model_dir, capsys, args, message, command):
     captured = capsys.readouterr()
     assert captured.err.strip().startswith("lattice: error:") and message in captured.err
     assert len(captured.err.strip().splitlines()) == 1 and not captured.out
+
+
+def test_bench_at_a_temperature(model_dir, tmp_path, capsys):
+    """``lattice bench --temperature``: every method compared with plain sampling under the same seeds."""
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"kind": "copy", "prompt": PROMPT}, {"kind": "free", "prompt": "hello world"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["bench", "--model", model_dir, "--prompts", str(prompts), "--methods", "ngram", "--max-new-tokens", "16"]
+    argv += ["--dtype", "float32", "--temperature", "0.9", "--top-k", "50"]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["sampling"]["temperature"] == 0.9 and isinstance(report["sampling"]["seed"], int)
+    assert all(r["identical_share"] == 1.0 for r in report["rows"])
+    assert main([*argv, "--seed", "5"]) == 0
+    assert "with seed 5 + i" in capsys.readouterr().out
