@@ -32,7 +32,9 @@ VOCAB = 260
 INIT_STD = 0.25
 LOGIT_ATOL = 5e-4
 """Logits here reach |6|; k-token and one-token forwards differ by <= ~1e-4 (GEMM blocking differs with M)."""
-STATE_ATOL = 5e-5
+STATE_ATOL = 1e-4
+"""Conv states hold in_proj outputs (|x| ~ 0.2) computed by GEMMs of different row counts (prefill vs verify), so
+they round differently by the CPU's kernels: 5.1e-5 seen on an AVX2-only machine, under 5e-5 with AVX-512."""
 
 ARCHES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
