@@ -7,8 +7,11 @@ from collections.abc import Sequence
 
 import torch
 
+from lattice_inference.drafters.base import Drafter
+from lattice_inference.targets.base import Target
 
-class OracleDrafter:
+
+class OracleDrafter(Drafter):
     """Drafts the true continuation ``reference`` (prompt + greedy output), corrupting some tokens.
 
     ``corrupt`` is the chance that a draft position is replaced by a wrong token, so drafts are fully accepted,
@@ -39,7 +42,7 @@ class OracleDrafter:
         return draft
 
 
-class RecordingTarget:
+class RecordingTarget(Target):
     """Wraps a `Target` and records every forward (start position, tokens) and rollback."""
 
     def __init__(self, inner) -> None:
@@ -64,7 +67,7 @@ class RecordingTarget:
         self.inner.rollback(length)
 
 
-class ContextKeyedTarget:
+class ContextKeyedTarget(Target):
     """A pure-Python `Target` whose next-token logits are a deterministic function of the whole context.
 
     ``table`` maps a context suffix (tuple) to a forced next token; other contexts get a hash-based token from
@@ -117,3 +120,62 @@ class ContextKeyedTarget:
             out.append(t)
             ctx.append(t)
         return out
+
+
+class KeyedNoiseProcessor:
+    """A transformers logits processor adding the keyed Gumbel noise of `lattice_inference.sampling` for the
+    index being sampled (``input_ids.shape[1]``): with transformers' own warpers before it and greedy search,
+    ``model.generate`` is an independent reference for keyed sampling."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        from lattice_inference.sampling import gumbel_noise
+
+        return scores + gumbel_noise(self.seed, input_ids.shape[1], scores.shape[-1])
+
+
+def hf_warpers(options) -> list:
+    """transformers' warpers for ``options`` (a `SamplingOptions`), in ``generate``'s order."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    out = [TemperatureLogitsWarper(options.temperature)]
+    if options.top_k:
+        out.append(TopKLogitsWarper(options.top_k))
+    if options.top_p < 1:
+        out.append(TopPLogitsWarper(options.top_p))
+    if options.min_p:
+        out.append(MinPLogitsWarper(options.min_p))
+    return out
+
+
+def hf_generate(model, prompt: Sequence[int], max_new: int, eos: int | None, processors: Sequence = ()) -> list[int]:
+    """transformers' greedy search (after ``processors``), without the final EOS."""
+    from transformers import LogitsProcessorList
+
+    ids = torch.tensor([list(prompt)])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+        min_new_tokens=0,
+        logits_processor=LogitsProcessorList(processors),
+    )[0, len(prompt) :].tolist()
+    if eos is not None and eos in out:
+        out = out[: out.index(eos)]
+    return out
+
+
+def hf_sampled(model, prompt: Sequence[int], max_new: int, eos: int | None, options) -> list[int]:
+    """Plain keyed sampling by transformers' ``generate`` (its warpers + our keyed noise + greedy search), without
+    the final EOS."""
+    return hf_generate(model, prompt, max_new, eos, [*hf_warpers(options), KeyedNoiseProcessor(options.seed)])

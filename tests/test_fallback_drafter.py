@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lattice_inference.drafters.base import Drafter
 from lattice_inference.drafters.fallback import FallbackDrafter
 from lattice_inference.errors import ConfigError
 
 
-class Scripted:
+class Scripted(Drafter):
     """Proposes from a script of answers and records everything it is told."""
 
     def __init__(self, answers: list[list[int]], hidden: bool = False) -> None:

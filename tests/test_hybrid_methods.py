@@ -164,7 +164,7 @@ def test_mtp_equals_greedy(models, greedy_runs, draft_length):
 
 def test_cli_mtp_json(models, capsys):
     path = str(models["echo-looping"])
-    args = ["generate", "--model", path, "--prompt", "abcabcabc", "--max-new-tokens", "24", "--json"]
+    args = ["generate", "--model", path, "--prompt", "abcabcabc", "--max-new-tokens", "24", "--json", "--no-chat"]
     assert main([*args, "--method", "greedy", "--dtype", "float32"]) == 0
     greedy = capsys.readouterr().out
     assert main([*args, "--method", "mtp", "--draft-length", "3", "--dtype", "float32"]) == 0
@@ -195,7 +195,7 @@ def test_draft_vocab_restricts_drafts_and_keeps_the_output(models, capsys):
     import json
 
     path = str(models["echo-looping"])
-    args = ["generate", "--model", path, "--prompt", "abcabcabc", "--max-new-tokens", "24", "--json"]
+    args = ["generate", "--model", path, "--prompt", "abcabcabc", "--max-new-tokens", "24", "--json", "--no-chat"]
     assert main([*args, "--method", "greedy", "--dtype", "float32"]) == 0
     greedy = json.loads(capsys.readouterr().out)
     assert min(greedy["token_ids"]) > 0

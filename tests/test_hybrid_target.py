@@ -23,6 +23,7 @@ from transformers import (
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from lattice_inference.decode import SpeculativeDecoder
+from lattice_inference.drafters.base import Drafter
 from lattice_inference.errors import ConfigError, TokenError, UnsupportedModelError
 from lattice_inference.targets import hybrid
 from lattice_inference.targets.hybrid import HybridTarget, is_hybrid, recurrent_gated_delta_rule_with_states
@@ -31,7 +32,9 @@ VOCAB = 260
 INIT_STD = 0.25
 LOGIT_ATOL = 5e-4
 """Logits here reach |6|; k-token and one-token forwards differ by <= ~1e-4 (GEMM blocking differs with M)."""
-STATE_ATOL = 5e-5
+STATE_ATOL = 1e-4
+"""Conv states hold in_proj outputs (|x| ~ 0.2) computed by GEMMs of different row counts (prefill vs verify), so
+they round differently by the CPU's kernels: 5.1e-5 seen on an AVX2-only machine, under 5e-5 with AVX-512."""
 
 ARCHES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
@@ -417,7 +420,7 @@ def test_bfloat16_rollback_keeps_fp32_state_and_runs(models: dict[str, PreTraine
 # Losslessness of the speculative decode loop
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the true greedy continuation, corrupted on purpose at a random offset in most rounds.
 
     Per round it picks one of: the exact continuation (fully accepted), a corruption at offset 0 (immediately

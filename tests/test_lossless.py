@@ -13,8 +13,7 @@ import random
 import zlib
 
 import pytest
-import torch
-from helpers import OracleDrafter, RecordingTarget
+from helpers import OracleDrafter, RecordingTarget, hf_generate
 
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.drafters.ngram import NgramDrafter
@@ -28,19 +27,7 @@ VOCAB = TOY_VOCAB
 
 def hf_greedy(model, prompt: list[int], max_new: int, eos: int | None) -> list[int]:
     """Plain greedy decoding by transformers, without the final EOS."""
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new,
-        do_sample=False,
-        eos_token_id=eos,
-        pad_token_id=0,
-        min_new_tokens=0,
-    )[0, len(prompt) :].tolist()
-    if eos is not None and eos in out:
-        out = out[: out.index(eos)]
-    return out
+    return hf_generate(model, prompt, max_new, eos)
 
 
 def make_prompts(seed: int) -> list[list[int]]:

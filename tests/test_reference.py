@@ -584,3 +584,30 @@ def test_random_models_cover_every_path(spy):
         ended_by_eos,
         ended_by_budget,
     )
+
+
+class CountingTokens(Sequence[int]):
+    """A long token sequence that counts element reads and refuses to be iterated (copied) whole."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            raise AssertionError("speculate() must not slice the context")
+        self.reads += 1
+        return self.tokens[index]
+
+    def __iter__(self):
+        raise AssertionError("speculate() must not copy the whole context")
+
+
+def test_speculate_reads_only_the_last_max_ngram_tokens():
+    spec = NgramSpeculator([1, 2, 3, 4, 5, 6, 7], max_ngram=3, max_draft=2)
+    context = CountingTokens([9] * 100_000 + [2, 3, 4])
+    assert spec.speculate(context) == [5, 6]
+    assert context.reads == 3

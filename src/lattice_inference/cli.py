@@ -8,8 +8,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lattice_inference.api import METHODS, check_draft_length, needs_mtp_head
 from lattice_inference.errors import ConfigError, LatticeError
+from lattice_inference.options import METHODS, DecodeOptions, needs_mtp_head
+from lattice_inference.sampling import SamplingOptions
 
 
 def _positive_int(text: str) -> int:
@@ -45,6 +46,40 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--temperature --top-k --top-p --min-p --seed --argmax-draft``; values are checked by `SamplingOptions`
+    (so a bad one is one ``lattice: error:`` line)."""
+    parser.add_argument("--temperature", default="0", help="0 (default) is greedy; above 0 samples")
+    parser.add_argument("--top-k", default="0", help="sample among the k most likely tokens (0: off)")
+    parser.add_argument("--top-p", default="1", help="sample within this probability mass, in (0, 1] (1: off)")
+    parser.add_argument("--min-p", default="0", help="drop tokens below min_p x the top probability (0: off)")
+    parser.add_argument(
+        "--seed", help="sampling seed: the same seed gives the same text with any method (default: random, reported)"
+    )
+    parser.add_argument(
+        "--argmax-draft", action="store_true", help="mtp: draft by argmax when sampling (default: coupled drafting)"
+    )
+
+
+def _number(flag: str, text: str, kind: type) -> float | int:
+    try:
+        return kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise ConfigError(f"{flag} must be {what}, got {text!r}") from None
+
+
+def sampling_options(args: argparse.Namespace) -> SamplingOptions:
+    """The `SamplingOptions` of the command line (`ConfigError` for a bad value)."""
+    return SamplingOptions(
+        temperature=_number("--temperature", args.temperature, float),
+        top_k=int(_number("--top-k", args.top_k, int)),
+        top_p=_number("--top-p", args.top_p, float),
+        min_p=_number("--min-p", args.min_p, float),
+        seed=None if args.seed is None else int(_number("--seed", args.seed, int)),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lattice`` command."""
     parser = argparse.ArgumentParser(prog="lattice", description="Lossless speculative decoding for Hugging Face LMs.")
@@ -71,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
+    add_sampling_arguments(gen)
 
     bench = sub.add_parser("bench", help="run several methods on the same prompts and compare speed and output")
     bench.add_argument("--model", help=MODEL_HELP)
@@ -102,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--plot", help="write a PNG of speed-up and per-position acceptance (needs matplotlib)")
     bench.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    add_sampling_arguments(bench)
 
     from lattice_inference.serve.command import add_parser as add_serve_parser
 
@@ -124,12 +161,20 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-def _check_options(args: argparse.Namespace) -> None:
-    if args.method not in METHODS:
-        raise ConfigError(f"unknown method {args.method!r}; choose from {', '.join(METHODS)}")
-    check_draft_length(args.draft_length)
+def _generate_options(args: argparse.Namespace) -> DecodeOptions:
     if args.min_ngram > args.max_ngram:
         raise ConfigError(f"--min-ngram ({args.min_ngram}) is larger than --max-ngram ({args.max_ngram})")
+    return DecodeOptions(
+        method=args.method,
+        max_ngram=args.max_ngram,
+        min_ngram=args.min_ngram,
+        max_draft=args.max_draft,
+        match=args.match,
+        draft_length=args.draft_length,
+        draft_vocab=args.draft_vocab,
+        coupled_draft=not args.argmax_draft,
+        sampling=sampling_options(args),
+    )
 
 
 def quiet_transformers() -> None:
@@ -145,22 +190,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     from lattice_inference.api import Generator
 
-    _check_options(args)
+    options = _generate_options(args)
     text = _read_prompt(args)
     quiet_transformers()
     if args.threads:
         torch.set_num_threads(args.threads)
-    gen = Generator.from_pretrained(
-        args.model,
-        dtype=args.dtype,
-        method=args.method,
-        max_ngram=args.max_ngram,
-        min_ngram=args.min_ngram,
-        max_draft=args.max_draft,
-        match=args.match,
-        draft_length=args.draft_length,
-        draft_vocab=args.draft_vocab,
-    )
+    gen = Generator.from_pretrained(args.model, dtype=args.dtype, options=options)
     prompt_ids = gen.encode(text, chat=gen.has_chat_template if args.chat is None else args.chat)
     if args.json:
         out = gen.generate(prompt_ids, args.max_new_tokens)
@@ -169,18 +204,22 @@ def _generate(args: argparse.Namespace) -> int:
             "token_ids": out.token_ids,
             "stop_reason": out.stop_reason,
             "method": args.method,
+            "seed": out.seed,
+            "sampling": out.sampling.to_dict(),
             "metrics": out.metrics.to_dict(),
         }
         if needs_mtp_head(args.method):
             payload["mtp_metrics"] = out.metrics.reference_mtp()
         sys.stdout.write(json.dumps(payload) + "\n")
         return 0
-    for piece in gen.stream(prompt_ids, args.max_new_tokens):
+    generation = gen.start(prompt_ids, args.max_new_tokens)
+    for piece in gen.text_stream(generation):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    print(f"[{args.method}] {gen.metrics.summary()}", file=sys.stderr)
+    seed = "" if generation.seed is None else f" seed {generation.seed},"
+    print(f"[{args.method}]{seed} {generation.metrics.summary()}", file=sys.stderr)
     return 0
 
 
@@ -199,7 +238,14 @@ def _bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     if "greedy" not in methods:
         methods.insert(0, "greedy")
-    check_draft_length(args.draft_length)
+    base = DecodeOptions(
+        method="greedy",
+        max_draft=args.max_draft,
+        draft_length=args.draft_length,
+        draft_vocab=args.draft_vocab,
+        coupled_draft=not args.argmax_draft,
+        sampling=sampling_options(args).seeded(),
+    )
     source = resolve_model(args.model)
     prompts = benchmark.load_prompts(args.prompts or benchmark.default_prompts_path(source))
     prompts = benchmark.first_per_kind(prompts, args.per_kind)[: args.limit]
@@ -212,22 +258,14 @@ def _bench(args: argparse.Namespace) -> int:
     head = None
     if any(map(needs_mtp_head, methods)):
         try:
-            head = mtp_head_for(loaded, args.draft_length, args.draft_vocab)
+            head = mtp_head_for(loaded, base.draft_length, base.draft_vocab)
         except LatticeError as exc:
             if explicit:
                 raise
             methods = [m for m in methods if not needs_mtp_head(m)]
             benchmark.log(f"no MTP methods: {exc}")
     generators = {
-        m: Generator(
-            lm,
-            tok,
-            method=m,
-            max_draft=args.max_draft,
-            draft_length=args.draft_length,
-            mtp_head=head,
-            eos_token_ids=loaded.eos_token_ids,
-        )
+        m: Generator(lm, tok, base.updated(method=m), mtp_head=head, eos_token_ids=loaded.eos_token_ids)
         for m in methods
     }
     benchmark.log(f"{len(prompts)} prompts, methods {', '.join(methods)}, model {loaded.source}")
@@ -256,7 +294,15 @@ def _bench(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from lattice_inference.serve import command
 
-    _check_options(args)
+    DecodeOptions(  # validates the server's default draft settings before anything loads
+        method=args.method,
+        max_ngram=args.max_ngram,
+        min_ngram=args.min_ngram,
+        max_draft=args.max_draft,
+        match=args.match,
+        draft_length=args.draft_length,
+        draft_vocab=args.draft_vocab,
+    )
     quiet_transformers()
     return command.run(args)
 

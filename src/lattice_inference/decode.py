@@ -1,42 +1,42 @@
-"""The speculative decode loop: drafter -> target forward -> greedy verifier -> accepted tokens -> drafter.
+"""The speculative decode loop: drafter -> target forward -> choices -> accepted tokens -> drafter.
 
 Invariant: after prefill, the target's cache holds every token of the sequence except the newest one, the
-*pending* token, which sits at position ``target.length``. Each round feeds ``[pending] + draft`` in one forward
-(positions ``p .. p+k``), accepts the longest agreeing prefix ``a``, rolls the cache back to ``p + 1 + a`` and
-emits ``a + 1`` tokens; the last of them becomes the new pending token. So every token is fed exactly once, at
-the position equal to its index, and the output is token for token what plain greedy decoding emits.
+*pending* token, which sits at position ``p = target.length``. Each round feeds ``[pending] + draft`` in one
+forward (positions ``p .. p+k``); row ``i`` of its logits chooses the token at sequence index ``p + 1 + i``
+(greedy argmax, or the keyed sampler of `lattice_inference.sampling`, whose choice depends only on that row's
+logits, the seed and that index). The longest draft prefix equal to those choices is accepted (``a`` tokens),
+the choice after it (the correction, or the bonus) is emitted too, and the cache is rolled back to ``p + 1 + a``.
+So every token is fed exactly once, at the position equal to its index, and each emitted token is exactly the
+choice plain decoding makes at that index: the output is token for token plain decoding's, greedy or sampled
+with the same seed.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from lattice_inference.drafters.base import Drafter
 from lattice_inference.errors import ConfigError, TokenError
+from lattice_inference.generation import Generation, GenerationResult
 from lattice_inference.metrics import GenerationMetrics
+from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets.base import Target
-from lattice_inference.verify import greedy_choices, verify_greedy
+from lattice_inference.verify import verify_prefix
 
+__all__ = ["Generation", "GenerationResult", "SpeculativeDecoder"]
 
-@dataclass
-class GenerationResult:
-    """Generated token ids (without a final EOS), why generation stopped, and its metrics."""
-
-    token_ids: list[int]
-    stop_reason: str
-    """``"eos"`` when the model emitted an EOS token, ``"length"`` when ``max_new_tokens`` ran out."""
-    metrics: GenerationMetrics
+_GREEDY = SamplingOptions()
 
 
 class SpeculativeDecoder:
-    """Generates greedily from a `Target`, using a `Drafter` (or none: plain greedy decoding) to skip forwards.
+    """Generates from a `Target`, using a `Drafter` (or none: plain decoding) to skip forwards.
 
-    ``max_draft`` caps the tokens proposed per round. The decoder is reusable; ``metrics`` and
-    ``stop_reason`` describe the most recent generation.
+    ``max_draft`` caps the tokens proposed per round. The decoder holds no per-generation state: each call of
+    `start` (or `stream`, `generate`) makes a new `Generation`; ``metrics`` and ``stop_reason`` are the most
+    recent generation's. Generations run in turn: starting one ends any earlier one still being iterated.
     """
 
     def __init__(
@@ -53,9 +53,22 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.max_draft = max_draft
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.metrics = GenerationMetrics()
-        self.stop_reason = ""
-        self._wants_hidden = False
+        self.last: Generation | None = None
+        wants_hidden = drafter is not None and drafter.uses_hidden_states
+        if wants_hidden and not target.provides_hidden_states:
+            name = type(target).__name__
+            raise ConfigError(f"the drafter needs hidden states, which {name} cannot provide")
+        self._wants_hidden = wants_hidden
+
+    @property
+    def metrics(self) -> GenerationMetrics:
+        """Metrics of the most recent generation."""
+        return self.last.metrics if self.last is not None else GenerationMetrics()
+
+    @property
+    def stop_reason(self) -> str:
+        """Stop reason of the most recent generation."""
+        return self.last.stop_reason if self.last is not None else ""
 
     def _validate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         if not prompt_ids:
@@ -73,94 +86,121 @@ class SpeculativeDecoder:
                 f"{len(prompt_ids) + max_new_tokens} exceeds the model's {limit} positions"
             )
 
-    def _emit(self, tokens: list[int], budget: int) -> list[int]:
-        """Cut ``tokens`` at the budget and before the first EOS, recording why generation stops."""
-        tokens = tokens[:budget]
-        for i, t in enumerate(tokens):
-            if t in self.eos_token_ids:
-                self.stop_reason = "eos"
-                return tokens[:i]
-        if len(tokens) == budget:
-            self.stop_reason = "length"
-        return tokens
+    def start(
+        self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingOptions | None = None
+    ) -> Generation:
+        """Validate the request and return a `Generation` to iterate (chunks of tokens as they are accepted).
 
-    def stream(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Iterator[list[int]]:
-        """Yield the generated tokens in chunks, one chunk per verification round, as they are accepted.
-
-        Stops after ``max_new_tokens`` tokens or at the first EOS token (which is not yielded).
+        Stops after ``max_new_tokens`` tokens or at the first EOS token (which is not emitted). ``sampling``
+        defaults to greedy decoding; when it samples without a seed, a seed is drawn (``Generation.seed``).
         """
         prompt_ids = [int(t) for t in prompt_ids]
         self._validate(prompt_ids, max_new_tokens)
-        m = self.metrics = GenerationMetrics(prompt_tokens=len(prompt_ids))
-        self.stop_reason = "length"
-        if max_new_tokens == 0:
+        gen = Generation(prompt_ids, max_new_tokens, sampling or _GREEDY, self.target.vocab_size)
+        gen._chunks = self._run(gen)
+        self.last = gen
+        return gen
+
+    def stream(
+        self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingOptions | None = None
+    ) -> Iterator[list[int]]:
+        """`start` a generation and iterate over it: chunks of generated tokens, one per verification round."""
+        return iter(self.start(prompt_ids, max_new_tokens, sampling))
+
+    def generate(
+        self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingOptions | None = None
+    ) -> GenerationResult:
+        """Run a generation to the end and return every generated token with the metrics."""
+        return self.start(prompt_ids, max_new_tokens, sampling).result()
+
+    def _emit(self, gen: Generation, tokens: list[int]) -> list[int]:
+        """Cut ``tokens`` at the budget and before the first EOS, recording why generation stops."""
+        budget = gen.max_new_tokens - gen.metrics.new_tokens
+        tokens = tokens[:budget]
+        for i, t in enumerate(tokens):
+            if t in self.eos_token_ids:
+                gen.stop_reason = "eos"
+                tokens = tokens[:i]
+                break
+        else:
+            if len(tokens) == budget:
+                gen.stop_reason = "length"
+        gen.metrics.new_tokens += len(tokens)
+        return tokens
+
+    def _run(self, gen: Generation) -> Iterator[list[int]]:
+        m = gen.metrics
+        if gen.max_new_tokens == 0:
+            gen.stop_reason = "length"
             return
-        target, drafter = self.target, self.drafter
-        self._capture_hidden_if_needed()
+        target, drafter, sampler = self.target, self.drafter, gen.sampler
+        if self._wants_hidden:
+            target.capture_hidden = True
+        if drafter is not None:
+            drafter.use_sampler(sampler)
         start = time.perf_counter()
-        first, hidden = self._prefill(prompt_ids, max_new_tokens)
+        first, hidden = self._prefill(gen)
         m.prefill_s = time.perf_counter() - start
         start = time.perf_counter()
-        self.stop_reason = ""
-        out = self._emit(first, max_new_tokens)
-        m.new_tokens = len(out)
-        if drafter is not None:
-            self._inform_drafter(first, hidden, 0)
         try:
+            out = self._emit(gen, first)
+            self._inform_drafter(first, hidden, 0)
             if out:
                 yield out
             pending = first[-1]
-            while not self.stop_reason:
-                remaining = max_new_tokens - m.new_tokens
+            while not gen.stop_reason:
+                self._check_current(gen)
+                remaining = gen.max_new_tokens - m.new_tokens
                 draft: list[int] = []
                 if drafter is not None and remaining > 1:
                     draft = drafter.propose(min(self.max_draft, remaining - 1))[: remaining - 1]
                 position = target.length
-                verdict = verify_greedy(draft, greedy_choices(target.forward([pending, *draft])))
+                choices = sampler.choose(target.forward([pending, *draft]), position + 1)
+                verdict = verify_prefix(draft, choices)
                 hidden = self._hidden_rows(verdict.accepted + 1)  # before rollback, which may run the model
                 target.rollback(position + 1 + verdict.accepted)
                 m.record_round(len(draft), verdict.accepted)
-                out = self._emit(verdict.tokens, remaining)
-                m.new_tokens += len(out)
+                out = self._emit(gen, verdict.tokens)
                 self._inform_drafter(verdict.tokens, hidden, position)
                 pending = verdict.tokens[-1]
                 if out:
                     yield out
         finally:
             m.decode_s = time.perf_counter() - start
-            m.drafter_forwards = int(getattr(drafter, "forward_count", 0))
+            m.drafter_forwards = drafter.forward_count if drafter is not None else 0
 
-    def _prefill(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor | None]:
+    def _check_current(self, gen: Generation) -> None:
+        if self.last is not gen:
+            raise RuntimeError("another generation started on this decoder; this one cannot continue")
+
+    def _prefill(self, gen: Generation) -> tuple[list[int], torch.Tensor | None]:
         """Prefill the prompt; return the first emitted tokens and (if wanted) the prompt's hidden states.
 
-        Where the target can verify a draft inside the prefill forward and the drafter needs no hidden states,
-        the first draft is proposed from the prompt alone and verified there, saving one forward.
+        The prefill's last row chooses the token at index ``len(prompt)``. Where the target can verify a draft
+        inside the prefill forward and the drafter needs no hidden states, the first draft is proposed from the
+        prompt alone and verified there (rows choose indices ``len(prompt) ..``), saving one forward.
         """
-        target, drafter = self.target, self.drafter
+        target, drafter, prompt = self.target, self.drafter, gen.prompt_ids
         if drafter is not None:
-            drafter.reset(prompt_ids)
-        fused = getattr(target, "prefill_with_draft", None)
-        if drafter is None or self._wants_hidden or fused is None or max_new_tokens < 2:
-            return [int(target.prefill(prompt_ids).argmax())], self._hidden_rows(len(prompt_ids))
-        draft = drafter.propose(min(self.max_draft, max_new_tokens - 1))[: max_new_tokens - 1]
-        verdict = verify_greedy(draft, greedy_choices(fused(prompt_ids, draft)))
-        target.rollback(len(prompt_ids) + verdict.accepted)
+            drafter.reset(prompt)
+        budget = gen.max_new_tokens
+        if drafter is None or self._wants_hidden or not target.fuses_prefill_and_draft or budget < 2:
+            first = gen.sampler.choose(target.prefill(prompt).unsqueeze(0), len(prompt))
+            return first, self._hidden_rows(len(prompt))
+        draft = drafter.propose(min(self.max_draft, budget - 1))[: budget - 1]
+        verdict = verify_prefix(draft, gen.sampler.choose(target.prefill_with_draft(prompt, draft), len(prompt)))
+        target.rollback(len(prompt) + verdict.accepted)
         if draft:
-            self.metrics.record_round(len(draft), verdict.accepted, in_prefill=True)
+            gen.metrics.record_round(len(draft), verdict.accepted, in_prefill=True)
         return verdict.tokens, None
-
-    def _capture_hidden_if_needed(self) -> None:
-        """Switch the target's hidden-state capture on when the drafter reads hidden states."""
-        self._wants_hidden = bool(getattr(self.drafter, "uses_hidden_states", False))
-        if self._wants_hidden:
-            if not hasattr(self.target, "capture_hidden"):
-                name = type(self.target).__name__
-                raise ConfigError(f"the drafter needs hidden states, which {name} cannot provide")
-            self.target.capture_hidden = True
 
     def _hidden_rows(self, n: int) -> torch.Tensor | None:
         """The first ``n`` hidden-state rows of the target's last forward, if the drafter wants them."""
-        return self.target.last_hidden[:n] if self._wants_hidden else None
+        if not self._wants_hidden:
+            return None
+        hidden = self.target.last_hidden
+        assert hidden is not None
+        return hidden[:n]
 
     def _inform_drafter(self, tokens: list[int], hidden: torch.Tensor | None, position: int) -> None:
         """Hand accepted tokens (and the target hiddens of the positions that produced them) to the drafter."""
@@ -169,8 +209,3 @@ class SpeculativeDecoder:
         self.drafter.extend(tokens)
         if hidden is not None:
             self.drafter.observe(hidden, position)
-
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> GenerationResult:
-        """Run `stream` to the end and return every generated token with the metrics."""
-        tokens = [t for chunk in self.stream(prompt_ids, max_new_tokens) for t in chunk]
-        return GenerationResult(token_ids=tokens, stop_reason=self.stop_reason, metrics=self.metrics)

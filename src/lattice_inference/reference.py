@@ -114,8 +114,12 @@ class NgramSpeculator:
         return index
 
     def speculate(self, recent_tokens: Sequence[int]) -> list[int]:
-        """Draft tokens to follow ``recent_tokens`` by n-gram lookup in the prompt (possibly none)."""
-        recent = list(recent_tokens)
+        """Draft tokens to follow ``recent_tokens`` by n-gram lookup in the prompt (possibly none).
+
+        Reads only the last ``max_ngram`` recent tokens (by index), so a call costs the same at any context
+        length."""
+        size = len(recent_tokens)
+        recent = [recent_tokens[i] for i in range(max(0, size - self.max_ngram), size)]
         prompt = self.prompt_tokens
         for n in range(min(self.max_ngram, len(recent)), 1, -1):
             pos = self.find_ngram(recent[len(recent) - n :])

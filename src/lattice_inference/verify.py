@@ -1,9 +1,11 @@
-"""Acceptance rules: which draft tokens the target agrees with.
+"""Acceptance rule: which draft tokens the target agrees with.
 
-Greedy rule (lossless for greedy decoding): the verification forward over ``[pending] + draft`` yields the
-target's own choice after every prefix. Draft token ``i`` is accepted while it equals the target's choice at
-position ``i``; the target's choice at the first disagreement (or after the last draft token, the "bonus") is
-emitted too, so every round emits ``accepted + 1`` tokens, exactly the tokens plain greedy decoding would.
+The verification forward over ``[pending] + draft`` yields the target's own *choice* after every prefix (greedy
+argmax, or the keyed sampler's token for that sequence index: see `lattice_inference.sampling`). Draft token
+``i`` is accepted while it equals the target's choice at row ``i``; the choice at the first disagreement (or
+after the last draft token, the "bonus") is emitted too, so every round emits ``accepted + 1`` tokens, exactly
+the tokens plain decoding would choose at those indices. With a deterministic draft token ``d`` and keyed
+sampling, ``d`` is accepted with probability ``p(d)``, the most any deterministic draft can get.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ def greedy_choices(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
-def verify_greedy(draft: Sequence[int], choices: Sequence[int]) -> Verdict:
-    """Accept the longest prefix of ``draft`` that matches the target's greedy ``choices``.
+def verify_prefix(draft: Sequence[int], choices: Sequence[int]) -> Verdict:
+    """Accept the longest prefix of ``draft`` that matches the target's ``choices``.
 
     ``choices[i]`` is the target's token after ``[pending] + draft[:i]``, so ``len(choices)`` must be
     ``len(draft) + 1``.
@@ -43,3 +45,7 @@ def verify_greedy(draft: Sequence[int], choices: Sequence[int]) -> Verdict:
             break
         accepted += 1
     return Verdict(accepted=accepted, tokens=[*draft[:accepted], choices[accepted]])
+
+
+#: The greedy-era name of `verify_prefix` (the rule is the same for every choice function).
+verify_greedy = verify_prefix

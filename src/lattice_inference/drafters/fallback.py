@@ -14,9 +14,10 @@ import torch
 
 from lattice_inference.drafters.base import Drafter
 from lattice_inference.errors import ConfigError
+from lattice_inference.sampling import Sampler
 
 
-class FallbackDrafter:
+class FallbackDrafter(Drafter):
     """Asks ``drafters`` in order and returns the first non-empty proposal.
 
     ``proposals_by`` counts, per drafter (by position in ``drafters``), the rounds it drafted for.
@@ -26,13 +27,13 @@ class FallbackDrafter:
         if not drafters:
             raise ConfigError("a fallback drafter needs at least one drafter")
         self.drafters = list(drafters)
-        self.uses_hidden_states = any(getattr(d, "uses_hidden_states", False) for d in self.drafters)
+        self.uses_hidden_states = any(d.uses_hidden_states for d in self.drafters)
         self.proposals_by = [0] * len(self.drafters)
 
     @property
     def forward_count(self) -> int:
         """Model forwards the drafters ran (an n-gram lookup runs none)."""
-        return sum(int(getattr(d, "forward_count", 0)) for d in self.drafters)
+        return sum(d.forward_count for d in self.drafters)
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
         """Start a new generation in every drafter."""
@@ -48,8 +49,13 @@ class FallbackDrafter:
     def observe(self, hidden_states: torch.Tensor, start_position: int) -> None:
         """Pass the target's hidden states to the drafters that read them."""
         for d in self.drafters:
-            if getattr(d, "uses_hidden_states", False):
-                d.observe(hidden_states, start_position)  # type: ignore[attr-defined]
+            if d.uses_hidden_states:
+                d.observe(hidden_states, start_position)
+
+    def use_sampler(self, sampler: Sampler) -> None:
+        """Pass the generation's sampler to every drafter."""
+        for d in self.drafters:
+            d.use_sampler(sampler)
 
     def propose(self, max_tokens: int) -> list[int]:
         """The first non-empty proposal of ``drafters``, in order (empty if none proposes)."""

@@ -16,27 +16,47 @@ from collections.abc import Sequence
 
 import torch
 
+from lattice_inference.drafters.base import Drafter
 from lattice_inference.errors import ConfigError
 from lattice_inference.mtp.head import MtpHead
+from lattice_inference.sampling import Sampler
 
 
-class MtpDrafter:
-    """Drafts with an `MtpHead`; ``num_drafts`` tokens per round (the reference's draft length minus one)."""
+class MtpDrafter(Drafter):
+    """Drafts with an `MtpHead`; ``num_drafts`` tokens per round (the reference's draft length minus one).
+
+    ``coupled`` (default): when the generation samples, each draft token is chosen from the head's logits with the
+    keyed noise the target will use at that sequence index (`Sampler.choose_draft`), so the draft follows the
+    text being sampled; otherwise drafts are the head's argmax.
+    """
 
     uses_hidden_states = True
 
-    def __init__(self, head: MtpHead, *, num_drafts: int | None = None, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        head: MtpHead,
+        *,
+        num_drafts: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        coupled: bool = True,
+    ) -> None:
         num_drafts = head.config.num_drafts if num_drafts is None else num_drafts
         if num_drafts < 1:
             raise ConfigError(f"an MTP drafter needs at least 1 draft token per round, got {num_drafts}")
         self.head = head
         self.num_drafts = num_drafts
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.coupled = coupled
         self.forward_count = 0
+        self._sampler: Sampler | None = None
         self._history: list[int] = []
         self._hidden: torch.Tensor | None = None  # target hiddens for positions _hidden_start ..
         self._hidden_start = 0
         self._committed = 0  # head cache slots built from target hiddens
+
+    def use_sampler(self, sampler: Sampler) -> None:
+        """Draft with ``sampler``'s keyed noise when sampling and ``coupled``; by argmax otherwise."""
+        self._sampler = sampler if self.coupled and not sampler.greedy else None
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
         """Start a new generation over ``prompt_ids``."""
@@ -85,6 +105,7 @@ class MtpDrafter:
             num_tokens=count,
             eos_token_ids=self.eos_token_ids,
             catch_up=catch_up,
+            choose=self._sampler.choose_draft if self._sampler is not None else None,
         )
         self.forward_count += len(drafts)
         self._committed = last + 1

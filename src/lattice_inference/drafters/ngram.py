@@ -16,6 +16,7 @@ import operator
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal, overload
 
+from lattice_inference.drafters.base import Drafter
 from lattice_inference.errors import ConfigError, TokenError
 
 __all__ = ["MatchPolicy", "NgramDrafter", "NgramIndex", "TokenView", "validate_token_ids"]
@@ -159,7 +160,7 @@ class NgramIndex:
         return self._maps[n].get(tuple(pattern))
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt-lookup drafter over the whole history (prompt and accepted output); implements ``Drafter``.
 
     For ``n`` from ``max_ngram`` down to ``min_ngram`` (clamped to the history length), the last ``n`` history

@@ -22,7 +22,7 @@ always holds the entry built from ``(h_p, x_{p+1})``, and a position must equal 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -260,6 +260,7 @@ class MtpHead:
         eos_token_ids: Sequence[int] = (),
         *,
         catch_up: tuple[torch.Tensor, Tokens] | None = None,
+        choose: Callable[[torch.Tensor, int, torch.Tensor | None], int] | None = None,
     ) -> list[int]:
         """Draft up to ``num_tokens`` (default ``draft_length - 1``) tokens by chaining ``forward_one``.
 
@@ -270,6 +271,10 @@ class MtpHead:
         ``catch_up=(hiddens [m, H], next_tokens [m])`` first fills slots ``t - m .. t - 1`` exactly as
         ``prefill(hiddens, next_tokens, t - m)`` would, inside the first draft step's forward (one forward per
         round fewer; logits are computed for the draft row only). Then ``t - m`` must equal ``cache_len``.
+
+        ``choose(scores, index, token_ids)`` (default: argmax) picks draft ``j`` (sequence index ``t + 2 + j``)
+        from the head's scores over the draft vocabulary ``token_ids`` (None: the whole vocabulary); coupled
+        sampling passes the keyed sampler's `choose_draft` here.
         """
         count = self.config.num_drafts if num_tokens is None else num_tokens
         if count < 1:
@@ -296,8 +301,12 @@ class MtpHead:
         for _ in range(count):
             _, out = self._forward(ids, pos, hid, want_logits=False)
             hid = out[-1:].to(self.dtype)  # exact: the head's own dtype, widened to float32 and back
-            best = int(torch.argmax(F.linear(hid, scorer)))
-            token = best if self._draft_ids is None else int(self._draft_ids[best])
+            scores = F.linear(hid, scorer)[0]
+            if choose is None:
+                best = int(torch.argmax(scores))
+                token = best if self._draft_ids is None else int(self._draft_ids[best])
+            else:
+                token = choose(scores, position + 2 + len(drafts), self._draft_ids)
             drafts.append(token)
             if token in eos:
                 break

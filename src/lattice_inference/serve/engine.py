@@ -55,6 +55,8 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
 
 
 @dataclass
@@ -142,13 +144,30 @@ class Engine:
             )
         return settings
 
-    def sampling_for(self, temperature: float | None, top_p: float | None, seed: int | None) -> Sampling:
-        """The request's sampling settings; absent temperature means 0 (greedy, the model's own default here)."""
-        sampling = Sampling(temperature or 0.0, 1.0 if top_p is None else top_p, seed)
+    def sampling_for(
+        self,
+        temperature: float | None,
+        top_p: float | None,
+        seed: int | None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+    ) -> Sampling:
+        """The request's sampling settings; absent temperature means 0 (greedy: the output is the model's
+        argmax text whatever the method, and ``top_p`` / ``top_k`` / ``min_p`` / ``seed`` change nothing)."""
+        sampling = Sampling(
+            temperature or 0.0, 1.0 if top_p is None else top_p, seed, top_k or 0, 0.0 if min_p is None else min_p
+        )
         if sampling.temperature > 0 and not SAMPLING_AVAILABLE:
             raise bad_request(
                 "sampling is not available in this build: temperature must be 0 (greedy)", param="temperature"
             )
+        if SAMPLING_AVAILABLE:
+            from lattice_inference.sampling import SamplingOptions
+
+            try:  # the library's own checks, here rather than in the worker
+                SamplingOptions(**asdict(sampling))
+            except LatticeError as exc:
+                raise bad_request(str(exc)) from None
         return sampling
 
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
@@ -235,8 +254,9 @@ class Engine:
             return gen.stream_tokens(job.prompt_ids, job.max_tokens), gen.decoder
         s = job.sampling
         handle = gen.start(  # type: ignore[attr-defined]
-            job.prompt_ids, job.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed
-        )
+            job.prompt_ids, job.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+            seed=s.seed,
+        )  # fmt: skip
         return iter(handle), handle
 
     def generate(

@@ -73,6 +73,10 @@ class _Generation(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    top_k: int | None = Field(None, ge=0)
+    """Extension (as vLLM): sample among the k most likely tokens (0: off)."""
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    """Extension (as vLLM): drop tokens below ``min_p`` x the top probability (0: off)."""
     stop: str | list[str] | None = None
     n: int = 1
     speculative: Speculative | None = None

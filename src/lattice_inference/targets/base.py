@@ -4,6 +4,9 @@ A target owns the model's cache and the position of the next write. ``forward`` 
 contiguous positions starting at ``length`` and returns logits for every one of them; ``rollback`` moves the
 write position back so that rejected draft tokens leave no trace. Positions are never implicit: the token at
 index ``i`` of the sequence is always fed at position ``i``.
+
+Subclass `Target` to inherit the defaults of its optional parts (no hidden-state capture, no fused
+prefill+draft); the decode loop reads them directly, never by probing.
 """
 
 from __future__ import annotations
@@ -17,6 +20,18 @@ import torch
 @runtime_checkable
 class Target(Protocol):
     """A causal LM that can score several tokens in one forward and roll its cache back."""
+
+    provides_hidden_states: bool = False
+    """Whether setting ``capture_hidden = True`` fills `last_hidden` (MTP drafting needs it)."""
+
+    capture_hidden: bool = False
+    """When true (and ``provides_hidden_states``), every `prefill`/`forward` keeps the post-final-norm hidden
+    states of all fed positions in `last_hidden` (``[n, hidden]``)."""
+
+    last_hidden: torch.Tensor | None = None
+
+    fuses_prefill_and_draft: bool = False
+    """Whether `prefill_with_draft` is offered (where rolling back into a prefill is cheap)."""
 
     @property
     def vocab_size(self) -> int:
@@ -37,6 +52,12 @@ class Target(Protocol):
         """Reset the cache, feed ``token_ids`` at positions ``0..n-1`` and return the last position's logits
         as a float tensor of shape ``[vocab]``."""
         ...
+
+    def prefill_with_draft(self, token_ids: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
+        """Prefill ``token_ids`` and feed ``draft`` after them in one forward: logits ``[len(draft) + 1, vocab]``
+        for the last prompt position and every draft position; the caller rolls back to
+        ``len(token_ids) + accepted``. Only where ``fuses_prefill_and_draft``."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse prefill and draft")
 
     def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Feed ``token_ids`` at positions ``length..length+k-1`` and return logits ``[k, vocab]``."""

@@ -19,6 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from lattice_inference.errors import TokenError, UnsupportedModelError
+from lattice_inference.targets.base import Target
 from lattice_inference.targets.kv_cache import use_growable_layers
 
 
@@ -38,12 +39,14 @@ def final_norm(model: PreTrainedModel) -> torch.nn.Module:
     raise UnsupportedModelError(f"cannot find the final norm of model type {model.config.model_type!r}")
 
 
-class CausalLMTarget:
+class CausalLMTarget(Target):
     """Shared machinery of the transformers targets; subclasses define rollback.
 
     Set ``capture_hidden = True`` to keep, after every `prefill`/`forward`, the post-final-norm hidden states of
     all fed positions in ``last_hidden`` (``[n, hidden]``).
     """
+
+    provides_hidden_states = True
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()
@@ -135,6 +138,8 @@ class CausalLMTarget:
 
 class TransformersTarget(CausalLMTarget):
     """A `Target` over a transformers causal LM whose cache is attention KV only; rollback crops the cache."""
+
+    fuses_prefill_and_draft = True
 
     def __init__(self, model: PreTrainedModel) -> None:
         recurrent = recurrent_layer_count(model)

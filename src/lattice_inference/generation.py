@@ -1,0 +1,74 @@
+"""One generation: its per-generation state while it runs, and its result.
+
+Everything that belongs to a single generation (the prompt, the budget, the sampling options with the seed
+actually used, the sampler and its noise cache, the metrics, the stop reason and the tokens emitted so far) lives
+in one `Generation` object, never on the decoder or the model, so one loaded model can serve several
+generations in turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from lattice_inference.metrics import GenerationMetrics
+from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOptions, make_sampler
+
+
+@dataclass
+class GenerationResult:
+    """Generated token ids (without a final EOS), why generation stopped, its metrics and how it sampled.
+
+    ``seed`` is the seed the tokens were sampled with (drawn at random when none was given; None when greedy):
+    passing it again reproduces ``token_ids`` with any method. ``text`` is filled by the text API (`Generator`).
+    """
+
+    token_ids: list[int]
+    stop_reason: str
+    """``"eos"`` when the model emitted an EOS token, ``"length"`` when ``max_new_tokens`` ran out."""
+    metrics: GenerationMetrics
+    seed: int | None = None
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    text: str = ""
+
+
+class Generation:
+    """A generation in progress: iterate over it for the token chunks, one per verification round, as they are
+    accepted; `result` runs it to the end. Built by `SpeculativeDecoder.start`."""
+
+    def __init__(
+        self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingOptions, vocab: int
+    ) -> None:
+        self.prompt_ids = prompt_ids
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling.seeded()
+        self.sampler: GreedySampler | KeyedSampler = make_sampler(self.sampling, vocab)
+        self.metrics = GenerationMetrics(prompt_tokens=len(prompt_ids))
+        self.stop_reason = ""
+        self.token_ids: list[int] = []
+        self._chunks: Iterator[list[int]] = iter(())
+
+    @property
+    def seed(self) -> int | None:
+        """The seed in use (None when greedy)."""
+        return self.sampling.seed
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self
+
+    def __next__(self) -> list[int]:
+        chunk = next(self._chunks)
+        self.token_ids.extend(chunk)
+        return chunk
+
+    def result(self) -> GenerationResult:
+        """Run to the end and return every generated token with the metrics."""
+        for _ in self:
+            pass
+        return GenerationResult(
+            token_ids=list(self.token_ids),
+            stop_reason=self.stop_reason,
+            metrics=self.metrics,
+            seed=self.seed,
+            sampling=self.sampling,
+        )

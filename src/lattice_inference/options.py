@@ -1,0 +1,107 @@
+"""`DecodeOptions`: the method, its draft settings and the sampling, validated once.
+
+The API (`Generator`), the CLI (``lattice generate``) and ``lattice bench`` all build one of these; every
+invalid value raises `ConfigError` naming it, before any model is loaded or any token generated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from lattice_inference.errors import ConfigError
+from lattice_inference.sampling import SamplingOptions
+
+#: Each method and the drafters it asks, in order of preference.
+METHOD_DRAFTERS: dict[str, tuple[str, ...]] = {
+    "greedy": (),
+    "ngram": ("ngram",),
+    "mtp": ("mtp",),
+    "ngram+mtp": ("ngram", "mtp"),
+}
+METHODS = tuple(METHOD_DRAFTERS)
+MATCH_POLICIES = ("first", "recent")
+
+
+def needs_mtp_head(method: str) -> bool:
+    """Whether ``method`` drafts with the model's MTP head."""
+    return "mtp" in METHOD_DRAFTERS.get(method, ())
+
+
+def check_draft_length(draft_length: int) -> None:
+    """The reference's MTP draft length counts the target's own token: 2..8."""
+    if isinstance(draft_length, bool) or not isinstance(draft_length, int) or not 2 <= draft_length <= 8:
+        raise ConfigError(f"draft_length counts the target token and must be 2..8, got {draft_length!r}")
+
+
+def check_draft_vocab(draft_vocab: int | None) -> None:
+    """``draft_vocab`` (None: the whole vocabulary) must be a positive count of token ids."""
+    if draft_vocab is None:
+        return
+    if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or draft_vocab < 1:
+        raise ConfigError(f"draft_vocab must be a positive number of token ids or None, got {draft_vocab!r}")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How to decode: ``method`` (``greedy``: plain decoding, the reference output; ``ngram``: prompt lookup;
+    ``mtp``: the model's MTP head; ``ngram+mtp``: prompt lookup where an n-gram matches, the head otherwise),
+    the draft settings, and the default `SamplingOptions` of each generation.
+
+    ``max_ngram``/``min_ngram`` bound the n-gram lengths tried (longest first), ``max_draft`` the tokens drafted
+    per round, ``match`` which earlier occurrence is copied (``first``, as vLLM and transformers, or
+    ``recent``). For MTP, ``draft_length`` counts the target's token as the reference does (2..8): each round
+    drafts ``draft_length - 1`` tokens; ``draft_vocab=N`` drafts only among token ids ``0..N-1``;
+    ``coupled_draft`` (default) makes the head draft with the same keyed noise the target samples with, so its
+    drafts follow the sampled text rather than its argmax (no effect at temperature 0).
+    """
+
+    method: str = "ngram"
+    max_ngram: int = 5
+    min_ngram: int = 2
+    max_draft: int = 4
+    match: str = "first"
+    draft_length: int = 4
+    draft_vocab: int | None = None
+    coupled_draft: bool = True
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        for name in ("max_ngram", "min_ngram", "max_draft"):
+            _check_positive(name, getattr(self, name))
+        if self.min_ngram > self.max_ngram:
+            raise ConfigError(f"min_ngram ({self.min_ngram}) is larger than max_ngram ({self.max_ngram})")
+        if self.match not in MATCH_POLICIES:
+            raise ConfigError(f"match must be one of {', '.join(MATCH_POLICIES)}, got {self.match!r}")
+        check_draft_length(self.draft_length)
+        check_draft_vocab(self.draft_vocab)
+        if not isinstance(self.sampling, SamplingOptions):
+            raise ConfigError(f"sampling must be a SamplingOptions, got {type(self.sampling).__name__}")
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """The drafters this method asks, in order of preference."""
+        return METHOD_DRAFTERS[self.method]
+
+    @property
+    def needs_mtp_head(self) -> bool:
+        return needs_mtp_head(self.method)
+
+    def updated(self, **changes: object) -> DecodeOptions:
+        """A copy with ``changes`` (field names of this class or of `SamplingOptions`), validated again."""
+        sampling_names = {f.name for f in fields(SamplingOptions)}
+        own_names = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - sampling_names - own_names)
+        if unknown:
+            raise ConfigError(f"unknown decoding option(s): {', '.join(unknown)}")
+        sampling = {k: v for k, v in changes.items() if k in sampling_names}
+        own = {k: v for k, v in changes.items() if k in own_names}
+        if sampling:
+            own["sampling"] = replace(own.get("sampling", self.sampling), **sampling)  # type: ignore[arg-type]
+        return replace(self, **own)  # type: ignore[arg-type]

@@ -1,0 +1,186 @@
+"""Sampling options, transformers' logits processors, and the keyed Gumbel-max sampler.
+
+**Keyed sampling.** The token at sequence index ``t`` (its index in the full sequence, prompt included: the
+first generated token of a ``P``-token prompt has index ``P``) is ``argmax(processed_logits_t + g_t)``, where
+``processed_logits_t`` are the model's logits after temperature, top-k, top-p and min-p (transformers'
+definitions and order, in float32) and ``g_t`` is standard Gumbel noise over the vocabulary drawn from a Philox
+counter-based generator keyed by ``(seed, t)``. Gumbel-max makes each token an exact draw from
+``softmax(processed_logits_t)``; keying the noise by position (not by how many draws came before) makes the
+token a function of ``(logits_t, seed, t)`` only. Plain decoding and every speculative method compute the same
+logits for index ``t`` (verification rows included), so with the same seed they emit the same tokens, and
+verification stays "accept the longest draft prefix equal to the target's choices". Greedy decoding is the
+``temperature == 0`` case: plain argmax, first index on ties.
+
+The noise is drawn on the CPU (numpy's Philox with a 128-bit key ``(seed mod 2**64, t)``), so it does not depend
+on the device either; it is cached for the few positions a verification round may score again.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import asdict, dataclass, replace
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from lattice_inference.errors import ConfigError
+
+_MASK64 = (1 << 64) - 1
+_TINY = float(np.finfo(np.float32).tiny)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How each token is chosen. ``temperature == 0`` (the default) is greedy decoding; above 0 the token is
+    sampled from the logits processed by temperature, then ``top_k`` (0: off), ``top_p`` (1: off), ``min_p``
+    (0: off), as transformers' ``generate`` applies them. ``seed`` makes sampling reproducible: the same seed
+    gives the same tokens with or without speculation (None: a random seed is drawn per generation)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t, k, p, m, s = self.temperature, self.top_k, self.top_p, self.min_p, self.seed
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 is greedy), got {t!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {k!r}")
+        if not _is_real(p) or not 0 < p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1] (1 disables it), got {p!r}")
+        if not _is_real(m) or not 0 <= m <= 1:
+            raise ConfigError(f"min_p must be in [0, 1] (0 disables it), got {m!r}")
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int)):
+            raise ConfigError(f"seed must be an integer or None, got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are chosen by plain argmax (``temperature == 0``)."""
+        return self.temperature == 0
+
+    def seeded(self) -> SamplingOptions:
+        """These options with a seed: the given one, or a freshly drawn one when sampling without a seed."""
+        if self.greedy or self.seed is not None:
+            return self
+        return replace(self, seed=secrets.randbits(48))
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready fields."""
+        return asdict(self)
+
+
+def process_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
+    """``logits`` (``[..., vocab]``) in float32 after temperature, top-k, top-p and min-p, in that order, with
+    transformers' definitions (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``,
+    ``MinPLogitsWarper``, ``min_tokens_to_keep=1``); removed tokens get ``-inf``."""
+    x = logits.float()
+    if options.temperature not in (0, 1):
+        x = x / options.temperature
+    neg_inf = float("-inf")
+    if options.top_k:
+        kth = torch.topk(x, min(options.top_k, x.shape[-1])).values[..., -1:]
+        x = x.masked_fill(x < kth, neg_inf)
+    if options.top_p < 1:
+        sorted_x, order = torch.sort(x, descending=False)
+        remove = sorted_x.softmax(dim=-1).cumsum(dim=-1) <= 1 - options.top_p
+        remove[..., -1:] = False
+        x = x.masked_fill(remove.scatter(-1, order, remove), neg_inf)
+    if options.min_p > 0:
+        probs = x.softmax(dim=-1)
+        remove = probs < options.min_p * probs.amax(dim=-1, keepdim=True)
+        remove.scatter_(-1, torch.topk(probs, 1).indices, False)
+        x = x.masked_fill(remove, neg_inf)
+    return x
+
+
+def gumbel_noise(seed: int, index: int, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise ``[vocab]`` (float32, CPU) for sequence index ``index``: a pure function of
+    ``(seed, index, vocab)``, from a Philox generator keyed by the pair."""
+    rng = np.random.Generator(np.random.Philox(key=[seed & _MASK64, index & _MASK64]))
+    g = rng.standard_exponential(vocab, dtype=np.float32)
+    np.maximum(g, _TINY, out=g)
+    np.log(g, out=g)
+    return torch.from_numpy(np.negative(g, out=g))
+
+
+class Sampler(Protocol):
+    """Chooses the token at each sequence index from that index's logits (one generation's state)."""
+
+    greedy: bool
+
+    def choose(self, logits: torch.Tensor, first_index: int) -> list[int]:
+        """The tokens for rows ``logits[i]`` (``[n, vocab]``), row ``i`` choosing sequence index ``first_index + i``."""
+        ...
+
+    def choose_draft(self, scores: torch.Tensor, index: int, token_ids: torch.Tensor | None = None) -> int:
+        """A drafter's token for index ``index`` from its own ``scores`` (``[vocab]``, or ``[len(token_ids)]``
+        over the ids ``token_ids``), with the same noise the target's choice at ``index`` will use."""
+        ...
+
+
+class GreedySampler:
+    """Plain argmax (first index on ties, as ``torch.argmax``)."""
+
+    greedy = True
+    seed: int | None = None
+
+    def choose(self, logits: torch.Tensor, first_index: int) -> list[int]:
+        return logits.argmax(dim=-1).tolist()
+
+    def choose_draft(self, scores: torch.Tensor, index: int, token_ids: torch.Tensor | None = None) -> int:
+        best = int(torch.argmax(scores))
+        return best if token_ids is None else int(token_ids[best])
+
+
+class KeyedSampler:
+    """Gumbel-max sampling keyed by ``(seed, sequence index)``; see the module docstring.
+
+    Noise vectors are cached by index: a verification round scores indices ``p+1 .. p+k+1`` and the next round
+    starts after the accepted ones, so rejected indices are scored again. The cache drops indices below the
+    first row of each `choose` (indices only move forward within a generation).
+    """
+
+    greedy = False
+
+    def __init__(self, options: SamplingOptions, vocab: int) -> None:
+        if options.greedy or options.seed is None:
+            raise ConfigError("a keyed sampler needs temperature > 0 and a seed (use SamplingOptions.seeded())")
+        self.options = options
+        self.seed: int = options.seed
+        self.vocab = vocab
+        """Size of the full vocabulary (the noise of a drafter scoring a subset of it is this noise's subset)."""
+        self._noise: dict[int, torch.Tensor] = {}
+
+    def noise(self, index: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """Gumbel noise for ``index`` on ``device`` (cached)."""
+        g = self._noise.get(index)
+        if g is None or g.shape[0] != vocab or g.device != device:
+            g = self._noise[index] = gumbel_noise(self.seed, index, vocab).to(device)
+        return g
+
+    def choose(self, logits: torch.Tensor, first_index: int) -> list[int]:
+        for stale in [i for i in self._noise if i < first_index]:
+            del self._noise[stale]
+        rows, vocab = logits.shape
+        noise = [self.noise(first_index + i, vocab, logits.device) for i in range(rows)]
+        return (process_logits(logits, self.options) + torch.stack(noise)).argmax(dim=-1).tolist()
+
+    def choose_draft(self, scores: torch.Tensor, index: int, token_ids: torch.Tensor | None = None) -> int:
+        g = self.noise(index, self.vocab if token_ids is not None else scores.shape[-1], scores.device)
+        if token_ids is not None:
+            g = g[token_ids]
+        best = int((process_logits(scores.reshape(-1), self.options) + g).argmax())
+        return best if token_ids is None else int(token_ids[best])
+
+
+def make_sampler(options: SamplingOptions, vocab: int) -> GreedySampler | KeyedSampler:
+    """The sampler of one generation (``options`` must be `SamplingOptions.seeded` when sampling)."""
+    return GreedySampler() if options.greedy else KeyedSampler(options, vocab)
