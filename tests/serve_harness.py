@@ -21,8 +21,9 @@ import uvicorn  # noqa: E402
 
 from lattice_inference.api import Generator  # noqa: E402
 from lattice_inference.loading import LoadedModel, load_model  # noqa: E402
+from lattice_inference.options import DecodeOptions  # noqa: E402
 from lattice_inference.serve.app import create_app  # noqa: E402
-from lattice_inference.serve.engine import Engine, Settings  # noqa: E402
+from lattice_inference.serve.engine import Engine  # noqa: E402
 
 MODEL_NAME = "tiny"
 #: Prompts whose greedy continuations differ from one another, copy-heavy and free.
@@ -55,7 +56,7 @@ def free_port() -> int:
 @contextmanager
 def running_server(loaded: LoadedModel, method: str = "ngram", **options: object) -> Iterator[tuple[str, object]]:
     """Serve ``loaded`` on a free loopback port in a thread; yield (base URL, app) and stop it afterwards."""
-    engine = Engine(loaded, Settings(method=method), name=MODEL_NAME)
+    engine = Engine(loaded, DecodeOptions(method=method), name=MODEL_NAME)
     app = create_app(engine, **options)  # type: ignore[arg-type]
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

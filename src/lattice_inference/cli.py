@@ -294,15 +294,6 @@ def _bench(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from lattice_inference.serve import command
 
-    DecodeOptions(  # validates the server's default draft settings before anything loads
-        method=args.method,
-        max_ngram=args.max_ngram,
-        min_ngram=args.min_ngram,
-        max_draft=args.max_draft,
-        match=args.match,
-        draft_length=args.draft_length,
-        draft_vocab=args.draft_vocab,
-    )
     quiet_transformers()
     return command.run(args)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from lattice_inference.options import DecodeOptions
     from lattice_inference.serve.engine import Engine
 
 DEFAULT_PORT = 8000
@@ -51,17 +52,26 @@ def served_name(model: str | None) -> str:
     return source.name if source.kind == "hub" else Path(source.name).name
 
 
+#: The ``lattice serve`` options that make up its default `DecodeOptions`.
+DRAFT_OPTIONS = ("method", "max_ngram", "min_ngram", "max_draft", "match", "draft_length", "draft_vocab")
+
+
+def default_options(args: argparse.Namespace) -> DecodeOptions:
+    """The server's default draft settings (`ConfigError` for a bad one, before anything loads)."""
+    from lattice_inference.options import DecodeOptions
+
+    return DecodeOptions(**{name: getattr(args, name) for name in DRAFT_OPTIONS})
+
+
 def build_engine(args: argparse.Namespace) -> Engine:
     """Load the model once and wrap it in an `Engine` with the command's default speculation settings."""
-    from dataclasses import fields
-
     from lattice_inference.loading import load_model
-    from lattice_inference.serve.engine import Engine, Settings
+    from lattice_inference.serve.engine import Engine
 
-    settings = Settings(**{f.name: getattr(args, f.name) for f in fields(Settings)})
+    settings = default_options(args)
     name = args.served_model_name or served_name(args.model)
     loaded = load_model(args.model, dtype=args.dtype)
-    return Engine(loaded, settings, name=name, draft_vocab=args.draft_vocab)
+    return Engine(loaded, settings, name=name)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"lattice serve needs its extra: pip install 'lattice-inference[serve]' ({exc})") from None
     import torch
 
+    default_options(args)
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be non-negative, got {args.max_queue}")
     if not 0 < args.port < 65536:

@@ -1,6 +1,6 @@
 """The loaded model behind the server: prompt encoding, per-request generators, and one generation as events.
 
-The weights and tokenizer are loaded once. Each distinct set of speculation settings gets its own `Generator`
+The weights and tokenizer are loaded once. Each distinct `DecodeOptions` (speculation settings) gets its own `Generator`
 over them (a drafter and a target with its own cache, cheap to build), kept in a small LRU cache; only one
 generation runs at a time (`GenerationQueue`), so they can share the model.
 """
@@ -9,17 +9,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 
-from lattice_inference.api import Generator, mtp_head_for, needs_mtp_head
+from lattice_inference.api import Generator, mtp_head_for
 from lattice_inference.errors import LatticeError
 from lattice_inference.loading import LoadedModel
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.mtp import MtpHead
+from lattice_inference.options import DecodeOptions
 from lattice_inference.serve.errors import bad_request
 from lattice_inference.serve.schemas import Message, Speculative
 from lattice_inference.serve.stops import StopMatcher
@@ -28,24 +29,6 @@ from lattice_inference.streaming import TextStream
 #: Whether this build's `Generator` can sample (``temperature`` > 0, through ``Generator.start``); without it
 #: only greedy is served.
 SAMPLING_AVAILABLE = callable(getattr(Generator, "start", None))
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Speculation settings of one generation (the server's defaults, overridden per request)."""
-
-    method: str = "ngram"
-    max_draft: int = 4
-    max_ngram: int = 5
-    min_ngram: int = 2
-    match: str = "first"
-    draft_length: int = 4
-
-    def override(self, spec: Speculative | None) -> Settings:
-        """These settings with the fields ``spec`` sets replaced."""
-        if spec is None:
-            return self
-        return replace(self, **{k: v for k, v in spec.model_dump().items() if v is not None})
 
 
 @dataclass(frozen=True)
@@ -65,7 +48,7 @@ class GenerationJob:
 
     prompt_ids: list[int]
     max_tokens: int
-    settings: Settings
+    settings: DecodeOptions
     sampling: Sampling = field(default_factory=Sampling)
     stops: Sequence[str] = ()
 
@@ -102,25 +85,23 @@ class Engine:
     def __init__(
         self,
         loaded: LoadedModel,
-        settings: Settings,
+        settings: DecodeOptions,
         *,
         name: str | None = None,
-        draft_vocab: int | None = None,
         cache_size: int = 8,
     ) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.defaults = settings
         self.name = name or Path(loaded.source).name
-        self.draft_vocab = draft_vocab
         self.cache_size = cache_size
-        self._generators: OrderedDict[Settings, Generator] = OrderedDict()
+        self._generators: OrderedDict[DecodeOptions, Generator] = OrderedDict()
         self._heads: dict[int, MtpHead] = {}
         self.mtp_error: str | None = None
         try:
             self._head(settings.draft_length)
         except LatticeError as exc:
-            if needs_mtp_head(settings.method):
+            if settings.needs_mtp_head:
                 raise
             self.mtp_error = str(exc)
         config = loaded.model.config
@@ -129,15 +110,21 @@ class Engine:
 
     # -- validation on the event loop, before a request is queued --------------------------------------------
 
-    def settings_for(self, spec: Speculative | None) -> Settings:
-        """The request's speculation settings, or a 400 naming what cannot be served."""
-        settings = self.defaults.override(spec)
-        if settings.min_ngram > settings.max_ngram:
+    def settings_for(self, spec: Speculative | None) -> DecodeOptions:
+        """The server's draft settings with the fields the request's ``speculative`` sets replaced, or a 400
+        naming what cannot be served."""
+        changes = {k: v for k, v in spec.model_dump().items() if v is not None} if spec is not None else {}
+        merged = {**{k: getattr(self.defaults, k) for k in ("min_ngram", "max_ngram")}, **changes}
+        if merged["min_ngram"] > merged["max_ngram"]:
             raise bad_request(
-                f"min_ngram ({settings.min_ngram}) is larger than max_ngram ({settings.max_ngram})",
+                f"min_ngram ({merged['min_ngram']}) is larger than max_ngram ({merged['max_ngram']})",
                 param="speculative.min_ngram",
             )
-        if needs_mtp_head(settings.method) and self.mtp_error is not None:
+        try:
+            settings = self.defaults.updated(**changes)
+        except LatticeError as exc:
+            raise bad_request(str(exc), param="speculative") from None
+        if settings.needs_mtp_head and self.mtp_error is not None:
             raise bad_request(
                 f"method {settings.method!r} needs an MTP head, which this model lacks: {self.mtp_error}",
                 param="speculative.method",
@@ -227,20 +214,16 @@ class Engine:
 
     def _head(self, draft_length: int) -> MtpHead:
         if draft_length not in self._heads:
-            self._heads[draft_length] = mtp_head_for(self.loaded, draft_length, self.draft_vocab)
+            self._heads[draft_length] = mtp_head_for(self.loaded, draft_length, self.defaults.draft_vocab)
         return self._heads[draft_length]
 
-    def generator(self, settings: Settings) -> Generator:
+    def generator(self, settings: DecodeOptions) -> Generator:
         """A generator for ``settings`` over the loaded model (built once, then reused)."""
         gen = self._generators.get(settings)
         if gen is None:
-            head = self._head(settings.draft_length) if needs_mtp_head(settings.method) else None
+            head = self._head(settings.draft_length) if settings.needs_mtp_head else None
             gen = Generator(
-                self.loaded.model,
-                self.tokenizer,
-                **asdict(settings),
-                mtp_head=head,
-                eos_token_ids=self.loaded.eos_token_ids,
+                self.loaded.model, self.tokenizer, settings, mtp_head=head, eos_token_ids=self.loaded.eos_token_ids
             )
             self._generators[settings] = gen
             while len(self._generators) > self.cache_size:
