@@ -6,8 +6,6 @@ import openai
 import pytest
 from serve_harness import MODEL_NAME, PROMPTS, client, greedy, load_tiny, request, running_server
 
-from lattice_inference.serve.engine import SAMPLING_AVAILABLE
-
 MAX_TOKENS = 16
 
 
@@ -175,13 +173,6 @@ def test_errors_through_the_openai_client(server):
         api.completions.create(model="other", prompt="x", max_tokens=4)
 
 
-@pytest.mark.skipif(SAMPLING_AVAILABLE, reason="this build samples")
-def test_temperature_is_refused_without_sampling(server):
-    response = post(server, "/v1/chat/completions", {**OK_CHAT, "temperature": 0.7})
-    assert response.status_code == 400 and "sampling is not available" in response.json()["error"]["message"]
-    assert post(server, "/v1/chat/completions", {**OK_CHAT, "temperature": 0}).status_code == 200
-
-
 def test_body_over_the_limit_is_413(server):
     response = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "x" * 100_000})
     assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
@@ -235,7 +226,6 @@ def test_prompt_filling_the_context_is_a_400(server):
     assert post(server, "/v1/completions", body).json()["error"]["param"] == "prompt"
 
 
-@pytest.mark.skipif(not SAMPLING_AVAILABLE, reason="this build cannot sample")
 @pytest.mark.parametrize(("method", "stream"), [("ngram", False), ("ngram+mtp", True)])
 def test_sampling_with_a_seed_equals_generator(server, reference, method, stream):
     sampling = {"temperature": 0.8, "top_p": 0.9, "seed": 7}

@@ -21,25 +21,11 @@ from lattice_inference.loading import LoadedModel
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.mtp import MtpHead
 from lattice_inference.options import DecodeOptions
+from lattice_inference.sampling import SamplingOptions
 from lattice_inference.serve.errors import bad_request
 from lattice_inference.serve.schemas import Message, Speculative
 from lattice_inference.serve.stops import StopMatcher
 from lattice_inference.streaming import TextStream
-
-#: Whether this build's `Generator` can sample (``temperature`` > 0, through ``Generator.start``); without it
-#: only greedy is served.
-SAMPLING_AVAILABLE = callable(getattr(Generator, "start", None))
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling settings of one generation; temperature 0 is greedy."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    top_k: int = 0
-    min_p: float = 0.0
 
 
 @dataclass
@@ -49,7 +35,7 @@ class GenerationJob:
     prompt_ids: list[int]
     max_tokens: int
     settings: DecodeOptions
-    sampling: Sampling = field(default_factory=Sampling)
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
     stops: Sequence[str] = ()
 
 
@@ -138,24 +124,14 @@ class Engine:
         seed: int | None,
         top_k: int | None = None,
         min_p: float | None = None,
-    ) -> Sampling:
-        """The request's sampling settings; absent temperature means 0 (greedy: the output is the model's
-        argmax text whatever the method, and ``top_p`` / ``top_k`` / ``min_p`` / ``seed`` change nothing)."""
-        sampling = Sampling(
-            temperature or 0.0, 1.0 if top_p is None else top_p, seed, top_k or 0, 0.0 if min_p is None else min_p
-        )
-        if sampling.temperature > 0 and not SAMPLING_AVAILABLE:
-            raise bad_request(
-                "sampling is not available in this build: temperature must be 0 (greedy)", param="temperature"
-            )
-        if SAMPLING_AVAILABLE:
-            from lattice_inference.sampling import SamplingOptions
-
-            try:  # the library's own checks, here rather than in the worker
-                SamplingOptions(**asdict(sampling))
-            except LatticeError as exc:
-                raise bad_request(str(exc)) from None
-        return sampling
+    ) -> SamplingOptions:
+        """The request's sampling, checked by the library here rather than in the worker. Absent temperature
+        means 0: greedy, the model's argmax text whatever the method (``top_p`` and the rest change nothing)."""
+        given = {"temperature": temperature, "top_p": top_p, "seed": seed, "top_k": top_k, "min_p": min_p}
+        try:
+            return SamplingOptions(**{k: v for k, v in given.items() if v is not None})
+        except LatticeError as exc:
+            raise bad_request(str(exc)) from None
 
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
         """Token ids of ``messages`` through the tokenizer's chat template, ready for the assistant's turn."""
@@ -231,17 +207,6 @@ class Engine:
         self._generators.move_to_end(settings)
         return gen
 
-    def _start(self, gen: Generator, job: GenerationJob) -> tuple[Iterator[list[int]], Any]:
-        """The generation's token chunks, and what reports its ``metrics`` and ``stop_reason`` afterwards."""
-        if not SAMPLING_AVAILABLE:
-            return gen.stream_tokens(job.prompt_ids, job.max_tokens), gen.decoder
-        s = job.sampling
-        handle = gen.start(  # type: ignore[attr-defined]
-            job.prompt_ids, job.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-            seed=s.seed,
-        )  # fmt: skip
-        return iter(handle), handle
-
     def generate(
         self, job: GenerationJob, on_done: Callable[[str, GenerationMetrics, str], None] | None = None
     ) -> Iterator[Delta | Finish]:
@@ -252,10 +217,10 @@ class Engine:
         """
         gen = self.generator(job.settings)
         text, stops = TextStream(self.tokenizer), StopMatcher(job.stops)
-        tokens, state = self._start(gen, job)
+        state = gen.start(job.prompt_ids, job.max_tokens, **asdict(job.sampling))
         reason = "cancelled"
         try:
-            for chunk in tokens:
+            for chunk in state:
                 yield Delta(stops.push(text.push(chunk)), len(chunk))
                 if stops.stopped:
                     break
@@ -266,13 +231,13 @@ class Engine:
                     yield Delta(tail, 0)
             reason = "stop" if stops.stopped or state.stop_reason == "eos" else "length"
         finally:
-            close = getattr(tokens, "close", None)
+            close = getattr(state, "close", None)  # a `Generation` without one finalizes when dropped
             if close is not None:
-                close()  # runs the decode loop's cleanup
+                close()
             metrics = state.metrics
             if on_done is not None:
                 on_done(job.settings.method, metrics, reason)
         details = {"method": job.settings.method, **metrics.to_dict()}
-        if getattr(state, "seed", None) is not None:
+        if state.seed is not None:
             details["seed"] = state.seed
         yield Finish(reason, metrics.prompt_tokens, metrics.new_tokens, details)
