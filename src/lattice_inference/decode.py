@@ -14,7 +14,7 @@ with the same seed.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 
 import torch
 
@@ -128,7 +128,7 @@ class SpeculativeDecoder:
         gen.metrics.new_tokens += len(tokens)
         return tokens
 
-    def _run(self, gen: Generation) -> Iterator[list[int]]:
+    def _run(self, gen: Generation) -> Generator[list[int], None, None]:
         m = gen.metrics
         if gen.max_new_tokens == 0:
             gen.stop_reason = "length"

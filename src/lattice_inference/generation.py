@@ -8,11 +8,16 @@ generations in turn.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOptions, make_sampler
+
+
+def _no_chunks() -> Generator[list[int], None, None]:
+    """The chunks of a generation that has not been started."""
+    yield from ()
 
 
 @dataclass
@@ -46,7 +51,7 @@ class Generation:
         self.metrics = GenerationMetrics(prompt_tokens=len(prompt_ids))
         self.stop_reason = ""
         self.token_ids: list[int] = []
-        self._chunks: Iterator[list[int]] = iter(())
+        self._chunks: Generator[list[int], None, None] = _no_chunks()
 
     @property
     def seed(self) -> int | None:
@@ -60,6 +65,11 @@ class Generation:
         chunk = next(self._chunks)
         self.token_ids.extend(chunk)
         return chunk
+
+    def close(self) -> None:
+        """Stop early: the decode loop's cleanup runs now (its metrics get their decode time), not when the
+        object is dropped. Iterating afterwards yields nothing more."""
+        self._chunks.close()
 
     def result(self) -> GenerationResult:
         """Run to the end and return every generated token with the metrics."""

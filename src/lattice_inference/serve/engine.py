@@ -231,9 +231,7 @@ class Engine:
                     yield Delta(tail, 0)
             reason = "stop" if stops.stopped or state.stop_reason == "eos" else "length"
         finally:
-            close = getattr(state, "close", None)  # a `Generation` without one finalizes when dropped
-            if close is not None:
-                close()
+            state.close()
             metrics = state.metrics
             if on_done is not None:
                 on_done(job.settings.method, metrics, reason)
