@@ -92,21 +92,19 @@ def summarise(results: dict[str, list[dict]], prompts: list, reference: str) -> 
     for i, p in enumerate(prompts):
         sets.setdefault(p.set or p.kind, []).append(i)
     ref_ids = {r["prompt"]: r["token_ids"] for r in results[reference] if r["rep"] == 0}
+
+    def rep_tps(runs: list[dict], rep: int, wanted: set[int]) -> float:
+        mine = [r for r in runs if r["rep"] == rep and r["prompt"] in wanted]
+        return sum(len(r["token_ids"]) for r in mine) / sum(r["seconds"] for r in mine)
+
     table: dict[str, dict] = {}
     for name, idx in sets.items():
         wanted = set(idx)
         rows = {}
         for engine, runs in results.items():
             reps = sorted({r["rep"] for r in runs})
-            tps = []
-            for rep in reps:
-                mine = [r for r in runs if r["rep"] == rep and r["prompt"] in wanted]
-                tps.append(sum(len(r["token_ids"]) for r in mine) / sum(r["seconds"] for r in mine))
-            ref = [
-                sum(len(r["token_ids"]) for r in results[reference] if r["rep"] == rep and r["prompt"] in wanted)
-                / sum(r["seconds"] for r in results[reference] if r["rep"] == rep and r["prompt"] in wanted)
-                for rep in reps
-            ]
+            tps = [rep_tps(runs, rep, wanted) for rep in reps]
+            ref = [rep_tps(results[reference], rep, wanted) for rep in reps]
             same = [r["token_ids"] == ref_ids[r["prompt"]] for r in runs if r["rep"] == 0 and r["prompt"] in wanted]
             rows[engine] = {
                 "tokens_per_s": statistics.median(tps),

@@ -54,13 +54,11 @@ def check_safetensors_file(path: Path) -> None:
         with path.open("rb") as f:
             head = f.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n < 2 or 8 + n > size:
-                raise ModelLoadError(f"weight file '{path}' is truncated or not safetensors ({size} bytes)")
-            header = json.loads(f.read(n))
+            header = json.loads(f.read(n)) if 2 <= n and 8 + n <= size else None
     except (OSError, ValueError) as exc:
-        if isinstance(exc, ModelLoadError):
-            raise
         raise ModelLoadError(f"weight file '{path}' has an unreadable safetensors header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"weight file '{path}' is truncated or not safetensors ({size} bytes)")
     ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
     need = 8 + n + max(ends, default=0)
     if need > size:
