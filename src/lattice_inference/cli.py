@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lattice_inference.engines import add_engine_arguments, parse_engines
 from lattice_inference.errors import ConfigError, LatticeError
 from lattice_inference.options import METHODS, DecodeOptions, needs_mtp_head
 from lattice_inference.sampling import SamplingOptions
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
     add_sampling_arguments(gen)
+    add_engine_arguments(gen)
 
     bench = sub.add_parser("bench", help="run several methods on the same prompts and compare speed and output")
     bench.add_argument("--model", help=MODEL_HELP)
@@ -139,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", help="write a PNG of speed-up and per-position acceptance (needs matplotlib)")
     bench.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     add_sampling_arguments(bench)
+    add_engine_arguments(bench, several=True)
+    from lattice_inference.engines.compare import add_compare_arguments
+
+    add_compare_arguments(bench)
 
     from lattice_inference.serve.command import add_parser as add_serve_parser
 
@@ -193,6 +199,10 @@ def _generate(args: argparse.Namespace) -> int:
     options = _generate_options(args)
     text = _read_prompt(args)
     quiet_transformers()
+    if parse_engines(args.engine) != ["local"]:
+        from lattice_inference.engines.vllm.generate import generate
+
+        return generate(args, options, text)
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = Generator.from_pretrained(args.model, dtype=args.dtype, options=options)
@@ -231,6 +241,11 @@ def _bench(args: argparse.Namespace) -> int:
     from lattice_inference.loading import load_model
     from lattice_inference.model_source import resolve_model
 
+    if parse_engines(args.engine, several=True) != ["local"]:
+        from lattice_inference.engines.compare import compare
+
+        quiet_transformers()
+        return compare(args)
     explicit = args.methods is not None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if explicit else list(DEFAULT_BENCH_METHODS)
     unknown = [m for m in methods if m not in METHODS]

@@ -112,3 +112,17 @@ def load_gguf(path: str | Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Pr
     if cached is not None:
         _save(model, tokenizer, cached)
     return model, tokenizer
+
+
+def dequantized_folder(path: str | Path, dtype: torch.dtype) -> Path:
+    """The cached Hugging Face folder of the GGUF file ``path`` dequantized to ``dtype``, written first when it
+    is missing: what engines that read only Hugging Face folders (vLLM) load."""
+    path = Path(path)
+    check_gguf_file(path)
+    cached = _cache_dir(path, dtype)
+    if not (cached / "config.json").is_file():
+        model, tokenizer = _dequantize(path, dtype)
+        _save(model, tokenizer, cached)
+        if not (cached / "config.json").is_file():
+            raise ModelLoadError(f"cannot write the dequantized copy of '{path}' under '{cached.parent}'")
+    return cached

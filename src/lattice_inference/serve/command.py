@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     from lattice_inference.serve.engine import Engine
 
 DEFAULT_PORT = 8000
+DEFAULT_MAX_QUEUE = 16
+DEFAULT_MAX_BODY = 4 * 1024 * 1024
 
 
 def add_parser(
@@ -34,13 +36,19 @@ def add_parser(
         "--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (or LATTICE_API_KEY)"
     )
     serve.add_argument(
-        "--max-queue", type=int, default=16, help="requests that may wait behind the running one; beyond: 429"
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        help="requests that may wait behind the running one; beyond: 429",
     )
-    serve.add_argument("--max-body", type=positive_int, default=4 * 1024 * 1024, help="request body limit, bytes")
+    serve.add_argument("--max-body", type=positive_int, default=DEFAULT_MAX_BODY, help="request body limit, bytes")
     add_draft_options(serve)
     serve.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
     serve.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    from lattice_inference.engines import add_engine_arguments
+
+    add_engine_arguments(serve)
 
 
 def served_name(model: str | None) -> str:
@@ -84,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
         from lattice_inference.serve.app import create_app
     except ImportError as exc:
         raise ConfigError(f"lattice serve needs its extra: pip install 'lattice-inference[serve]' ({exc})") from None
+    from lattice_inference.engines import parse_engines
+
+    if parse_engines(args.engine) != ["local"]:
+        return _serve_vllm(args)
     import torch
 
     default_options(args)
@@ -99,3 +111,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"lattice serve: {engine.name} ({args.method}) on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def _serve_vllm(args: argparse.Namespace) -> int:
+    """``--engine vllm``: vLLM's own OpenAI server with the mapped options (`lattice_inference.engines.vllm`)."""
+    from lattice_inference.engines.vllm.server import serve
+
+    options = default_options(args)
+    args.served_model_name = args.served_model_name or served_name(args.model)
+    return serve(args, {"max_queue": DEFAULT_MAX_QUEUE, "max_body": DEFAULT_MAX_BODY}, options)
