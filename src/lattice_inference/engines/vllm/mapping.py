@@ -142,15 +142,20 @@ def _base_argv(model: str, dtype: str, spec: dict[str, Any] | None) -> list[str]
     return argv
 
 
+def check_server_flags(args: argparse.Namespace, defaults: Mapping[str, Any]) -> None:
+    """`ConfigError` naming a ``lattice serve`` option set away from its default that vLLM has no counterpart for."""
+    for name, what in UNMAPPED_SERVER_FLAGS.items():
+        if getattr(args, name) != defaults.get(name):
+            raise ConfigError(f"{what}: leave it at its default with --engine vllm")
+
+
 def server_argv(
     args: argparse.Namespace, defaults: Mapping[str, Any], model: str, dtype: str, spec: dict[str, Any] | None
 ) -> list[str]:
     """Flags of vLLM's OpenAI server for ``lattice serve`` ``args`` (``defaults``: the parser's defaults, to tell
     an option the user set from one left alone); `ConfigError` for a server option vLLM has no counterpart for.
     ``args.served_model_name`` must be filled in."""
-    for name, what in UNMAPPED_SERVER_FLAGS.items():
-        if getattr(args, name) != defaults.get(name):
-            raise ConfigError(f"{what}: leave it at its default with --engine vllm")
+    check_server_flags(args, defaults)
     extra = passthrough(args.engine_args, ENGINE_FLAGS + SERVER_FLAGS)
     argv = _base_argv(model, dtype, spec)
     argv += ["--host", args.host, "--port", str(args.port), "--served-model-name", args.served_model_name]

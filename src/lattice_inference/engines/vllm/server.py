@@ -17,7 +17,13 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
-from lattice_inference.engines.vllm.mapping import mtp_layers_of, refuse_unsupported, server_argv, speculative_config
+from lattice_inference.engines.vllm.mapping import (
+    check_server_flags,
+    mtp_layers_of,
+    refuse_unsupported,
+    server_argv,
+    speculative_config,
+)
 from lattice_inference.engines.vllm.runtime import child_env, find_runtime, vllm_model
 from lattice_inference.options import DecodeOptions
 
@@ -31,6 +37,7 @@ def server_command(
     """The vLLM server's command line and environment for ``lattice serve`` ``args`` (``served_model_name``
     filled in; `ConfigError` for anything vLLM cannot honour, before anything starts)."""
     refuse_unsupported(options)
+    check_server_flags(args, defaults)
     runtime = find_runtime(args.vllm_python)
     model = vllm_model(args.model, args.dtype)
     spec = speculative_config(options, mtp_layers_of(model.config))
