@@ -60,17 +60,24 @@ def stop(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> int:
     return proc.wait()
 
 
+class _Terminated(Exception):
+    """SIGTERM arrived: stop the server and exit cleanly."""
+
+
 def supervise(cmd: list[str], env: dict[str, str]) -> int:
     """Run ``cmd`` with its output forwarded; stop it when we are interrupted or terminated. Its exit code
-    (130 after Ctrl-C)."""
+    while it runs on its own; 0 after SIGTERM (a requested stop), 130 after Ctrl-C."""
     proc = subprocess.Popen(cmd, env=env)
 
     def on_term(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
+        raise _Terminated
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
         return proc.wait()
+    except _Terminated:
+        stop(proc)
+        return 0
     except KeyboardInterrupt:
         stop(proc)
         return 130

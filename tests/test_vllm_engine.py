@@ -1,0 +1,135 @@
+"""The vLLM engine for real (marked ``vllm``; skipped where no vLLM interpreter is found).
+
+vLLM runs where `find_runtime` finds it: ``$LATTICE_VLLM_PYTHON``, else this interpreter (CI runs these tests
+inside the vLLM venv, with this package installed there too). Engines are expensive (a minute or more each on
+two cores), so the module starts three: plain decoding and ngram in one worker process, then one server.
+The model is SmolLM2-135M-Instruct in float32, where vLLM's ngram output equals its plain greedy output.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from lattice_inference.engines.encoder import PromptEncoder, eos_token_ids
+from lattice_inference.engines.sweep import free_port
+from lattice_inference.engines.vllm.runtime import find_runtime, vllm_model
+from lattice_inference.errors import ConfigError, ModelLoadError
+from lattice_inference.options import DecodeOptions
+from lattice_inference.sampling import SamplingOptions
+
+pytestmark = pytest.mark.vllm
+
+try:
+    RUNTIME = find_runtime()
+    MODEL = vllm_model("smollm2", "float32")
+except (ConfigError, ModelLoadError) as exc:
+    pytest.skip(f"no vLLM engine to test: {exc}", allow_module_level=True)
+
+openai = pytest.importorskip("openai")
+
+from lattice_inference.engines.vllm.batch import VllmRequest, VllmRun, run_batch  # noqa: E402
+
+DOC = "def clamp(value, low, high):\n    return max(low, min(high, value))\n"
+MESSAGES = [
+    [{"role": "user", "content": f"Add type hints to this function:\n```python\n{DOC}```"}],
+    [{"role": "user", "content": "Copy this line exactly: The quick brown fox jumps over the lazy dog."}],
+]
+SAMPLED = SamplingOptions(temperature=0.8, top_k=50, top_p=0.95, seed=1234)
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return PromptEncoder.from_folder(MODEL.location)
+
+
+@pytest.fixture(scope="module")
+def prompts(encoder):
+    return [encoder.encode_messages(m) for m in MESSAGES]
+
+
+@pytest.fixture(scope="module")
+def outputs(prompts, encoder):
+    """Plain decoding and ngram through our mapping, in one worker: greedy on every prompt, then one seeded
+    sampled request twice."""
+    requests = [VllmRequest(p, MAX_NEW) for p in prompts] + [VllmRequest(prompts[0], MAX_NEW, SAMPLED)] * 2
+    runs = [VllmRun(DecodeOptions(method=m, max_draft=4), requests) for m in ("greedy", "ngram")]
+    plain, ngram = run_batch(RUNTIME, MODEL, runs, eos_token_ids(MODEL.location, encoder.tokenizer), threads=2)
+    return {"greedy": plain, "ngram": ngram}
+
+
+def test_ngram_greedy_equals_plain_greedy(outputs, prompts):
+    plain, ngram = outputs["greedy"][: len(prompts)], outputs["ngram"][: len(prompts)]
+    for p, n in zip(plain, ngram, strict=True):
+        assert n.token_ids == p.token_ids and n.text == p.text
+        assert len(n.token_ids) > 0
+    assert sum(o.spec.get("accepted_tokens", 0) for o in ngram) > 0, "ngram never had a draft accepted"
+    assert all(not o.spec.get("drafted_tokens") for o in plain)
+
+
+def test_seeded_sampling_is_vllms_own(outputs):
+    """A seeded sampled request repeats exactly, and the mapped sampling (temperature, top-k, top-p, seed) reached
+    vLLM: it differs from greedy. With ngram, vLLM's rejection sampler is exact only in distribution."""
+    first, again = outputs["greedy"][-2:]
+    assert first.token_ids == again.token_ids
+    assert first.token_ids != outputs["greedy"][0].token_ids
+    spec_first, spec_again = outputs["ngram"][-2:]
+    assert spec_first.token_ids == spec_again.token_ids
+
+
+@pytest.fixture(scope="module")
+def server():
+    """``lattice serve --engine vllm --method ngram`` as a user starts it, with an API key."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "lattice_inference.cli", "serve", "--engine", "vllm", "--method", "ngram",
+           "--dtype", "float32", "--threads", "2", "--port", str(port), "--api-key", "sekret"]  # fmt: skip
+    env = dict(os.environ, LATTICE_VLLM_PYTHON=RUNTIME.python)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 1200
+    while True:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "vLLM's server did not start"
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5):
+                break
+        except (urllib.error.URLError, OSError):
+            time.sleep(1)
+    yield base, proc
+    proc.terminate()
+    proc.wait(60)
+
+
+def test_serve_answers_the_openai_client(server, prompts, outputs):
+    base, _ = server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="sekret", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["smollm2"]
+    chat = client.chat.completions.create(model="smollm2", messages=MESSAGES[0], max_tokens=MAX_NEW, temperature=0)
+    assert chat.choices[0].message.content == outputs["greedy"][0].text
+    pieces = client.completions.create(
+        model="smollm2", prompt=prompts[1], max_tokens=MAX_NEW, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == outputs["greedy"][1].text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+    request = urllib.request.Request(f"{base}/metrics", headers={"Authorization": "Bearer sekret"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        assert "vllm:spec_decode_num_accepted_tokens" in r.read().decode()
+
+
+def test_serve_stops_vllm_on_exit(server):
+    _, proc = server
+    found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    children = [int(pid) for pid in found.stdout.split()]
+    assert children, "lattice serve --engine vllm runs vLLM's server as its child"
+    proc.terminate()
+    assert proc.wait(60) == 0
+    for pid in children:
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
