@@ -102,6 +102,27 @@ def job_of(model: VllmModel, runs: Sequence[VllmRun], engine_args: str = "") -> 
     }
 
 
+def run_job(
+    runtime: VllmRuntime, job: dict[str, Any], *, threads: int | None = None, quiet: bool = True
+) -> dict[str, Any]:
+    """Run a worker JOB (`job_of`'s shape) in ``runtime``'s interpreter; the worker's RESULT."""
+    with tempfile.TemporaryDirectory(prefix="lattice-vllm-") as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        env = child_env(runtime, threads, quiet=quiet)
+        done = subprocess.run(
+            [runtime.python, str(WORKER), str(job_path), str(result_path)], env=env, stdout=sys.stderr, check=False
+        )
+        if done.returncode != 0 or not result_path.is_file():
+            raise LatticeError(f"vLLM ({runtime.python}) failed with exit status {done.returncode}; its log is above")
+        return json.loads(result_path.read_text())
+
+
+def outputs_of(result: dict[str, Any], eos_token_ids: Sequence[int]) -> list[list[VllmOutput]]:
+    """The worker's RESULT as one list of `VllmOutput` per run, in request order."""
+    return [[VllmOutput.from_worker(row, eos_token_ids) for row in run["outputs"]] for run in result["runs"]]
+
+
 def run_batch(
     runtime: VllmRuntime,
     model: VllmModel,
@@ -113,15 +134,5 @@ def run_batch(
     quiet: bool = True,
 ) -> list[list[VllmOutput]]:
     """Run ``runs`` through vLLM in ``runtime``'s interpreter; one list of outputs per run, in request order."""
-    job = job_of(model, runs, engine_args)
-    with tempfile.TemporaryDirectory(prefix="lattice-vllm-") as tmp:
-        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps(job))
-        env = child_env(runtime, threads, quiet=quiet)
-        done = subprocess.run(
-            [runtime.python, str(WORKER), str(job_path), str(result_path)], env=env, stdout=sys.stderr, check=False
-        )
-        if done.returncode != 0 or not result_path.is_file():
-            raise LatticeError(f"vLLM ({runtime.python}) failed with exit status {done.returncode}; its log is above")
-        result = json.loads(result_path.read_text())
-    return [[VllmOutput.from_worker(row, eos_token_ids) for row in run["outputs"]] for run in result["runs"]]
+    result = run_job(runtime, job_of(model, runs, engine_args), threads=threads, quiet=quiet)
+    return outputs_of(result, eos_token_ids)
