@@ -41,6 +41,9 @@ MESSAGES = [
     [{"role": "user", "content": f"Add type hints to this function:\n```python\n{DOC}```"}],
     [{"role": "user", "content": "Copy this line exactly: The quick brown fox jumps over the lazy dog."}],
 ]
+#: Eager mode skips vLLM's torch.compile warm-up (minutes of C++ compilation on a fresh 2-core machine); every
+#: engine here runs with it, so the comparisons stay like for like.
+ENGINE_ARGS = "--enforce-eager"
 SAMPLED = SamplingOptions(temperature=0.8, top_k=50, top_p=0.95, seed=1234)
 MAX_NEW = 48
 
@@ -65,7 +68,7 @@ def outputs(prompts, encoder):
     sampled request twice; the plain engine also gets the sampled request as written by hand for vLLM."""
     requests = [VllmRequest(p, MAX_NEW) for p in prompts] + [VllmRequest(prompts[0], MAX_NEW, SAMPLED)] * 2
     runs = [VllmRun(DecodeOptions(method=m, max_draft=4), requests) for m in ("greedy", "ngram")]
-    job = job_of(MODEL, runs)
+    job = job_of(MODEL, runs, ENGINE_ARGS)
     job["runs"][0]["requests"][-1] = {"prompt_token_ids": prompts[0], "sampling": SAMPLED_BY_HAND}
     result = run_job(RUNTIME, job, threads=2)
     plain, ngram = outputs_of(result, eos_token_ids(MODEL.location, encoder.tokenizer))
@@ -97,7 +100,8 @@ def server():
     """``lattice serve --engine vllm --method ngram`` as a user starts it, with an API key."""
     port = free_port()
     cmd = [sys.executable, "-m", "lattice_inference.cli", "serve", "--engine", "vllm", "--method", "ngram",
-           "--dtype", "float32", "--threads", "2", "--port", str(port), "--api-key", "sekret"]  # fmt: skip
+           "--dtype", "float32", "--threads", "2", "--port", str(port), "--api-key", "sekret",
+           "--engine-args", ENGINE_ARGS]  # fmt: skip
     env = dict(os.environ, LATTICE_VLLM_PYTHON=RUNTIME.python)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
