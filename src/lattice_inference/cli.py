@@ -142,9 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     add_sampling_arguments(bench)
     add_engine_arguments(bench, several=True)
-    from lattice_inference.engines.compare import add_compare_arguments
-
-    add_compare_arguments(bench)
 
     from lattice_inference.serve.command import add_parser as add_serve_parser
 

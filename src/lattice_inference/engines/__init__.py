@@ -29,7 +29,8 @@ def parse_engines(text: str, *, several: bool = False) -> list[str]:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
-    """``--engine``, ``--vllm-python`` and ``--engine-args``: the options every sub-command shares."""
+    """``--engine``, ``--vllm-python`` and ``--engine-args``: the options every sub-command shares; with
+    ``several`` (``lattice bench``), the comparison's concurrency sweep options too."""
     what = "comma-separated engines to compare" if several else "who runs the model"
     parser.add_argument(
         "--engine", default=DEFAULT_ENGINE, help=f"{what}: local (this package, default) or vllm (vLLM's engine)"
@@ -44,3 +45,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, several: bool = Fal
         default="",
         help="vllm: further vLLM engine flags, passed through as written (e.g. '--tensor-parallel-size 2')",
     )
+    if several:
+        group = parser.add_argument_group("engine comparison (--engine local,vllm)")
+        group.add_argument(
+            "--sweep", default="1,4,16", help="client counts of the concurrency sweep through lattice serve ('0': none)"
+        )
+        group.add_argument("--sweep-requests", type=int, default=16, help="requests per client count (default 16)")
+        group.add_argument("--sweep-method", default="ngram", help="the method both servers run (default ngram)")

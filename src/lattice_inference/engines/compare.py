@@ -21,21 +21,12 @@ from lattice_inference.engines.compare_report import format_report, plot_report
 from lattice_inference.engines.encoder import PromptEncoder, eos_token_ids
 from lattice_inference.engines.sweep import sweep
 from lattice_inference.errors import ConfigError
+from lattice_inference.loading import LoadedModel
 from lattice_inference.options import METHODS, DecodeOptions
 from lattice_inference.sampling import SamplingOptions
 
 #: One generation: (token ids, wall seconds, drafted tokens, accepted tokens).
 Run = tuple[list[int], float, int, int]
-
-
-def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of the engine comparison (used when ``--engine`` names vllm)."""
-    group = parser.add_argument_group("engine comparison (--engine local,vllm)")
-    group.add_argument(
-        "--sweep", default="1,4,16", help="client counts of the concurrency sweep through lattice serve ('0': none)"
-    )
-    group.add_argument("--sweep-requests", type=int, default=16, help="requests per client count (default 16)")
-    group.add_argument("--sweep-method", default="ngram", help="the method both servers run (default ngram)")
 
 
 def _levels(text: str) -> list[int]:
@@ -62,7 +53,9 @@ def _seeds(base: DecodeOptions, n: int) -> list[SamplingOptions]:
     return [s if s.greedy else replace(s, seed=s.seed + i) for i in range(n)]  # type: ignore[operator]
 
 
-def run_local(args: argparse.Namespace, loaded: Any, base: DecodeOptions, methods: list[str], ids: list) -> dict:
+def run_local(
+    args: argparse.Namespace, loaded: LoadedModel, base: DecodeOptions, methods: list[str], ids: list
+) -> dict:
     """Every method on every prompt, batch 1, ``--reps`` times after a warm-up, on this package's engine."""
     from lattice_inference.api import Generator
 
@@ -99,7 +92,7 @@ def run_vllm(args: argparse.Namespace, base: DecodeOptions, methods: list[str], 
     }
 
 
-def summarise(results: dict[str, list[Run]], n_prompts: int) -> list[dict[str, Any]]:
+def summarise(results: dict[str, list[Run]]) -> list[dict[str, Any]]:
     """Per method: tokens/s over all runs, identical share against greedy (same prompt, same rep), acceptance."""
     greedy = results["greedy"]
     rows = []
@@ -155,7 +148,7 @@ def compare(args: argparse.Namespace) -> int:
     prompts = benchmark.load_prompts(args.prompts or benchmark.default_prompts_path(source))
     prompts = benchmark.first_per_kind(prompts, args.per_kind)[: args.limit]
     report: dict[str, Any] = {"model": source.name, "methods": methods, "batch1": {}, "sweep": {}}
-    loaded = None
+    loaded: LoadedModel | None = None
     if "local" in engines:
         from lattice_inference.loading import load_model
 
@@ -174,11 +167,11 @@ def compare(args: argparse.Namespace) -> int:
     for engine in engines:
         benchmark.log(f"batch 1 on {engine}: {len(ids)} prompts x {args.reps} reps, methods {', '.join(methods)}")
         results = (
-            run_local(args, loaded, base, methods, ids)
+            run_local(args, loaded, base, methods, ids)  # type: ignore[arg-type]
             if engine == "local"
             else run_vllm(args, base, methods, ids, eos)
         )
-        report["batch1"][engine] = summarise(results, len(ids))
+        report["batch1"][engine] = summarise(results)
     name = served_name(args.model)
     for engine in engines if levels else ():
         benchmark.log(f"concurrency sweep on {engine}: clients {levels}, {args.sweep_requests} requests each")
