@@ -92,11 +92,15 @@ def run_vllm(args: argparse.Namespace, base: DecodeOptions, methods: list[str], 
     }
 
 
-def summarise(results: dict[str, list[Run]]) -> list[dict[str, Any]]:
-    """Per method: tokens/s over all runs, identical share against greedy (same prompt, same rep), acceptance."""
-    greedy = results["greedy"]
+def summarise(results: dict[str, list[Run]], keep: set[int] | None = None, n_prompts: int = 1) -> list[dict]:
+    """Per method: tokens/s over all runs, identical share against greedy (same prompt, same rep), acceptance;
+    ``keep``: only the runs of these prompt indices (runs are ordered rep by rep, ``n_prompts`` per rep)."""
+    picked = {
+        m: [r for i, r in enumerate(runs) if keep is None or i % n_prompts in keep] for m, runs in results.items()
+    }
+    greedy = picked["greedy"]
     rows = []
-    for m, runs in results.items():
+    for m, runs in picked.items():
         tokens, secs = sum(len(r[0]) for r in runs), sum(r[1] for r in runs)
         drafted, accepted = sum(r[2] for r in runs), sum(r[3] for r in runs)
         same = sum(r[0] == g[0] for r, g in zip(runs, greedy, strict=True))
@@ -147,7 +151,10 @@ def compare(args: argparse.Namespace) -> int:
     source = resolve_model(args.model)
     prompts = benchmark.load_prompts(args.prompts or benchmark.default_prompts_path(source))
     prompts = benchmark.first_per_kind(prompts, args.per_kind)[: args.limit]
-    report: dict[str, Any] = {"model": source.name, "methods": methods, "batch1": {}, "sweep": {}}
+    report: dict[str, Any] = {"model": source.name, "methods": methods, "batch1": {}, "batch1_sets": {}, "sweep": {}}
+    sets: dict[str, set[int]] = {}
+    for i, p in enumerate(prompts):
+        sets.setdefault(p.set or p.kind, set()).add(i)
     loaded: LoadedModel | None = None
     if "local" in engines:
         from lattice_inference.loading import load_model
@@ -172,6 +179,8 @@ def compare(args: argparse.Namespace) -> int:
             else run_vllm(args, base, methods, ids, eos)
         )
         report["batch1"][engine] = summarise(results)
+        for label, keep in sets.items():
+            report["batch1_sets"].setdefault(label, {})[engine] = summarise(results, keep, len(ids))
     name = served_name(args.model)
     for engine in engines if levels else ():
         benchmark.log(f"concurrency sweep on {engine}: clients {levels}, {args.sweep_requests} requests each")

@@ -53,6 +53,9 @@ def format_report(report: dict[str, Any]) -> str:
         "own greedy ==",
         *_batch_lines(report),
     ]
+    sets = report.get("batch1_sets") or {}
+    for label, by_engine in sets.items() if len(sets) > 1 else ():
+        lines += ["", f"-- batch 1, {label} prompts only --", *_batch_lines({"batch1": by_engine})]
     if report["sweep"]:
         lines += ["", "== concurrency sweep through lattice serve: aggregate tokens/s, request latency ==",
                   *_sweep_lines(report)]  # fmt: skip
