@@ -1,7 +1,7 @@
 """This side of the vLLM worker: send it runs of (options, prompts) and read back what vLLM generated.
 
-One worker process starts one vLLM engine per run (a ``speculative_config`` is fixed per engine, so greedy and
-ngram are two runs) and frees it before the next. vLLM's log goes to our stderr, so stdout stays the output.
+Each run is one vLLM engine (a ``speculative_config`` is fixed per engine, so greedy and ngram are two runs) in
+a worker process of its own. vLLM's log goes to our stderr, so stdout stays the output.
 """
 
 from __future__ import annotations
@@ -105,7 +105,16 @@ def job_of(model: VllmModel, runs: Sequence[VllmRun], engine_args: str = "") -> 
 def run_job(
     runtime: VllmRuntime, job: dict[str, Any], *, threads: int | None = None, quiet: bool = True
 ) -> dict[str, Any]:
-    """Run a worker JOB (`job_of`'s shape) in ``runtime``'s interpreter; the worker's RESULT."""
+    """Run a worker JOB (`job_of`'s shape) in ``runtime``'s interpreter; the worker's RESULT. Each run gets a
+    worker process of its own: vLLM 0.32's CPU build re-registers its kernel overrides when a second engine
+    starts in one process, and sampling under speculation then reads uninitialised memory."""
+    runs = []
+    for run in job["runs"]:
+        runs += _run_worker(runtime, {"runs": [run]}, threads, quiet)["runs"]
+    return {"runs": runs}
+
+
+def _run_worker(runtime: VllmRuntime, job: dict[str, Any], threads: int | None, quiet: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="lattice-vllm-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
