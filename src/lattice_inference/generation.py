@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
+from lattice_inference.draft_planner import DraftPlanner
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOptions, make_sampler
 
@@ -41,15 +42,15 @@ class Generation:
     """A generation in progress: iterate over it for the token chunks, one per verification round, as they are
     accepted; `result` runs it to the end. Built by `SpeculativeDecoder.start`."""
 
-    def __init__(
-        self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingOptions, vocab: int
-    ) -> None:
+    def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingOptions, vocab: int) -> None:
         self.prompt_ids = prompt_ids
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling.seeded()
         self.sampler: GreedySampler | KeyedSampler = make_sampler(self.sampling, vocab)
         self.metrics = GenerationMetrics(prompt_tokens=len(prompt_ids))
         self.stop_reason = ""
+        self.planner: DraftPlanner | None = None
+        """This generation's adaptive draft planner (None: fixed draft lengths, or no drafter)."""
         self.token_ids: list[int] = []
         self._chunks: Generator[list[int], None, None] = _no_chunks()
 
