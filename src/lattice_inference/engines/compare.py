@@ -119,7 +119,7 @@ def summarise(results: dict[str, list[Run]], keep: set[int] | None = None, n_pro
 
 def _serve_args(args: argparse.Namespace, engine: str) -> list[str]:
     out = ["--engine", engine, "--method", args.sweep_method, "--dtype", args.dtype, "--log-level", "warning"]
-    out += ["--max-draft", str(args.max_draft)]
+    out += ["--max-draft", str(args.max_draft)] + (["--fixed-draft"] if args.fixed_draft else [])
     if args.model:
         out += ["--model", args.model]
     if args.threads:
@@ -143,7 +143,7 @@ def compare(args: argparse.Namespace) -> int:
     methods, levels = _methods(args), _levels(args.sweep)
     sampling = sampling_options(args)
     base = DecodeOptions(method="greedy", max_draft=args.max_draft, draft_length=args.draft_length,
-                         draft_vocab=args.draft_vocab, coupled_draft=not args.argmax_draft,
+                         draft_vocab=args.draft_vocab, coupled_draft=not args.argmax_draft, adaptive=not args.fixed_draft,
                          sampling=sampling if sampling.greedy else sampling.seeded())  # fmt: skip
     if "vllm" in engines:
         for m in methods:

@@ -49,7 +49,9 @@ def speculative_config(options: DecodeOptions, mtp_layers: int = 0) -> dict[str,
     """vLLM's ``speculative_config`` for ``options`` (None for ``greedy``: plain decoding).
 
     ``ngram``: ``num_speculative_tokens`` = ``max_draft``, ``prompt_lookup_min``/``max`` = ``min_ngram``/
-    ``max_ngram`` (vLLM, like us, takes the longest n-gram in that range and its leftmost occurrence).
+    ``max_ngram`` (vLLM, like us, takes the longest n-gram in that range and its leftmost occurrence). vLLM
+    verifies every token it drafts, as ``adaptive=False`` (``--fixed-draft``); our adaptive planner only changes
+    how many drafted tokens a round verifies, never the output, so ``max_draft`` is the cap either way.
     ``mtp``: ``num_speculative_tokens`` = ``draft_length - 1`` (our draft length counts the target's token);
     ``mtp_layers`` is the checkpoint's count of MTP layers (`mtp_layers_of`), which vLLM needs; when sampling,
     coupled drafting (our default) is vLLM's ``draft_sample_method`` ``probabilistic`` (the head samples its
