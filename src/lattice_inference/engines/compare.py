@@ -142,9 +142,15 @@ def compare(args: argparse.Namespace) -> int:
     engines = parse_engines(args.engine, several=True)
     methods, levels = _methods(args), _levels(args.sweep)
     sampling = sampling_options(args)
-    base = DecodeOptions(method="greedy", max_draft=args.max_draft, draft_length=args.draft_length,
-                         draft_vocab=args.draft_vocab, coupled_draft=not args.argmax_draft, adaptive=not args.fixed_draft,
-                         sampling=sampling if sampling.greedy else sampling.seeded())  # fmt: skip
+    base = DecodeOptions(
+        method="greedy",
+        max_draft=args.max_draft,
+        draft_length=args.draft_length,
+        draft_vocab=args.draft_vocab,
+        coupled_draft=not args.argmax_draft,
+        adaptive=not args.fixed_draft,
+        sampling=sampling if sampling.greedy else sampling.seeded(),
+    )
     if "vllm" in engines:
         for m in methods:
             refuse_unsupported(base.updated(method=m))
