@@ -64,12 +64,16 @@ SAMPLED_BY_HAND = {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "seed": 1234,
 
 @pytest.fixture(scope="module")
 def outputs(prompts, encoder):
-    """Plain decoding and ngram through our mapping, in one worker: greedy on every prompt, then one seeded
-    sampled request twice; the plain engine also gets the sampled request as written by hand for vLLM."""
-    requests = [VllmRequest(p, MAX_NEW) for p in prompts] + [VllmRequest(prompts[0], MAX_NEW, SAMPLED)] * 2
-    runs = [VllmRun(DecodeOptions(method=m, max_draft=4), requests) for m in ("greedy", "ngram")]
-    job = job_of(MODEL, runs, ENGINE_ARGS)
-    job["runs"][0]["requests"][-1] = {"prompt_token_ids": prompts[0], "sampling": SAMPLED_BY_HAND}
+    """Plain decoding and ngram through our mapping, one engine each: greedy on every prompt; the plain engine
+    then gets one seeded sampled request as we map it and as written by hand for vLLM (sampling under ngram:
+    see `test_sampling_under_speculation`)."""
+    greedy = [VllmRequest(p, MAX_NEW) for p in prompts]
+    runs = [
+        VllmRun(DecodeOptions(method="greedy"), [*greedy, VllmRequest(prompts[0], MAX_NEW, SAMPLED)]),
+        VllmRun(DecodeOptions(method="ngram", max_draft=4), greedy),
+    ]
+    job = job_of(MODEL, runs, ENGINE_ARGS, RUNTIME.cpu)
+    job["runs"][0]["requests"].append({"prompt_token_ids": prompts[0], "sampling": SAMPLED_BY_HAND})
     result = run_job(RUNTIME, job, threads=2)
     plain, ngram = outputs_of(result, eos_token_ids(MODEL.location, encoder.tokenizer))
     return {"greedy": plain, "ngram": ngram}
@@ -86,13 +90,21 @@ def test_ngram_greedy_equals_plain_greedy(outputs, prompts):
 
 def test_seeded_sampling_equals_vllms_own(outputs):
     """The mapped seeded sampling gives exactly what vLLM gives for the same parameters written by hand (plain
-    decoding), and it does sample (not greedy's text). Under ngram, vLLM's rejection sampler is exact in
-    distribution only, so there the check is that the same seed repeats."""
+    decoding), and it does sample (not greedy's text)."""
     mapped, by_hand = outputs["greedy"][-2:]
     assert mapped.token_ids == by_hand.token_ids and mapped.text == by_hand.text
     assert mapped.token_ids != outputs["greedy"][0].token_ids
-    spec_first, spec_again = outputs["ngram"][-2:]
-    assert spec_first.token_ids == spec_again.token_ids
+
+
+def test_sampling_under_speculation(prompts):
+    """vLLM's CPU build (0.32) samples wrongly under speculation (uninitialised per-token sampling parameters;
+    top-k crashes the engine), so the mapping refuses it there; elsewhere vLLM's rejection sampler is exact in
+    distribution only, so nothing is asserted about its text."""
+    run = VllmRun(DecodeOptions(method="ngram"), [VllmRequest(prompts[0], MAX_NEW, SAMPLED)])
+    if not RUNTIME.cpu:
+        pytest.skip("a GPU build: sampling under speculation is vLLM's own business")
+    with pytest.raises(ConfigError, match="CPU build samples wrongly"):
+        job_of(MODEL, [run], ENGINE_ARGS, RUNTIME.cpu)
 
 
 @pytest.fixture(scope="module")

@@ -74,6 +74,14 @@ def test_refusals_name_the_option(options, named):
         mapping.speculative_config(options, 1)
 
 
+def test_cpu_build_refuses_sampling_under_speculation():
+    with pytest.raises(ConfigError, match=r"--temperature 0\.7 with --method ngram: vLLM's CPU build"):
+        mapping.check_sampling("ngram", SAMPLED, cpu_build=True)
+    mapping.check_sampling("greedy", SAMPLED, cpu_build=True)
+    mapping.check_sampling("ngram", SamplingOptions(), cpu_build=True)
+    mapping.check_sampling("ngram", SAMPLED, cpu_build=False)
+
+
 def test_min_p_is_fine_without_speculation():
     mapping.refuse_unsupported(DecodeOptions(method="greedy", sampling=SamplingOptions(temperature=1.0, min_p=0.1)))
 
@@ -151,6 +159,8 @@ def test_job_maps_every_request():
     bad = VllmRun(DecodeOptions(method="ngram"), [VllmRequest([1], 5, SamplingOptions(temperature=1, min_p=0.2))])
     with pytest.raises(ConfigError, match="--min-p"):
         job_of(model, [bad])
+    with pytest.raises(ConfigError, match="CPU build"):
+        job_of(model, [run], cpu_build=True)
 
 
 def test_worker_output_drops_final_eos():

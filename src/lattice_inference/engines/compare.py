@@ -135,7 +135,8 @@ def compare(args: argparse.Namespace) -> int:
     """Run the comparison ``args`` asks for and print it (or ``--json``); ``--plot`` draws it where matplotlib
     is installed."""
     from lattice_inference.cli import sampling_options
-    from lattice_inference.engines.vllm.mapping import refuse_unsupported
+    from lattice_inference.engines.vllm.mapping import check_sampling, refuse_unsupported
+    from lattice_inference.engines.vllm.runtime import find_runtime
     from lattice_inference.model_source import resolve_model
     from lattice_inference.serve.command import served_name
 
@@ -151,9 +152,11 @@ def compare(args: argparse.Namespace) -> int:
         adaptive=not args.fixed_draft,
         sampling=sampling if sampling.greedy else sampling.seeded(),
     )
-    if "vllm" in engines:
+    if "vllm" in engines:  # every refusal before anything runs
+        cpu_build = find_runtime(args.vllm_python).cpu
         for m in methods:
             refuse_unsupported(base.updated(method=m))
+            check_sampling(m, base.sampling, cpu_build)
     source = resolve_model(args.model)
     prompts = benchmark.load_prompts(args.prompts or benchmark.default_prompts_path(source))
     prompts = benchmark.first_per_kind(prompts, args.per_kind)[: args.limit]

