@@ -153,9 +153,10 @@ def compare(args: argparse.Namespace) -> int:
         sampling=sampling if sampling.greedy else sampling.seeded(),
     )
     if "vllm" in engines:  # every refusal before anything runs
-        cpu_build = find_runtime(args.vllm_python).cpu
         for m in methods:
             refuse_unsupported(base.updated(method=m))
+        cpu_build = find_runtime(args.vllm_python).cpu
+        for m in methods:
             check_sampling(m, base.sampling, cpu_build)
     source = resolve_model(args.model)
     prompts = benchmark.load_prompts(args.prompts or benchmark.default_prompts_path(source))
