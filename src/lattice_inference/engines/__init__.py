@@ -52,3 +52,4 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, several: bool = Fal
         )
         group.add_argument("--sweep-requests", type=int, default=16, help="requests per client count (default 16)")
         group.add_argument("--sweep-method", default="ngram", help="the method both servers run (default ngram)")
+        group.add_argument("--sweep-only", action="store_true", help="skip the batch-1 part")

@@ -181,7 +181,7 @@ def compare(args: argparse.Namespace) -> int:
         eos = eos_token_ids(folder, encoder.tokenizer)
     ids = [benchmark.encode_prompt(encoder, p, bool(args.chat)) for p in prompts]  # type: ignore[arg-type]
     report |= {"prompts": len(ids), "reps": args.reps, "max_new_tokens": args.max_new_tokens}
-    for engine in engines:
+    for engine in engines if not args.sweep_only else ():
         benchmark.log(f"batch 1 on {engine}: {len(ids)} prompts x {args.reps} reps, methods {', '.join(methods)}")
         results = (
             run_local(args, loaded, base, methods, ids)  # type: ignore[arg-type]

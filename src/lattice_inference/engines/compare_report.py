@@ -48,11 +48,14 @@ def format_report(report: dict[str, Any]) -> str:
     """The comparison as fixed-width tables: batch 1 per engine and method, then the concurrency sweep."""
     lines = [
         f"model {report['model']} ({report.get('dtype', 'dtype per engine')}), {report['prompts']} prompts x "
-        f"{report['reps']} reps, {report['max_new_tokens']} new tokens",
-        "== batch 1: whole-request tokens/s (prompt processing included); identical: same ids as the engine's "
-        "own greedy ==",
-        *_batch_lines(report),
+        f"{report['reps']} reps, {report['max_new_tokens']} new tokens"
     ]
+    if report["batch1"]:
+        lines += [
+            "== batch 1: whole-request tokens/s (prompt processing included); identical: same ids as the "
+            "engine's own greedy ==",
+            *_batch_lines(report),
+        ]
     sets = report.get("batch1_sets") or {}
     for label, by_engine in sets.items() if len(sets) > 1 else ():
         lines += ["", f"-- batch 1, {label} prompts only --", *_batch_lines({"batch1": by_engine})]
