@@ -113,7 +113,7 @@ def server():
     port = free_port()
     cmd = [sys.executable, "-m", "lattice_inference.cli", "serve", "--engine", "vllm", "--method", "ngram",
            "--dtype", "float32", "--threads", "2", "--port", str(port), "--api-key", "sekret",
-           "--engine-args", ENGINE_ARGS]  # fmt: skip
+           f"--engine-args={ENGINE_ARGS}"]  # fmt: skip
     env = dict(os.environ, LATTICE_VLLM_PYTHON=RUNTIME.python)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"

@@ -127,7 +127,7 @@ def _serve_args(args: argparse.Namespace, engine: str) -> list[str]:
     if engine == "vllm" and args.vllm_python:
         out += ["--vllm-python", args.vllm_python]
     if engine == "vllm" and args.engine_args:
-        out += ["--engine-args", args.engine_args]
+        out += [f"--engine-args={args.engine_args}"]  # "=": the value starts with "--"
     return out
 
 
