@@ -43,7 +43,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, several: bool = Fal
     parser.add_argument(
         "--engine-args",
         default="",
-        help="vllm: further vLLM engine flags, passed through as written (e.g. --engine-args='--tensor-parallel-size 2')",
+        help="vllm: more vLLM engine flags, passed through as written (--engine-args='--tensor-parallel-size 2')",
     )
     if several:
         group = parser.add_argument_group("engine comparison (--engine local,vllm)")
