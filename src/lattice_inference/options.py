@@ -53,7 +53,8 @@ class DecodeOptions:
     the draft settings, and the default `SamplingOptions` of each generation.
 
     ``max_ngram``/``min_ngram`` bound the n-gram lengths tried (longest first), ``max_draft`` the most tokens verified
-    per round (default 10; with ``adaptive`` the planner verifies fewer where that pays), ``match`` which earlier occurrence is copied (``first``, as vLLM and transformers, or
+    per round (default 10; with ``adaptive`` the planner verifies fewer where that pays), ``match`` which
+    earlier occurrence is copied (``first``, as vLLM and transformers, or
     ``recent``); ``adaptive`` (default) lets the draft planner verify fewer than ``max_draft`` tokens per round,
     or none, from the acceptance seen so far and the target's measured verification cost. For MTP,
     ``draft_length`` counts the target's token as the reference does (2..8): each round drafts up to
