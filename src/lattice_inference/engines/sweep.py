@@ -3,7 +3,8 @@
 For each engine a real ``lattice serve --engine E`` process is started (as a user would), then for each client
 count ``c``, ``c`` threads send the same ``requests`` non-streaming ``/v1/completions`` calls (prompts as token
 ids, greedy, a fixed budget) as fast as answers come back. Reported per level: aggregate tokens/s (completion
-tokens of all requests over the level's wall time) and p50/p95 request latency.
+tokens of all requests over the level's wall time) and p50/p95 request latency, with any time this process was
+stopped by someone else (`PauseClock`) left out.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -99,8 +101,43 @@ class Server:
         self.log.close()
 
 
+class PauseClock:
+    """Wall time with the pauses of this process taken out. On a shared machine other jobs may stop niced
+    processes (SIGSTOP) while they measure, and the server and its clients are stopped together; a ticking thread
+    sees each stop as a gap of more than ``threshold`` seconds, and `active` leaves those gaps out."""
+
+    def __init__(self, tick: float = 0.05, threshold: float = 1.0) -> None:
+        self.gaps: list[tuple[float, float]] = []
+        self._tick, self._threshold = tick, threshold
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while True:
+            time.sleep(self._tick)
+            now = time.perf_counter()
+            if now - last > self._threshold:
+                self.gaps.append((last + self._tick, now))
+            last = now
+
+    def active(self, t0: float, t1: float) -> float:
+        """Seconds from ``t0`` to ``t1`` (perf_counter) minus the gaps inside them."""
+        return (t1 - t0) - sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in self.gaps)
+
+    def paused(self) -> float:
+        return sum(b - a for a, b in self.gaps)
+
+
+CLOCK: PauseClock | None = None
+
+
+def _elapsed(t0: float) -> float:
+    t1 = time.perf_counter()
+    return CLOCK.active(t0, t1) if CLOCK is not None else t1 - t0
+
+
 def complete(base: str, model: str, prompt: Sequence[int], max_tokens: int) -> tuple[int, float]:
-    """One greedy ``/v1/completions`` call; (completion tokens, seconds)."""
+    """One greedy ``/v1/completions`` call; (completion tokens, seconds, pauses left out)."""
     body = json.dumps({"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0})
     request = urllib.request.Request(
         f"{base}/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"}
@@ -108,7 +145,7 @@ def complete(base: str, model: str, prompt: Sequence[int], max_tokens: int) -> t
     t0 = time.perf_counter()
     with urllib.request.urlopen(request, timeout=3600) as r:
         answer = json.loads(r.read())
-    return int(answer["usage"]["completion_tokens"]), time.perf_counter() - t0
+    return int(answer["usage"]["completion_tokens"]), _elapsed(t0)
 
 
 def run_level(
@@ -119,7 +156,7 @@ def run_level(
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         done = list(pool.map(lambda p: complete(base, model, p, max_tokens), jobs))
-    wall = time.perf_counter() - t0
+    wall = _elapsed(t0)
     latencies = [s for _, s in done]
     return Level(
         clients, requests, sum(t for t, _ in done), wall, percentile(latencies, 0.5), percentile(latencies, 0.95)
@@ -138,6 +175,8 @@ def sweep(
 ) -> list[Level]:
     """Start ``lattice serve serve_args`` (``label`` names it in progress lines), warm it up with one request,
     run every level (``requests`` calls each, at least one per client), stop it."""
+    global CLOCK
+    CLOCK = CLOCK or PauseClock()
     server = Server(serve_args)
     try:
         server.wait_ready()
@@ -146,7 +185,11 @@ def sweep(
         for clients in levels:
             out.append(run_level(server.base, model, prompts, clients, max(requests, clients), max_tokens))
             if progress:
-                progress(f"{label}: {clients} clients, {out[-1].tokens_per_s:.1f} tok/s")
+                lv = out[-1]
+                progress(
+                    f"{label}: {clients} clients, {lv.tokens_per_s:.1f} tok/s, p50 {lv.p50_s:.2f} s, p95 "
+                    f"{lv.p95_s:.2f} s ({CLOCK.paused():.0f} s of pauses left out so far)"
+                )
         return out
     finally:
         server.close()
