@@ -236,6 +236,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_options(args: argparse.Namespace) -> DecodeOptions:
+    """The base `DecodeOptions` of ``lattice bench`` (method greedy; each compared method replaces it), with a
+    seed drawn when sampling without one."""
+    return DecodeOptions(
+        method="greedy",
+        max_draft=args.max_draft,
+        draft_length=args.draft_length,
+        draft_vocab=args.draft_vocab,
+        coupled_draft=not args.argmax_draft,
+        adaptive=not args.fixed_draft,
+        sampling=sampling_options(args).seeded(),
+    )
+
+
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -256,15 +270,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     if "greedy" not in methods:
         methods.insert(0, "greedy")
-    base = DecodeOptions(
-        method="greedy",
-        max_draft=args.max_draft,
-        draft_length=args.draft_length,
-        draft_vocab=args.draft_vocab,
-        coupled_draft=not args.argmax_draft,
-        adaptive=not args.fixed_draft,
-        sampling=sampling_options(args).seeded(),
-    )
+    base = bench_options(args)
     source = resolve_model(args.model)
     prompts = benchmark.load_prompts(args.prompts or benchmark.default_prompts_path(source))
     prompts = benchmark.first_per_kind(prompts, args.per_kind)[: args.limit]

@@ -134,7 +134,7 @@ def _serve_args(args: argparse.Namespace, engine: str) -> list[str]:
 def compare(args: argparse.Namespace) -> int:
     """Run the comparison ``args`` asks for and print it (or ``--json``); ``--plot`` draws it where matplotlib
     is installed."""
-    from lattice_inference.cli import sampling_options
+    from lattice_inference.cli import bench_options
     from lattice_inference.engines.vllm.mapping import check_sampling, refuse_unsupported
     from lattice_inference.engines.vllm.runtime import find_runtime
     from lattice_inference.model_source import resolve_model
@@ -142,16 +142,7 @@ def compare(args: argparse.Namespace) -> int:
 
     engines = parse_engines(args.engine, several=True)
     methods, levels = _methods(args), _levels(args.sweep)
-    sampling = sampling_options(args)
-    base = DecodeOptions(
-        method="greedy",
-        max_draft=args.max_draft,
-        draft_length=args.draft_length,
-        draft_vocab=args.draft_vocab,
-        coupled_draft=not args.argmax_draft,
-        adaptive=not args.fixed_draft,
-        sampling=sampling if sampling.greedy else sampling.seeded(),
-    )
+    base = bench_options(args)
     if "vllm" in engines:  # every refusal before anything runs
         for m in methods:
             refuse_unsupported(base.updated(method=m))
