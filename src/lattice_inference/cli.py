@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     from lattice_inference.serve.command import add_parser as add_serve_parser
 
     add_serve_parser(sub, _positive_int, add_draft_options, MODEL_HELP)
+    from lattice_inference.train.command import add_parser as add_train_parser
+
+    add_train_parser(sub, _positive_int, MODEL_HELP)
     return parser
 
 
@@ -309,6 +312,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "train-mtp":
+            from lattice_inference.train import command as train_command
+
+            quiet_transformers()
+            return train_command.run(args)
     except LatticeError as exc:
         print(f"lattice: error: {exc}", file=sys.stderr)
         return 2

@@ -41,9 +41,7 @@ class Generation:
     """A generation in progress: iterate over it for the token chunks, one per verification round, as they are
     accepted; `result` runs it to the end. Built by `SpeculativeDecoder.start`."""
 
-    def __init__(
-        self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingOptions, vocab: int
-    ) -> None:
+    def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingOptions, vocab: int) -> None:
         self.prompt_ids = prompt_ids
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling.seeded()
