@@ -161,9 +161,8 @@ def train(
 
     if not state.history:  # the warm start's figures, for comparison
         state.history.append({"step": 0, "tokens": 0, **probe(head, held, embed, lm_head, vocab)})
-        log(
-            f"at init: held-out loss {state.history[0]['heldout_loss']:.3f}, acceptance {state.history[0]['acceptance']:.3f}"
-        )
+        first = state.history[0]
+        log(f"at init: held-out loss {first['heldout_loss']:.3f}, acceptance {first['acceptance']:.3f}")
     with _Stop() as stop:
         while state.step < cfg.steps and not stop.requested:
             ready = cache.ready()
