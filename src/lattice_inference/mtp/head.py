@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.mtp.config import MtpConfig
-from lattice_inference.mtp.layer import LayerTensors, gqa_attention, mtp_layer, one_plus, rope_inv_freq, swiglu
+from lattice_inference.mtp.layer import LayerTensors, gqa_attention, mtp_layer, rope_inv_freq, swiglu
 from lattice_inference.mtp.weights import MtpWeights
 
 _INITIAL_CAPACITY = 256
@@ -62,20 +62,8 @@ class MtpHead:
         self.device = weights.fc.device
         self.layout = weights.layout
         w = weights
-        one = one_plus
         # q, k and v share one matmul; the rows split back into [q|gate per head], k, v.
-        self._layer = LayerTensors(
-            pre_emb=one(w.pre_fc_norm_embedding),
-            pre_hid=one(w.pre_fc_norm_hidden),
-            fc=w.fc,
-            w_in=one(w.input_layernorm),
-            qkv=torch.cat([w.q_proj, w.k_proj, w.v_proj], dim=0),
-            q_norm=one(w.q_norm),
-            k_norm=one(w.k_norm),
-            o=w.o_proj,
-            w_post=one(w.post_attention_layernorm),
-            w_final=one(w.norm),
-        )
+        self._layer = LayerTensors.of(w)
         self._embed = w.embed_tokens
         self._lm_head = w.lm_head
         if config.is_moe:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +98,22 @@ class LayerTensors:
     o: torch.Tensor
     w_post: torch.Tensor
     w_final: torch.Tensor
+
+    @classmethod
+    def of(cls, w: Any) -> LayerTensors:
+        """From anything with the checkpoint's field names (`MtpWeights`, the trainable head's parameters)."""
+        return cls(
+            pre_emb=one_plus(w.pre_fc_norm_embedding),
+            pre_hid=one_plus(w.pre_fc_norm_hidden),
+            fc=w.fc,
+            w_in=one_plus(w.input_layernorm),
+            qkv=torch.cat([w.q_proj, w.k_proj, w.v_proj], dim=0),
+            q_norm=one_plus(w.q_norm),
+            k_norm=one_plus(w.k_norm),
+            o=w.o_proj,
+            w_post=one_plus(w.post_attention_layernorm),
+            w_final=one_plus(w.norm),
+        )
 
 
 #: ``attend(q [..., n, n_h, hd], k [..., n, n_kv, hd], v) -> [..., n, n_h*hd]``: where the keys live (a cache or

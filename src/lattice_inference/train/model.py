@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lattice_inference.mtp.config import MtpConfig
-from lattice_inference.mtp.layer import LayerTensors, gqa_attention, mtp_layer, one_plus, rope_inv_freq, swiglu
+from lattice_inference.mtp.layer import LayerTensors, gqa_attention, mtp_layer, rope_inv_freq, swiglu
 
 _P = "mtp.layers.0."
 #: parameter name -> checkpoint name (the dense ``mtp.*`` layout `lattice_inference.mtp.weights` reads).
@@ -69,18 +69,7 @@ class TrainableHead(nn.Module):
 
     def layer_tensors(self) -> LayerTensors:
         """The tensors `mtp_layer` takes, built differentiably from the parameters."""
-        return LayerTensors(
-            pre_emb=one_plus(self.pre_fc_norm_embedding),
-            pre_hid=one_plus(self.pre_fc_norm_hidden),
-            fc=self.fc,
-            w_in=one_plus(self.input_layernorm),
-            qkv=torch.cat([self.q_proj, self.k_proj, self.v_proj], dim=0),
-            q_norm=one_plus(self.q_norm),
-            k_norm=one_plus(self.k_norm),
-            o=self.o_proj,
-            w_post=one_plus(self.post_attention_layernorm),
-            w_final=one_plus(self.norm),
-        )
+        return LayerTensors.of(self)
 
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
         """Post-norm MTP output ``[B, n, H]`` for target hiddens ``[B, n, H]`` and tokens ``[B, n]`` (causal)."""
