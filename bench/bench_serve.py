@@ -182,8 +182,10 @@ def main() -> None:
     print(f"model {loaded.source} ({str(next(loaded.model.parameters()).dtype).removeprefix('torch.')}), "
           f"{len(prompts)} prompts x {args.max_tokens} tokens, {args.reps} passes, {args.threads} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")  # fmt: skip
-    print("| method | API TTFT ms | server TTFT ms | TTFT server/API | API tok/s | server tok/s | tok/s server/API "
-          "| same text |")
+    print(
+        "| method | API TTFT ms | server TTFT ms | TTFT server/API | API tok/s | server tok/s | tok/s server/API "
+        "| same text |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     report = {}
     for m, ps in passes.items():
