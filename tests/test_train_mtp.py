@@ -140,3 +140,47 @@ def test_missing_head_and_bad_data_are_clear(toy_dirs, tmp_path, capsys):
     argv = ["train-mtp", "--model", str(toy_dirs["llama"]), "--data", str(tmp_path / "nope"), "--out", str(tmp_path)]
     assert main(argv) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_interrupt_stops_cleanly_with_a_usable_checkpoint(toy_dirs, tmp_path):
+    """SIGINT mid-run: the loop finishes its step, writes the checkpoint and exports the head, then returns."""
+    import os
+    import signal
+
+    from lattice_inference.train.data import ShardCache, trunk_rows
+    from lattice_inference.train.loop import LoopConfig, train
+
+    loaded = load_model(str(toy_dirs["llama"]), dtype="float32")
+    lm = loaded.model
+    ids = loaded.tokenizer(TEXT * 2).input_ids
+    windows = [ids[i : i + 33] for i in range(0, len(ids) - 33, 33)]
+
+    class InterruptingCache(ShardCache):
+        calls = 0
+
+        def sample(self, rng, batch):
+            self.calls += 1
+            if self.calls == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+            return super().sample(rng, batch)
+
+    cache = InterruptingCache(tmp_path / "shards", windows, 2, lm)
+    held = trunk_rows(lm, torch.tensor(windows[:2]))
+    head = _random_head(lm)
+    exported = []
+    state = train(
+        head,
+        cache,
+        held,
+        lm.get_input_embeddings().weight,
+        lm.get_output_embeddings().weight,
+        LoopConfig(steps=500, batch=2),
+        checkpoint=tmp_path / "checkpoint.pt",
+        resume=False,
+        on_checkpoint=lambda s: exported.append(export_head(head, lm.config, tmp_path, draft_vocab=None, training={})),
+        log=lambda _msg: None,
+    )
+    assert state.step == 3
+    assert (tmp_path / "checkpoint.pt").is_file() and exported
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["state"]["step"] == 3
+    mtp_head_for(loaded, 2, head_path=tmp_path)

@@ -102,9 +102,7 @@ def self_distill(
 ) -> list[list[int]]:
     """Each prompt's chat-template ids followed by the model's own greedy answer, cached (JSONL, one line per
     prompt, appended as batches finish) so an interrupted run resumes where it stopped."""
-    done: list[list[int]] = []
-    if cache.is_file():
-        done = [json.loads(line) for line in cache.read_text().splitlines() if line.strip()]
+    done = _read_distilled(cache)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id  # type: ignore[attr-defined]
     for start in range(len(done), len(prompts), batch_size):
         batch = [
@@ -117,14 +115,28 @@ def self_distill(
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
         )
+        lines = []
+        for b, row in zip(batch, out[:, width:].tolist(), strict=True):
+            answer = list(row)
+            while answer and answer[-1] == pad:
+                answer.pop()
+            lines.append(json.dumps(list(b) + answer + [pad]) + "\n")
         with cache.open("a") as f:
-            for b, row in zip(batch, out[:, width:].tolist(), strict=True):
-                answer = list(row)
-                while answer and answer[-1] == pad:
-                    answer.pop()
-                f.write(json.dumps(list(b) + answer + [pad]) + "\n")
-        done = [json.loads(line) for line in cache.read_text().splitlines() if line.strip()]
+            f.write("".join(lines))
+        done = _read_distilled(cache)
         log(f"self-distilled {len(done)}/{len(prompts)} prompts")
+    return done
+
+
+def _read_distilled(cache: Path) -> list[list[int]]:
+    """The finished lines of a self-distillation cache (a line cut short by an interruption is dropped)."""
+    done: list[list[int]] = []
+    if cache.is_file():
+        for line in cache.read_text().splitlines():
+            try:
+                done.append(json.loads(line))
+            except ValueError:
+                break
     return done
 
 
