@@ -30,7 +30,9 @@ MODEL_HELP = (
     "id where there is internet"
 )
 MTP_HEAD_HELP = "mtp: a head written by `lattice train-mtp` (its .safetensors file or folder), for any model it fits"
-DRAFT_VOCAB_HELP = "mtp: draft only among token ids 0..N-1, the frequent ones in BPE order (default: all)"
+DRAFT_VOCAB_HELP = (
+    "mtp: draft only among token ids 0..N-1, the frequent ones in BPE order (default: all, or a trained head's own)"
+)
 
 
 def add_draft_options(parser: argparse.ArgumentParser) -> None:
