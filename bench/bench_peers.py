@@ -2,7 +2,10 @@
 
 Engines (each request timed whole, prompt processing included, batch 1, greedy):
 - transformers' ``generate``: plain greedy, and prompt lookup with ``prompt_lookup_num_tokens`` 10 and 4;
-- ours (`Generator`): greedy, ``ngram`` with its defaults, ``ngram`` with ``--max-draft 10``;
+- ours (`Generator`): greedy, ``ngram`` with its defaults (adaptive draft lengths up to 4), ``ngram`` with
+  ``--max-draft 10``, and ``ngram`` with ``--fixed-draft`` (every proposed token verified, as before the
+  planner); ours runs on its own copy of the model (our target packs its linear weights, see
+  ``targets/packed_linear.py``), transformers on an untouched one;
 - llama.cpp through ``llama-cpp-python`` (plain and ``LlamaPromptLookupDecoding`` 10 / 4), where it is built
   in ``/work/peers-venv`` (see ``peer_llamacpp.py``), on a GGUF of the same weights in the same precision given
   with ``--llamacpp-gguf``; skipped with a message otherwise.
@@ -11,7 +14,7 @@ Reported per prompt set (grounded, chat) and for all prompts: aggregate tokens/s
 over transformers' greedy (median over reps of the ratio within one rep), and the share of outputs identical to
 transformers' greedy output. The order of engines rotates between prompts so drifts hit all alike.
 
-    python bench/bench_peers.py --dtype bfloat16 --reps 3 --max-new-tokens 128 [--llamacpp-gguf FILE]
+    python bench/bench_peers.py --dtype float32 --reps 3 --max-new-tokens 128 [--llamacpp-gguf FILE]
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     quiet_transformers()
     loaded = load_model(args.model, dtype=args.dtype)
+    reference_model = load_model(args.model, dtype=args.dtype).model  # never packed: transformers as users run it
     eos = loaded.eos_token_ids[0]
     prompts = first_per_kind(load_prompts(args.prompts), args.per_kind)[: args.limit]
 
@@ -141,12 +145,13 @@ def main() -> None:
     encoded = [encode_prompt(greedy, p) for p in prompts]
     n = args.max_new_tokens
     runners: dict[str, Runner] = {
-        "transformers greedy": hf_runner(loaded.model, None, n, eos),
-        "transformers lookup 10": hf_runner(loaded.model, 10, n, eos),
-        "transformers lookup 4": hf_runner(loaded.model, 4, n, eos),
+        "transformers greedy": hf_runner(reference_model, None, n, eos),
+        "transformers lookup 10": hf_runner(reference_model, 10, n, eos),
+        "transformers lookup 4": hf_runner(reference_model, 4, n, eos),
         "ours greedy": ours_runner(greedy, n),
         "ours ngram": ours_runner(ours(method="ngram"), n),
         "ours ngram max-draft 10": ours_runner(ours(method="ngram", max_draft=10), n),
+        "ours ngram fixed 4": ours_runner(ours(method="ngram", adaptive=False), n),
     }
     names = list(runners)
     for run in runners.values():  # warm-up
@@ -170,6 +175,7 @@ def main() -> None:
     else:
         print("[peers] llama.cpp skipped: no --llamacpp-gguf given", file=sys.stderr)
     table = summarise(results, prompts, "transformers greedy")
+    print("command: python " + " ".join(sys.argv))
     print(f"model {loaded.source} ({args.dtype}), {n} new tokens, {args.reps} reps, {torch.get_num_threads()} threads")
     for name, group in table.items():
         print(f"\n== {name}: {group['prompts']} prompts ==")

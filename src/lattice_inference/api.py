@@ -174,7 +174,11 @@ class Generator:
         elif drafters:
             drafter = FallbackDrafter(drafters)
         self.decoder = SpeculativeDecoder(
-            make_target(model), drafter, max_draft=max_draft, eos_token_ids=self.eos_token_ids
+            make_target(model),
+            drafter,
+            max_draft=max_draft,
+            eos_token_ids=self.eos_token_ids,
+            adaptive=options.adaptive,
         )
 
     @property

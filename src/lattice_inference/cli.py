@@ -30,6 +30,7 @@ MODEL_HELP = (
     "id where there is internet"
 )
 MTP_HEAD_HELP = "mtp: a head written by `lattice train-mtp` (its .safetensors file or folder), for any model it fits"
+FIXED_DRAFT_HELP = "verify every drafted token (default: the planner picks 0..max-draft per round)"
 DRAFT_VOCAB_HELP = (
     "mtp: draft only among token ids 0..N-1, the frequent ones in BPE order (default: all, or a trained head's own)"
 )
@@ -39,7 +40,10 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
     """The speculation options ``generate`` and ``serve`` share."""
     parser.add_argument("--max-ngram", type=_positive_int, default=5, help="longest n-gram to match (default 5)")
     parser.add_argument("--min-ngram", type=_positive_int, default=2, help="shortest n-gram to match (default 2)")
-    parser.add_argument("--max-draft", type=_positive_int, default=4, help="draft tokens per round (default 4)")
+    parser.add_argument(
+        "--max-draft", type=_positive_int, default=4, help="most draft tokens verified per round (default 4)"
+    )
+    parser.add_argument("--fixed-draft", action="store_true", help=FIXED_DRAFT_HELP)
     parser.add_argument(
         "--draft-length", type=_positive_int, default=4, help="mtp: tokens per round counting the target's (2..8)"
     )
@@ -125,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         "model has an MTP head, mtp,ngram+mtp)",
     )
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens per prompt (default 128)")
-    bench.add_argument("--max-draft", type=_positive_int, default=4, help="ngram: draft tokens per round")
+    bench.add_argument("--max-draft", type=_positive_int, default=4, help="ngram: most draft tokens per round")
+    bench.add_argument("--fixed-draft", action="store_true", help=FIXED_DRAFT_HELP)
     bench.add_argument("--draft-length", type=_positive_int, default=2, help="mtp: tokens per round (2..8)")
     bench.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
     bench.add_argument("--mtp-head", help=MTP_HEAD_HELP)
@@ -181,6 +186,7 @@ def _generate_options(args: argparse.Namespace) -> DecodeOptions:
         draft_length=args.draft_length,
         draft_vocab=args.draft_vocab,
         coupled_draft=not args.argmax_draft,
+        adaptive=not args.fixed_draft,
         sampling=sampling_options(args),
     )
 
@@ -252,6 +258,7 @@ def _bench(args: argparse.Namespace) -> int:
         draft_length=args.draft_length,
         draft_vocab=args.draft_vocab,
         coupled_draft=not args.argmax_draft,
+        adaptive=not args.fixed_draft,
         sampling=sampling_options(args).seeded(),
     )
     source = resolve_model(args.model)

@@ -9,6 +9,10 @@ the choice after it (the correction, or the bonus) is emitted too, and the cache
 So every token is fed exactly once, at the position equal to its index, and each emitted token is exactly the
 choice plain decoding makes at that index: the output is token for token plain decoding's, greedy or sampled
 with the same seed.
+
+With ``adaptive`` (`Generator`'s default) a `DraftPlanner` decides each round how many drafted tokens to verify (up to
+``max_draft``; 0 makes the round a plain decoding step) from the acceptance it has seen in this generation and
+the target's measured forward costs; that changes only how many forwards the output takes, never the output.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from collections.abc import Generator, Iterable, Iterator, Sequence
 
 import torch
 
+from lattice_inference.draft_planner import DraftPlanner
 from lattice_inference.drafters.base import Drafter
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.generation import Generation, GenerationResult
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets.base import Target
+from lattice_inference.targets.forward_cost import ForwardCosts, forward_costs
 from lattice_inference.verify import verify_prefix
 
 __all__ = ["Generation", "GenerationResult", "SpeculativeDecoder"]
@@ -34,7 +40,11 @@ _GREEDY = SamplingOptions()
 class SpeculativeDecoder:
     """Generates from a `Target`, using a `Drafter` (or none: plain decoding) to skip forwards.
 
-    ``max_draft`` caps the tokens proposed per round. The decoder holds no per-generation state: each call of
+    ``max_draft`` caps the tokens proposed per round; ``adaptive`` lets a `DraftPlanner` choose fewer (the
+    first generation then measures the target's forward costs, once; `Generator` turns it on by default, here
+    it is off so that every proposal is verified as drafted). ``costs`` gives the planner forward costs instead
+    of measuring them. The decoder holds no per-generation
+    state: each call of
     `start` (or `stream`, `generate`) makes a new `Generation`; ``metrics`` and ``stop_reason`` are the most
     recent generation's. Generations run in turn: starting one ends any earlier one still being iterated.
     """
@@ -46,12 +56,16 @@ class SpeculativeDecoder:
         *,
         max_draft: int = 4,
         eos_token_ids: Iterable[int] = (),
+        adaptive: bool = False,
+        costs: ForwardCosts | None = None,
     ) -> None:
         if max_draft < 1:
             raise ConfigError(f"max_draft must be at least 1, got {max_draft}")
         self.target = target
         self.drafter = drafter
         self.max_draft = max_draft
+        self.adaptive = adaptive
+        self.costs = costs
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.last: Generation | None = None
         wants_hidden = drafter is not None and drafter.uses_hidden_states
@@ -138,6 +152,8 @@ class SpeculativeDecoder:
             target.capture_hidden = True
         if drafter is not None:
             drafter.use_sampler(sampler)
+            if self.adaptive:  # measuring resets the target's cache, so it comes before the prefill
+                gen.planner = DraftPlanner(self.costs or forward_costs(target, self.max_draft + 1))
         start = time.perf_counter()
         first, hidden = self._prefill(gen)
         m.prefill_s = time.perf_counter() - start
@@ -150,16 +166,16 @@ class SpeculativeDecoder:
             pending = first[-1]
             while not gen.stop_reason:
                 self._check_current(gen)
-                remaining = gen.max_new_tokens - m.new_tokens
-                draft: list[int] = []
-                if drafter is not None and remaining > 1:
-                    draft = drafter.propose(min(self.max_draft, remaining - 1))[: remaining - 1]
+                proposal, draft = self._draft(gen, gen.max_new_tokens - m.new_tokens - 1)
                 position = target.length
                 choices = sampler.choose(target.forward([pending, *draft]), position + 1)
                 verdict = verify_prefix(draft, choices)
                 hidden = self._hidden_rows(verdict.accepted + 1)  # before rollback, which may run the model
                 target.rollback(position + 1 + verdict.accepted)
                 m.record_round(len(draft), verdict.accepted)
+                if gen.planner is not None and drafter is not None:
+                    key = drafter.proposal_key
+                    gen.planner.record(proposal, len(draft), verdict.accepted, verdict.tokens[-1], key)
                 out = self._emit(gen, verdict.tokens)
                 self._inform_drafter(verdict.tokens, hidden, position)
                 pending = verdict.tokens[-1]
@@ -168,6 +184,31 @@ class SpeculativeDecoder:
         finally:
             m.decode_s = time.perf_counter() - start
             m.drafter_forwards = drafter.forward_count if drafter is not None else 0
+
+    def _draft(self, gen: Generation, room: int) -> tuple[list[int], list[int]]:
+        """This round's proposal and the part of it to verify (at most ``room`` tokens fit the budget).
+
+        Without a planner the whole proposal is verified. A free (lookup) proposal is made at full length and
+        the planner picks how much of it to verify; a drafter that runs a model is asked for the planned length
+        only (the planner timing its proposals, in target forwards per token)."""
+        drafter, planner = self.drafter, gen.planner
+        cap = min(self.max_draft, room)
+        if drafter is None or cap < 1:
+            return [], []
+        if planner is None:
+            proposal = drafter.propose(cap)[:cap]
+            return proposal, proposal
+        if drafter.proposes_for_free:
+            proposal = drafter.propose(cap)[:cap]
+            return proposal, proposal[: planner.choose(len(proposal), drafter.proposal_key)]
+        k = planner.choose(cap, drafter.proposal_key, free=False)
+        if k == 0:
+            return [], []
+        start = time.perf_counter()
+        proposal = drafter.propose(k)[:k]
+        if proposal:
+            planner.observe_drafter_seconds((time.perf_counter() - start) / len(proposal))
+        return proposal, proposal
 
     def _check_current(self, gen: Generation) -> None:
         if self.last is not gen:
@@ -187,9 +228,11 @@ class SpeculativeDecoder:
         if drafter is None or self._wants_hidden or not target.fuses_prefill_and_draft or budget < 2:
             first = gen.sampler.choose(target.prefill(prompt).unsqueeze(0), len(prompt))
             return first, self._hidden_rows(len(prompt))
-        draft = drafter.propose(min(self.max_draft, budget - 1))[: budget - 1]
+        proposal, draft = self._draft(gen, budget - 1)
         verdict = verify_prefix(draft, gen.sampler.choose(target.prefill_with_draft(prompt, draft), len(prompt)))
         target.rollback(len(prompt) + verdict.accepted)
+        if gen.planner is not None:
+            gen.planner.record(proposal, len(draft), verdict.accepted, verdict.tokens[-1], drafter.proposal_key)
         if draft:
             gen.metrics.record_round(len(draft), verdict.accepted, in_prefill=True)
         return verdict.tokens, None

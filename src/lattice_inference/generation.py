@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
+from lattice_inference.draft_planner import DraftPlanner
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOptions, make_sampler
 
@@ -48,6 +49,8 @@ class Generation:
         self.sampler: GreedySampler | KeyedSampler = make_sampler(self.sampling, vocab)
         self.metrics = GenerationMetrics(prompt_tokens=len(prompt_ids))
         self.stop_reason = ""
+        self.planner: DraftPlanner | None = None
+        """This generation's adaptive draft planner (None: fixed draft lengths, or no drafter)."""
         self.token_ids: list[int] = []
         self._chunks: Generator[list[int], None, None] = _no_chunks()
 

@@ -27,6 +27,8 @@ class GenerationMetrics:
     """``accepted_per_position[i]``: rounds in which draft position ``i`` was accepted."""
     drafted_per_position: list[int] = field(default_factory=list)
     """``drafted_per_position[i]``: rounds whose draft had a token at position ``i``."""
+    draft_lengths: list[int] = field(default_factory=list)
+    """Tokens verified in each round, in order (0: a plain decoding step); the adaptive planner's choices."""
     drafter_forwards: int = 0
     """Forward passes of a learned drafter (MTP head steps, catch-up batches included); 0 for n-gram lookup."""
     prefill_s: float = 0.0
@@ -36,6 +38,7 @@ class GenerationMetrics:
         """Count one verification round that drafted ``drafted`` tokens and accepted ``accepted`` of them
         (``in_prefill``: the draft was verified by the prefill forward, which is not counted as a target forward)."""
         self.target_forwards += not in_prefill
+        self.draft_lengths.append(drafted)
         if drafted == 0:
             return
         self.drafts += 1
@@ -84,6 +87,7 @@ class GenerationMetrics:
             "accepted_per_position": list(self.accepted_per_position),
             "drafted_per_position": list(self.drafted_per_position),
             "acceptance_per_position": self.acceptance_per_position,
+            "draft_lengths": list(self.draft_lengths),
             "drafter_forwards": self.drafter_forwards,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,

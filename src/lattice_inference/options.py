@@ -54,8 +54,10 @@ class DecodeOptions:
 
     ``max_ngram``/``min_ngram`` bound the n-gram lengths tried (longest first), ``max_draft`` the tokens drafted
     per round, ``match`` which earlier occurrence is copied (``first``, as vLLM and transformers, or
-    ``recent``). For MTP, ``draft_length`` counts the target's token as the reference does (2..8): each round
-    drafts ``draft_length - 1`` tokens; ``draft_vocab=N`` drafts only among token ids ``0..N-1``;
+    ``recent``); ``adaptive`` (default) lets the draft planner verify fewer than ``max_draft`` tokens per round,
+    or none, from the acceptance seen so far and the target's measured verification cost. For MTP,
+    ``draft_length`` counts the target's token as the reference does (2..8): each round drafts up to
+    ``draft_length - 1`` tokens; ``draft_vocab=N`` drafts only among token ids ``0..N-1``;
     ``coupled_draft`` (default) makes the head draft with the same keyed noise the target samples with, so its
     drafts follow the sampled text rather than its argmax (no effect at temperature 0).
     """
@@ -68,6 +70,7 @@ class DecodeOptions:
     draft_length: int = 4
     draft_vocab: int | None = None
     coupled_draft: bool = True
+    adaptive: bool = True
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
 
     def __post_init__(self) -> None:

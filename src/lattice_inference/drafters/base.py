@@ -36,6 +36,15 @@ class Drafter(Protocol):
     forward_count: int = 0
     """Model forwards this drafter ran in the current generation (0 for lookup drafters)."""
 
+    proposes_for_free: bool = True
+    """Whether a proposal costs no model forward (lookup drafters): the adaptive loop then asks for the most it
+    might verify and learns from the tokens it leaves unverified. Drafters that run a model say False and are
+    asked for exactly the tokens the planner chose."""
+
+    proposal_key: int = 0
+    """A small integer grading how the latest proposal was made (n-gram lookup: the matched n-gram's length);
+    the draft planner keeps acceptance statistics per key."""
+
     def reset(self, prompt_ids: Sequence[int]) -> None:
         """Start a new generation whose history is ``prompt_ids``."""
         ...

@@ -28,7 +28,9 @@ class FallbackDrafter(Drafter):
             raise ConfigError("a fallback drafter needs at least one drafter")
         self.drafters = list(drafters)
         self.uses_hidden_states = any(d.uses_hidden_states for d in self.drafters)
+        self.proposes_for_free = all(d.proposes_for_free for d in self.drafters)
         self.proposals_by = [0] * len(self.drafters)
+        self.proposal_key = 0
 
     @property
     def forward_count(self) -> int:
@@ -58,10 +60,12 @@ class FallbackDrafter(Drafter):
             d.use_sampler(sampler)
 
     def propose(self, max_tokens: int) -> list[int]:
-        """The first non-empty proposal of ``drafters``, in order (empty if none proposes)."""
+        """The first non-empty proposal of ``drafters``, in order (empty if none proposes). Its
+        ``proposal_key`` is the proposing drafter's, offset by 100 per place in the order (keys stay apart)."""
         for i, d in enumerate(self.drafters):
             draft = d.propose(max_tokens)
             if draft:
                 self.proposals_by[i] += 1
+                self.proposal_key = 100 * i + d.proposal_key
                 return draft
         return []

@@ -31,6 +31,7 @@ class MtpDrafter(Drafter):
     """
 
     uses_hidden_states = True
+    proposes_for_free = False
 
     def __init__(
         self,

@@ -253,6 +253,7 @@ class NgramDrafter(Drafter):
         for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
             end = maps[n].get(tuple(history[size - n :]))
             if end is not None:
+                self.proposal_key = n
                 draft = history[end + 1 : end + 1 + k]
                 eos = self.eos_token_ids
                 if eos:

@@ -360,7 +360,12 @@ class HybridTarget(CausalLMTarget):
     """
 
     def __init__(
-        self, model: PreTrainedModel, *, max_recorded: int = DEFAULT_MAX_RECORDED, kernel: str = "window"
+        self,
+        model: PreTrainedModel,
+        *,
+        max_recorded: int = DEFAULT_MAX_RECORDED,
+        kernel: str = "window",
+        packed_weights: bool = True,
     ) -> None:
         types = _model_types(model)
         if not types & SUPPORTED_MODEL_TYPES:
@@ -382,7 +387,7 @@ class HybridTarget(CausalLMTarget):
             raise ConfigError(f"max_recorded must be at least 1, got {max_recorded}")
         if kernel not in KERNELS:
             raise ConfigError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}")
-        super().__init__(model)
+        super().__init__(model, packed_weights=packed_weights)
         self.kernel = kernel
         self.max_recorded = max_recorded
         self._modules = sorted(modules, key=lambda m: m.__name__)

@@ -1,0 +1,106 @@
+"""Where one decode step of the real model spends its time, before and after packed weights.
+
+For each configuration (``dense``: the model's own ``F.linear``; ``packed``: our target's default, oneDNN-packed
+weights with fused q/k/v and gate/up, see ``targets/packed_linear.py``) it prints:
+- the wall time of a forward of 1, 2, 3, 4, 6, 8, 11 and 16 tokens through our target after a grounded prompt
+  (median of ``--reps``), and its ratio to the 1-token step: the cost of verifying a draft;
+- a breakdown of one 1-token step from ``torch.profiler``: matrix products (the linear layers and the LM head),
+  attention, every other op (norms, rotary embedding, activations, cache writes, views), and the rest of the
+  unprofiled step time (Python, module dispatch: the 1-token wall time above minus the ops' own time; the
+  profiler's own overhead inflates op times a little, so this share is a lower bound).
+
+    python bench/profile_step.py --dtype float32 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lattice_inference.benchmark import GROUNDED_TASKS, load_prompts
+from lattice_inference.cli import quiet_transformers
+from lattice_inference.loading import LoadedModel, load_model
+from lattice_inference.targets import TransformersTarget
+from lattice_inference.targets.packed_linear import unpack_linears
+
+WIDTHS = (1, 2, 3, 4, 6, 8, 11, 16)
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"}
+ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"}
+
+
+def step_times(target: TransformersTarget, reps: int) -> dict[int, float]:
+    """Median seconds of a forward of each width, rolled back after each."""
+    length = target.length
+    out = {}
+    for width in WIDTHS:
+        times = []
+        for _ in range(reps + 1):
+            start = time.perf_counter()
+            target.forward([100] * width)
+            times.append(time.perf_counter() - start)
+            target.rollback(length)
+        out[width] = statistics.median(times[1:])
+    return out
+
+
+def breakdown(target: TransformersTarget, steps: int, wall: float) -> dict[str, float]:
+    """Milliseconds per 1-token step by category (see the module docstring); ``wall``: the unprofiled step, ms."""
+    length = target.length
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            target.forward([100])
+            target.rollback(length)
+    cats = {"matrix products": 0.0, "attention": 0.0, "other ops": 0.0}
+    for event in prof.key_averages():
+        ms = event.self_cpu_time_total / 1e3 / steps
+        key = "matrix products" if event.key in MATMUL_OPS else "attention" if event.key in ATTENTION_OPS else None
+        cats[key or "other ops"] += ms
+    cats["python and dispatch"] = max(wall - sum(cats.values()), 0.0)
+    cats["step (unprofiled)"] = wall
+    return cats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=10, help="profiled 1-token steps")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    quiet_transformers()
+    loaded = load_model(args.model, dtype=args.dtype)
+    prompt = encode_prompt_ids(loaded)
+    print("command: python " + " ".join(sys.argv))
+    print(f"model {loaded.source} ({args.dtype}), {args.threads} threads, context {len(prompt)} tokens")
+    rows: dict[str, tuple[dict[int, float], dict[str, float]]] = {}
+    for name in ("dense", "packed"):
+        target = TransformersTarget(loaded.model, packed_weights=name == "packed")
+        target.prefill(prompt)
+        times = step_times(target, args.reps)
+        rows[name] = times, breakdown(target, args.steps, times[1] * 1e3)
+        unpack_linears(loaded.model)
+    print(f"\n{'forward of k tokens (ms)':<26}" + "".join(f"{w:>8}" for w in WIDTHS))
+    for name, (times, _) in rows.items():
+        print(f"{name:<26}" + "".join(f"{times[w] * 1e3:>8.1f}" for w in WIDTHS))
+        print(f"{'  in 1-token steps':<26}" + "".join(f"{times[w] / times[1]:>8.2f}" for w in WIDTHS))
+    print(f"\n{'one 1-token step (ms)':<26}" + "".join(f"{name:>10}" for name in rows))
+    for category in rows["dense"][1]:
+        print(f"{category:<26}" + "".join(f"{rows[name][1][category]:>10.1f}" for name in rows))
+
+
+def encode_prompt_ids(loaded: LoadedModel) -> list[int]:
+    """The first grounded task, chat-templated: a realistic context length for the step."""
+    messages = load_prompts(GROUNDED_TASKS)[0].messages
+    ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [int(t) for t in ids]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Adaptive drafting: how many draft tokens to verify this round (0 = a plain decoding step).
+
+A round that verifies ``k`` draft tokens emits ``1 + a`` tokens, where ``a`` is how many of them the target
+accepts, and costs one forward of ``k + 1`` tokens (plus the drafter's own work). With ``p_j`` the chance that
+draft position ``j`` is accepted once positions ``1..j-1`` were, the expected yield is
+``E(k) = 1 + p_1 + p_1 p_2 + ... + p_1...p_k``, and the planner picks the ``k`` with the most expected tokens
+per second, ``E(k) / (cost(k + 1) + k * drafter_cost)``, where ``cost`` is the target's measured forward cost
+(`ForwardCosts`). When drafts keep failing, ``k = 0`` wins and the round is plain decoding.
+
+``p_j`` is learned online, per generation: exponentially decayed counts of offered and accepted tokens at each
+position, kept separately for each *key* the drafter reports with its proposal (for n-gram lookup, the length of
+the matched n-gram: longer matches copy better) and blended with the all-keys estimate of that position, which
+starts from a prior. A lookup proposal is free, so the planner also learns from the positions it did not
+verify: when every verified token is accepted, the target's next token shows whether the next draft token would
+have been, which lets a planner that stopped drafting notice when drafting would pay again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lattice_inference.targets.forward_cost import ForwardCosts
+
+PRIOR = 0.6
+"""Acceptance assumed at every position before anything is observed."""
+PRIOR_WEIGHT = 2.0
+"""How many observations the prior is worth."""
+KEY_WEIGHT = 3.0
+"""How many observations the all-keys estimate is worth against one key's own counts."""
+DECAY = 0.97
+"""Weight kept by older observations at each new one (recent rounds count more: text changes its nature)."""
+GAIN_MARGIN = 1.02
+"""A longer draft must promise this much more throughput to be preferred (ties go to less work)."""
+PROBE_EVERY = 16
+"""After this many plain rounds in a row, a drafter whose proposals cost a forward drafts one token anyway, so
+the planner sees whether its acceptance came back (lookup drafters need no probe: their unverified proposals
+are checked for free)."""
+
+
+@dataclass
+class _Counts:
+    offered: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def add(self, position: int, accepted: bool) -> None:
+        while len(self.offered) <= position:
+            self.offered.append(0.0)
+            self.accepted.append(0.0)
+        self.offered[position] = self.offered[position] * DECAY + 1.0
+        self.accepted[position] = self.accepted[position] * DECAY + float(accepted)
+
+    def rate(self, position: int, prior: float, weight: float) -> float:
+        if position >= len(self.offered):
+            return prior
+        return (self.accepted[position] + weight * prior) / (self.offered[position] + weight)
+
+
+class DraftPlanner:
+    """Chooses each round's draft length from learned acceptance and measured verification cost.
+
+    One planner per generation. ``costs`` is the target's `ForwardCosts`; ``drafter_cost`` the drafter's cost
+    per drafted token in one-token target forwards (0 for lookup drafters).
+    """
+
+    def __init__(self, costs: ForwardCosts, drafter_cost: float = 0.0) -> None:
+        self.costs = costs
+        self.drafter_cost = drafter_cost
+        self._all = _Counts()
+        self._by_key: dict[int, _Counts] = {}
+        self._plain_rounds = 0
+
+    def observe_drafter_seconds(self, seconds_per_token: float) -> None:
+        """Fold one measured drafting time per token into ``drafter_cost`` (a running average)."""
+        cost = seconds_per_token / self.costs.seconds(1)
+        self.drafter_cost = cost if self.drafter_cost == 0.0 else 0.8 * self.drafter_cost + 0.2 * cost
+
+    def acceptance(self, position: int, key: int = 0) -> float:
+        """Estimated chance that draft position ``position`` (0-based) is accepted once the earlier ones were."""
+        base = self._all.rate(position, PRIOR, PRIOR_WEIGHT)
+        counts = self._by_key.get(key)
+        return base if counts is None else counts.rate(position, base, KEY_WEIGHT)
+
+    def choose(self, available: int, key: int = 0, *, free: bool = True) -> int:
+        """How many of ``available`` draft tokens to verify (0..available). ``free``: whether the proposal cost
+        nothing (otherwise every `PROBE_EVERY`-th round that would be plain drafts one token)."""
+        best_k, best_rate = 0, 1.0 / self.costs.relative(1)
+        expected, reach = 1.0, 1.0
+        for k in range(1, available + 1):
+            reach *= self.acceptance(k - 1, key)
+            expected += reach
+            rate = expected / (self.costs.relative(k + 1) + k * self.drafter_cost)
+            if rate > best_rate * GAIN_MARGIN:
+                best_k, best_rate = k, rate
+        if best_k or free or not available:
+            self._plain_rounds = 0
+            return best_k
+        self._plain_rounds += 1
+        if self._plain_rounds >= PROBE_EVERY:
+            self._plain_rounds = 0
+            return 1
+        return 0
+
+    def record(self, proposal: Sequence[int], verified: int, accepted: int, next_token: int, key: int = 0) -> None:
+        """Learn from one round: ``verified`` tokens of ``proposal`` were checked and ``accepted`` of them taken;
+        ``next_token`` is the target's own token after them. Where everything verified was accepted and the
+        proposal had more, ``next_token`` also says whether the next proposed token would have been."""
+        counts = self._by_key.setdefault(key, _Counts())
+        outcomes = [True] * accepted
+        if accepted < verified:
+            outcomes.append(False)
+        elif verified < len(proposal):
+            outcomes.append(proposal[verified] == next_token)
+        for position, ok in enumerate(outcomes):
+            self._all.add(position, ok)
+            counts.add(position, ok)

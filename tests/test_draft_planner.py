@@ -1,0 +1,142 @@
+"""The adaptive draft planner, the forward-cost table it plans with, and the decode loop driven by it."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import ContextKeyedTarget, OracleDrafter, RecordingTarget
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lattice_inference.decode import SpeculativeDecoder
+from lattice_inference.draft_planner import PROBE_EVERY, DraftPlanner
+from lattice_inference.targets.forward_cost import (
+    CALIBRATION_CONTEXT,
+    ForwardCosts,
+    calibration_widths,
+    forward_costs,
+    measure_forward_costs,
+)
+
+FLAT = ForwardCosts((1, 2, 9), (1.0, 1.0, 1.0))
+"""Verification as cheap as a decode step (a GPU, or a model whose step is all overhead)."""
+STEEP = ForwardCosts((1, 2, 9), (1.0, 2.0, 3.0))
+"""A 2-token forward costs two steps (this CPU's F.linear without packed weights)."""
+
+
+def test_forward_costs_interpolate_between_and_beyond_measured_widths() -> None:
+    costs = ForwardCosts((1, 2, 4), (1.0, 1.5, 2.5))
+    assert costs.seconds(1) == 1.0
+    assert costs.seconds(3) == pytest.approx(2.0)
+    assert costs.seconds(6) == pytest.approx(3.5)  # extrapolated along the last segment
+    assert costs.relative(4) == 2.5
+    assert costs.to_dict() == {"1": 1.0, "2": 1.5, "4": 2.5}
+    assert calibration_widths(9) == [1, 2, 4, 8, 9]
+    assert calibration_widths(1) == [1]
+
+
+def test_measure_forward_costs_times_each_width_and_leaves_a_prefilled_scratch_context() -> None:
+    rec = RecordingTarget(ContextKeyedTarget(vocab=12))
+    costs = measure_forward_costs(rec, [4, 2], repeats=2)
+    assert costs.widths == (1, 2, 4)
+    assert all(t > 0 for t in costs.measured)
+    assert sorted({len(tokens) for _, tokens in rec.forwards[1:]}) == [1, 2, 4]
+    assert rec.rollbacks and set(rec.rollbacks) == {CALIBRATION_CONTEXT}
+    assert forward_costs(rec, 4) is forward_costs(rec, 3)  # measured once per target
+
+
+def test_planner_drafts_everything_when_verification_is_free_and_drafts_are_accepted() -> None:
+    planner = DraftPlanner(FLAT)
+    for _ in range(20):
+        planner.record([1] * 8, 8, 8, next_token=0)
+    assert planner.choose(8) == 8
+    assert planner.acceptance(0) > 0.9
+
+
+def test_planner_stops_drafting_when_drafts_fail_and_verification_is_dear() -> None:
+    planner = DraftPlanner(STEEP)
+    assert planner.choose(8) == 0  # the prior (0.6 per position) does not pay for a 2x verification
+    cheap = DraftPlanner(ForwardCosts((1, 9), (1.0, 1.4)))
+    assert cheap.choose(8) > 0
+    for _ in range(30):
+        cheap.record([1] * 8, cheap.choose(8), 0, next_token=5)
+    assert cheap.choose(8) == 0
+
+
+def test_planner_learns_from_unverified_lookup_tokens() -> None:
+    """With nothing verified, the target's next token still says whether the first draft token was right."""
+    planner = DraftPlanner(STEEP)
+    before = planner.acceptance(0)
+    for _ in range(30):
+        planner.record([7, 8], 0, 0, next_token=7)
+    assert planner.acceptance(0) > 0.95 > before
+    planner.record([7, 8], 0, 0, next_token=3)
+    assert planner.acceptance(0) < 0.95
+
+
+def test_planner_keeps_statistics_per_key() -> None:
+    planner = DraftPlanner(FLAT)
+    for _ in range(20):
+        planner.record([1, 1, 1], 3, 3, next_token=0, key=5)
+        planner.record([1, 1, 1], 3, 0, next_token=0, key=2)
+    assert planner.acceptance(0, key=5) > planner.acceptance(0) > planner.acceptance(0, key=2)
+
+
+def test_planner_probes_a_costly_drafter_after_plain_rounds() -> None:
+    planner = DraftPlanner(STEEP)
+    picks = [planner.choose(3, free=False) for _ in range(PROBE_EVERY)]
+    assert picks[:-1] == [0] * (PROBE_EVERY - 1) and picks[-1] == 1
+    assert [planner.choose(3) for _ in range(PROBE_EVERY)] == [0] * PROBE_EVERY  # free: never forced
+
+
+def test_drafter_cost_makes_drafting_dearer() -> None:
+    cheap = DraftPlanner(ForwardCosts((1, 5), (1.0, 1.2)))
+    for _ in range(10):
+        cheap.record([1] * 4, 4, 3, next_token=0)
+    assert cheap.choose(4) > 0
+    cheap.observe_drafter_seconds(5.0)  # each drafted token costs five target steps
+    assert cheap.choose(4) == 0
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 11), min_size=1, max_size=30),
+    max_new=st.integers(1, 40),
+    seed=st.integers(0, 5),
+    corrupt=st.sampled_from([0.0, 0.3, 1.0]),
+    max_draft=st.integers(1, 8),
+    steep=st.booleans(),
+    eos=st.one_of(st.none(), st.integers(0, 11)),
+)
+def test_adaptive_loop_equals_greedy_and_feeds_every_token_once(prompt, max_new, seed, corrupt, max_draft, steep, eos):
+    model = ContextKeyedTarget(vocab=12, seed=seed)
+    expected = model.greedy(prompt, max_new, eos=eos)
+    reference = prompt + model.greedy(prompt, max_new + 10)
+    rec = RecordingTarget(ContextKeyedTarget(vocab=12, seed=seed))
+    drafter = OracleDrafter(reference, vocab=12, corrupt=corrupt, seed=seed)
+    dec = SpeculativeDecoder(
+        rec,
+        drafter,
+        max_draft=max_draft,
+        eos_token_ids=[] if eos is None else [eos],
+        adaptive=True,
+        costs=STEEP if steep else FLAT,
+    )
+    result = dec.generate(prompt, max_new)
+    assert result.token_ids == expected
+    lengths = result.metrics.draft_lengths
+    assert len(lengths) == result.metrics.target_forwards == len(rec.forwards) - 1
+    assert all(0 <= k <= max_draft for k in lengths)
+    for (start, tokens), kept in zip(rec.forwards[1:], rec.rollbacks, strict=True):
+        assert kept >= start + 1  # the pending token always survives its round
+        assert len(tokens) - 1 in lengths
+
+
+def test_adaptive_loop_falls_back_to_plain_steps_when_drafts_always_fail() -> None:
+    model = ContextKeyedTarget(vocab=12, seed=1)
+    prompt = [1, 2, 3]
+    reference = prompt + model.greedy(prompt, 80)
+    drafter = OracleDrafter(reference, vocab=12, corrupt=1.0, seed=1)
+    dec = SpeculativeDecoder(ContextKeyedTarget(vocab=12, seed=1), drafter, max_draft=6, adaptive=True, costs=STEEP)
+    result = dec.generate(prompt, 60)
+    assert result.token_ids == model.greedy(prompt, 60)
+    assert sum(result.metrics.draft_lengths[-20:]) == 0
