@@ -15,14 +15,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from lattice_inference.errors import ConfigError
-from lattice_inference.train import data as datamod
-from lattice_inference.train.export import export_head
-from lattice_inference.train.loop import LoopConfig, LoopState, train
-from lattice_inference.train.model import TrainableHead
+
+if TYPE_CHECKING:  # the parser is built on every `lattice` call: torch and transformers load only to train
+    from lattice_inference.loading import LoadedModel
 
 
 def add_parser(sub: argparse._SubParsersAction, positive_int: Callable[[str], int], model_help: str) -> None:
@@ -66,9 +64,11 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _documents(args: argparse.Namespace, loaded: object, work: Path) -> tuple[list[list[int]], list[list[int]]]:
-    """Token ids of the training and held-out documents."""
-    tok, model = loaded.tokenizer, loaded.model  # type: ignore[attr-defined]
+def _documents(args: argparse.Namespace, loaded: LoadedModel, work: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of the training and held-out documents (self-distilled chats first, then text up to --tokens)."""
+    from lattice_inference.train import data as datamod
+
+    tok, model = loaded.tokenizer, loaded.model
     sources = datamod.gather(args.data, num_prompts=args.num_prompts, seed=args.seed)
     log(f"data: {len(sources.texts)} documents, {len(sources.prompts)} prompts")
     docs: list[list[int]] = []
@@ -96,7 +96,14 @@ def _documents(args: argparse.Namespace, loaded: object, work: Path) -> tuple[li
 
 def run(args: argparse.Namespace) -> int:
     """Run ``lattice train-mtp``; returns the exit code."""
+    import torch
+
     from lattice_inference.loading import load_model
+    from lattice_inference.mtp.head_file import config_for_target
+    from lattice_inference.train import data as datamod
+    from lattice_inference.train.export import export_head
+    from lattice_inference.train.loop import LoopConfig, LoopState, train
+    from lattice_inference.train.model import TrainableHead
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -115,8 +122,6 @@ def run(args: argparse.Namespace) -> int:
     vocab = int(lm_head.shape[0])
     if args.draft_vocab is not None and args.draft_vocab > vocab:
         raise ConfigError(f"--draft-vocab {args.draft_vocab} is larger than the model's vocabulary ({vocab})")
-    from lattice_inference.mtp.head_file import config_for_target
-
     cfg = config_for_target(model.config)
     train_docs, held_docs = _documents(args, loaded, work)
     sep = loaded.eos_token_ids[0] if loaded.eos_token_ids else 0
