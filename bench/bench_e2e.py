@@ -479,20 +479,24 @@ def main(argv: list[str] | None = None) -> int:
             # made bf16 prefill ~10x slower here (oneDNN cannot cache their packed form, it seems).
             with torch.inference_mode(False):
                 model = copy.deepcopy(base).to(DTYPES[dname])
+                ours_model = copy.deepcopy(model)  # our target packs its linear weights; transformers keeps its own
             assert not any(p.is_inference() for p in model.parameters())
             counter = ForwardCounter(model)
+            ours_counter = ForwardCounter(ours_model)
             ours_name = f"ours ngram (K={args.k}, n {args.max_ngram}..1)"
             hf_name = f"HF prompt lookup (K={args.k}, n {args.max_ngram}..1)"
             hf_greedy = Method("HF greedy", hf_method(model, counter, mx, None, 0), False)
             ours_greedy = Method(
-                "ours greedy", ours_method(SpeculativeDecoder(make_target(model), None), counter, mx), False
+                "ours greedy", ours_method(SpeculativeDecoder(make_target(ours_model), None), ours_counter, mx), False
             )
             hf_pl = Method(hf_name, hf_method(model, counter, mx, args.k, args.max_ngram), True)
-            ours_pl = Method(ours_name, ours_ngram(model, counter, mx, args.k, args.max_ngram, 1), True)
+            ours_pl = Method(ours_name, ours_ngram(ours_model, ours_counter, mx, args.k, args.max_ngram, 1), True)
             methods = [hf_greedy, ours_greedy, hf_pl, ours_pl]
             if not args.no_defaults_row:
                 methods.append(
-                    Method(f"ours ngram (K={args.k}, n 5..2)", ours_ngram(model, counter, mx, args.k, 5, 2), True)
+                    Method(
+                        f"ours ngram (K={args.k}, n 5..2)", ours_ngram(ours_model, ours_counter, mx, args.k, 5, 2), True
+                    )
                 )
             log(f"[{dname}] {len(methods)} methods x {n_prompts} prompts x (1 + {reps}) passes")
             run_methods(methods, prompts, reps, log)
@@ -534,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
                 pairs = []
                 for k in sweep:
                     hk = Method(f"HF prompt lookup K={k}", hf_method(model, counter, mx, k, args.max_ngram), True)
-                    ok = Method(f"ours ngram K={k}", ours_ngram(model, counter, mx, k, args.max_ngram, 1), True)
+                    ours_k = ours_ngram(ours_model, ours_counter, mx, k, args.max_ngram, 1)
+                    ok = Method(f"ours ngram K={k}", ours_k, True)
                     pairs.append((k, hk, ok))
                 smethods = [m for _, hk, ok in pairs for m in (hk, ok)]
                 run_methods(smethods, prompts, reps, log)
@@ -553,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
                 dres["k_sweep_ratio"] = {k: paired_ratio(ok, hk) for k, hk, ok in pairs}
             results["dtypes"][dname] = dres  # type: ignore[index]
             counter.remove()
+            ours_counter.remove()
             del methods, model
     print("\n## Verdicts vs the issue's targets (equal acceptance on a looping random model)")
     for v in verdicts:

@@ -1,6 +1,6 @@
 """Cost of verifying k draft tokens on a hybrid (Gated DeltaNet + attention) model, as a multiple of one decode step.
 
-Model: random-weight Qwen3.5-0.8B-shaped text model in bfloat16 (hidden 1024, 24 layers = 18 Gated DeltaNet +
+Model: random-weight Qwen3.5-0.8B-shaped text model in ``--dtype`` (hidden 1024, 24 layers = 18 Gated DeltaNet +
 6 full attention, 8 query / 2 KV heads of 256, delta-net 16 key / 16 value heads of 128, intermediate 3584,
 vocab 248320, tied embeddings), prompt of ``--prompt`` random tokens, ``torch.set_num_threads(2)``.
 
@@ -82,6 +82,13 @@ def main(argv: list[str] | None = None) -> None:
         "excludes time spent waiting for a core, so it is a steadier measure of work on a shared host",
     )
     parser.add_argument("--kernel", choices=KERNELS, default="window", help="HybridTarget's GDN kernel")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weights (float32 by default: CPUs without native bfloat16, like this AVX2 one, run it slower)",
+    )
+    parser.add_argument("--dense", action="store_true", help="keep the model's own F.linear (no packed weights)")
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.threads != 1:
         parser.error("--clock cpu measures one thread: use it with --threads 1")
@@ -91,14 +98,15 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_config(qwen35_08b_shape_config(), dtype=torch.bfloat16).eval()
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_config(qwen35_08b_shape_config(), dtype=dtype).eval()
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.0f} M params, bfloat16, built in {time.perf_counter() - t0:.1f} s")
+    print(f"model: {n_params / 1e6:.0f} M params, {args.dtype}, built in {time.perf_counter() - t0:.1f} s")
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (args.prompt,)).tolist()
 
     t0 = time.perf_counter()
-    target = HybridTarget(model, kernel=args.kernel)
+    target = HybridTarget(model, kernel=args.kernel, packed_weights=not args.dense)  # the step shares the model
     target.prefill(prompt)
     prefill_s = time.perf_counter() - t0
     assert target.cache is not None

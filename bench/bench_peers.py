@@ -2,9 +2,9 @@
 
 Engines (each request timed whole, prompt processing included, batch 1, greedy):
 - transformers' ``generate``: plain greedy, and prompt lookup with ``prompt_lookup_num_tokens`` 10 and 4;
-- ours (`Generator`): greedy, ``ngram`` with its defaults (adaptive draft lengths up to 4), ``ngram`` with
-  ``--max-draft 10``, and ``ngram`` with ``--fixed-draft`` (every proposed token verified, as before the
-  planner); ours runs on its own copy of the model (our target packs its linear weights, see
+- ours (`Generator`): greedy, ``ngram`` with its defaults (adaptive draft lengths up to 10), ``ngram`` with
+  ``--max-draft 4``, and ``ngram`` with ``--fixed-draft`` (every proposed token verified, up to 10: the loop
+  without the planner); ours runs on its own copy of the model (our target packs its linear weights, see
   ``targets/packed_linear.py``), transformers on an untouched one;
 - llama.cpp through ``llama-cpp-python`` (plain and ``LlamaPromptLookupDecoding`` 10 / 4), where it is built
   in ``/work/peers-venv`` (see ``peer_llamacpp.py``), on a GGUF of the same weights in the same precision given
@@ -150,8 +150,8 @@ def main() -> None:
         "transformers lookup 4": hf_runner(reference_model, 4, n, eos),
         "ours greedy": ours_runner(greedy, n),
         "ours ngram": ours_runner(ours(method="ngram"), n),
-        "ours ngram max-draft 10": ours_runner(ours(method="ngram", max_draft=10), n),
-        "ours ngram fixed 4": ours_runner(ours(method="ngram", adaptive=False), n),
+        "ours ngram max-draft 4": ours_runner(ours(method="ngram", max_draft=4), n),
+        "ours ngram fixed": ours_runner(ours(method="ngram", adaptive=False), n),
     }
     names = list(runners)
     for run in runners.values():  # warm-up

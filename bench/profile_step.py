@@ -26,26 +26,27 @@ from lattice_inference.benchmark import GROUNDED_TASKS, load_prompts
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.loading import LoadedModel, load_model
 from lattice_inference.targets import TransformersTarget
-from lattice_inference.targets.packed_linear import unpack_linears
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 11, 16)
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"}
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"}
 
 
-def step_times(target: TransformersTarget, reps: int) -> dict[int, float]:
-    """Median seconds of a forward of each width, rolled back after each."""
-    length = target.length
-    out = {}
-    for width in WIDTHS:
-        times = []
-        for _ in range(reps + 1):
-            start = time.perf_counter()
-            target.forward([100] * width)
-            times.append(time.perf_counter() - start)
-            target.rollback(length)
-        out[width] = statistics.median(times[1:])
-    return out
+def step_times(targets: dict[str, TransformersTarget], reps: int) -> dict[str, dict[int, float]]:
+    """Median seconds of a forward of each width per target, rolled back after each; the targets take turns
+    within every repetition so that a slow moment of the host hits them alike."""
+    times: dict[str, dict[int, list[float]]] = {name: {w: [] for w in WIDTHS} for name in targets}
+    for rep in range(reps + 1):
+        for width in WIDTHS:
+            for name, target in targets.items():
+                length = target.length
+                start = time.perf_counter()
+                target.forward([100] * width)
+                elapsed = time.perf_counter() - start
+                target.rollback(length)
+                if rep:  # the first round warms up
+                    times[name][width].append(elapsed)
+    return {name: {w: statistics.median(ts) for w, ts in by_width.items()} for name, by_width in times.items()}
 
 
 def breakdown(target: TransformersTarget, steps: int, wall: float) -> dict[str, float]:
@@ -79,13 +80,17 @@ def main() -> None:
     prompt = encode_prompt_ids(loaded)
     print("command: python " + " ".join(sys.argv))
     print(f"model {loaded.source} ({args.dtype}), {args.threads} threads, context {len(prompt)} tokens")
-    rows: dict[str, tuple[dict[int, float], dict[str, float]]] = {}
-    for name in ("dense", "packed"):
-        target = TransformersTarget(loaded.model, packed_weights=name == "packed")
+    targets = {
+        "dense": TransformersTarget(loaded.model, packed_weights=False),
+        "packed": TransformersTarget(load_model(args.model, dtype=args.dtype).model),  # its own copy, packed
+    }
+    for target in targets.values():
         target.prefill(prompt)
-        times = step_times(target, args.reps)
-        rows[name] = times, breakdown(target, args.steps, times[1] * 1e3)
-        unpack_linears(loaded.model)
+    all_times = step_times(targets, args.reps)
+    rows = {
+        name: (all_times[name], breakdown(target, args.steps, all_times[name][1] * 1e3))
+        for name, target in targets.items()
+    }
     print(f"\n{'forward of k tokens (ms)':<26}" + "".join(f"{w:>8}" for w in WIDTHS))
     for name, (times, _) in rows.items():
         print(f"{name:<26}" + "".join(f"{times[w] * 1e3:>8.1f}" for w in WIDTHS))

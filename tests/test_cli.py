@@ -52,6 +52,9 @@ def test_json_output_and_ngram_equals_greedy(model_dir, capsys):
     assert m["prompt_tokens"] == len(PROMPT.encode())
     assert m["target_forwards"] < greedy["metrics"]["target_forwards"]
     assert greedy["metrics"]["drafts"] == 0
+    assert max(m["draft_lengths"]) <= 6 and sum(m["draft_lengths"]) == m["drafted_tokens"]
+    fixed = run_json(capsys, *common, "--method", "ngram", "--max-draft", "6", "--fixed-draft")
+    assert fixed["token_ids"] == greedy["token_ids"]
 
 
 def test_streams_text_and_prints_one_metrics_line(model_dir, capsys):

@@ -41,7 +41,7 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-ngram", type=_positive_int, default=5, help="longest n-gram to match (default 5)")
     parser.add_argument("--min-ngram", type=_positive_int, default=2, help="shortest n-gram to match (default 2)")
     parser.add_argument(
-        "--max-draft", type=_positive_int, default=4, help="most draft tokens verified per round (default 4)"
+        "--max-draft", type=_positive_int, default=10, help="most draft tokens verified per round (default 10)"
     )
     parser.add_argument("--fixed-draft", action="store_true", help=FIXED_DRAFT_HELP)
     parser.add_argument(
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model has an MTP head, mtp,ngram+mtp)",
     )
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens per prompt (default 128)")
-    bench.add_argument("--max-draft", type=_positive_int, default=4, help="ngram: most draft tokens per round")
+    bench.add_argument("--max-draft", type=_positive_int, default=10, help="most draft tokens per round (default 10)")
     bench.add_argument("--fixed-draft", action="store_true", help=FIXED_DRAFT_HELP)
     bench.add_argument("--draft-length", type=_positive_int, default=2, help="mtp: tokens per round (2..8)")
     bench.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)

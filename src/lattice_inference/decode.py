@@ -153,7 +153,9 @@ class SpeculativeDecoder:
         if drafter is not None:
             drafter.use_sampler(sampler)
             if self.adaptive:  # measuring resets the target's cache, so it comes before the prefill
+                start = time.perf_counter()
                 gen.planner = DraftPlanner(self.costs or forward_costs(target, self.max_draft + 1))
+                m.calibration_s = time.perf_counter() - start
         start = time.perf_counter()
         first, hidden = self._prefill(gen)
         m.prefill_s = time.perf_counter() - start

@@ -33,6 +33,9 @@ class GenerationMetrics:
     """Forward passes of a learned drafter (MTP head steps, catch-up batches included); 0 for n-gram lookup."""
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    calibration_s: float = 0.0
+    """Time spent measuring the target's forward costs for the draft planner (first generation of a target only;
+    counted in neither prefill nor decode)."""
 
     def record_round(self, drafted: int, accepted: int, *, in_prefill: bool = False) -> None:
         """Count one verification round that drafted ``drafted`` tokens and accepted ``accepted`` of them
@@ -91,6 +94,7 @@ class GenerationMetrics:
             "drafter_forwards": self.drafter_forwards,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
+            "calibration_s": self.calibration_s,
             "tokens_per_s": self.tokens_per_s,
         }
 

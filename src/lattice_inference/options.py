@@ -52,8 +52,9 @@ class DecodeOptions:
     ``mtp``: the model's MTP head; ``ngram+mtp``: prompt lookup where an n-gram matches, the head otherwise),
     the draft settings, and the default `SamplingOptions` of each generation.
 
-    ``max_ngram``/``min_ngram`` bound the n-gram lengths tried (longest first), ``max_draft`` the tokens drafted
-    per round, ``match`` which earlier occurrence is copied (``first``, as vLLM and transformers, or
+    ``max_ngram``/``min_ngram`` bound the n-gram lengths tried (longest first), ``max_draft`` the most tokens verified
+    per round (default 10; with ``adaptive`` the planner verifies fewer where that pays), ``match`` which
+    earlier occurrence is copied (``first``, as vLLM and transformers, or
     ``recent``); ``adaptive`` (default) lets the draft planner verify fewer than ``max_draft`` tokens per round,
     or none, from the acceptance seen so far and the target's measured verification cost. For MTP,
     ``draft_length`` counts the target's token as the reference does (2..8): each round drafts up to
@@ -65,7 +66,7 @@ class DecodeOptions:
     method: str = "ngram"
     max_ngram: int = 5
     min_ngram: int = 2
-    max_draft: int = 4
+    max_draft: int = 10
     match: str = "first"
     draft_length: int = 4
     draft_vocab: int | None = None

@@ -55,23 +55,24 @@ def calibration_widths(max_width: int) -> list[int]:
     return [*widths, max_width]
 
 
-def measure_forward_costs(target: Target, widths: Sequence[int], repeats: int = 3) -> ForwardCosts:
-    """Time forwards of each width on ``target`` after a scratch prefill. This resets the target's cache."""
+def measure_forward_costs(target: Target, widths: Sequence[int], repeats: int = 2) -> ForwardCosts:
+    """Time forwards of each width on ``target`` after a scratch prefill (one untimed forward of the widest
+    width first warms the kernels up). This resets the target's cache."""
     widths = sorted(set(widths) | {1})
     vocab = target.vocab_size
     context = [(7 * i + 3) % vocab for i in range(CALIBRATION_CONTEXT)]
     target.prefill(context)
     best: list[float] = []
-    for w in widths:
+    for w in [widths[-1], *widths]:
         tokens = [(11 * i + 5) % vocab for i in range(w)]
         times = []
-        for _ in range(repeats + 1):  # the first run of a width warms its kernels up and is not kept
+        for _ in range(repeats):
             start = time.perf_counter()
             target.forward(tokens)
             times.append(time.perf_counter() - start)
             target.rollback(CALIBRATION_CONTEXT)
-        best.append(min(times[1:]))
-    return ForwardCosts(tuple(widths), tuple(best))
+        best.append(min(times))
+    return ForwardCosts(tuple(widths), tuple(best[1:]))
 
 
 _MEASURED: weakref.WeakKeyDictionary[Target, ForwardCosts] = weakref.WeakKeyDictionary()
