@@ -45,6 +45,7 @@ def test_methods_equal_greedy_on_eval_prompts(greedy, method):
         greedy.tokenizer,
         method=method,
         draft_length=3,
+        adaptive=False,  # every proposal verified, so that acceptance is certain to be exercised
         mtp_head=load_mtp_head(MODEL_DIR, dtype=torch.float32, draft_length=3) if "mtp" in method else None,
     )
     accepted = 0

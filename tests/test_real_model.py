@@ -35,7 +35,9 @@ def loaded():
 def generators(loaded):
     return {
         "greedy": Generator(loaded.model, loaded.tokenizer, method="greedy", eos_token_ids=loaded.eos_token_ids),
-        "ngram": Generator(loaded.model, loaded.tokenizer, method="ngram", eos_token_ids=loaded.eos_token_ids),
+        "ngram": Generator(  # every proposal verified: acceptance is certain to be exercised
+            loaded.model, loaded.tokenizer, method="ngram", adaptive=False, eos_token_ids=loaded.eos_token_ids
+        ),
         "ngram10": Generator(
             loaded.model, loaded.tokenizer, method="ngram", max_draft=10, eos_token_ids=loaded.eos_token_ids
         ),
@@ -91,9 +93,7 @@ def test_greedy_and_ngram_on_packed_weights_equal_transformers_generate_on_the_u
 
 
 def test_adaptive_drafting_is_lossless_and_reports_draft_lengths(loaded, generators) -> None:
-    fixed = Generator(
-        loaded.model, loaded.tokenizer, method="ngram", adaptive=False, eos_token_ids=loaded.eos_token_ids
-    )
+    fixed = generators["ngram"]
     chat = next(p for p in load_prompts(GROUNDED_TASKS) if p.set == "chat")
     edit = next(p for p in load_prompts(GROUNDED_TASKS) if p.kind == "edit")
     for prompt in (chat, edit):
