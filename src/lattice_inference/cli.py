@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--methods",
         help="comma-separated methods; greedy, the reference, is always run (default: greedy,ngram and, where the "
-        "model has an MTP head, mtp,ngram+mtp)",
+        "checkpoint has its own MTP head or --mtp-head is given, mtp,ngram+mtp)",
     )
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens per prompt (default 128)")
     bench.add_argument("--max-draft", type=_positive_int, default=10, help="most draft tokens per round (default 10)")
@@ -244,6 +244,7 @@ def _bench(args: argparse.Namespace) -> int:
     from lattice_inference.api import Generator, mtp_head_for
     from lattice_inference.loading import load_model
     from lattice_inference.model_source import resolve_model
+    from lattice_inference.mtp.head_file import shipped_head
 
     explicit = args.methods is not None
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if explicit else list(DEFAULT_BENCH_METHODS)
@@ -271,6 +272,11 @@ def _bench(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, dtype=args.dtype)
     lm, tok = loaded.model, loaded.tokenizer
     head = None
+    if not explicit and args.mtp_head is None and shipped_head(loaded.source) is not None:
+        # A head trained by this project for a model without one (SmolLM2): run it when asked, not by default;
+        # its card says how far its training got.
+        methods = [m for m in methods if not needs_mtp_head(m)]
+        benchmark.log("MTP methods need --methods ...,mtp for this model's trained head (see its card)")
     if any(map(needs_mtp_head, methods)):
         try:
             head = mtp_head_for(loaded, base.draft_length, base.draft_vocab, args.mtp_head)
