@@ -15,7 +15,8 @@ wall-clock time and as process CPU time (steadier when other jobs share the core
   (``--draft-vocab``; lossless, since every draft is verified by the target);
 * ``mtp catch-up k``: ``forward_many`` of k rows without logits (the per-verification cache rebuild), then rollback.
 
-Run: ``.venv/bin/python bench/bench_mtp_step.py`` (about 1-2 minutes on 2 cores).
+Run: ``.venv/bin/python bench/bench_mtp_step.py`` (about 1-2 minutes on 2 cores). ``--model smollm2`` measures
+a real model (float32) with its MTP head instead (the shipped one, or ``--mtp-head DIR``), hiddens still random.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from lattice_inference.api import mtp_head_for
+from lattice_inference.loading import load_model
 from lattice_inference.mtp import MtpConfig, MtpHead, MtpWeights
 from lattice_inference.toy import qwen35_08b_shape_config
 
@@ -82,23 +85,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=9, help="timed rounds (median reported)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draft-vocab", type=int, default=32768, help="N for the restricted-vocabulary column")
+    parser.add_argument(
+        "--model",
+        help="measure a real model and its MTP head instead (e.g. smollm2 with its shipped head; float32; "
+        "--mtp-head for another head)",
+    )
+    parser.add_argument("--mtp-head", help="with --model: a head written by lattice train-mtp")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print("command:", shlex.join([sys.executable, *sys.argv]))
 
     torch.manual_seed(0)
-    hf_config = qwen35_08b_shape_config()
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    if args.model:
+        loaded = load_model(args.model, dtype="float32")
+        model = loaded.model
+        head = mtp_head_for(loaded, 2, loaded.model.config.vocab_size, args.mtp_head)
+        limited = mtp_head_for(loaded, 2, args.draft_vocab, args.mtp_head)
+        dtype = torch.float32
+    else:
+        hf_config = qwen35_08b_shape_config()
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+        cfg = MtpConfig.from_hf_config(hf_config)
+        embed = model.get_input_embeddings().weight.detach()
+        head = MtpHead(cfg, random_mtp(cfg, embed))
+        limited = MtpHead(cfg, random_mtp(cfg, embed))
+        limited.set_draft_vocab(range(args.draft_vocab))
+        dtype = torch.bfloat16
+    cfg = head.config
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"target: {n_params / 1e6:.0f} M params, bfloat16, built in {time.perf_counter() - t0:.1f} s")
-    cfg = MtpConfig.from_hf_config(hf_config)
-    embed = model.get_input_embeddings().weight.detach()
-    head = MtpHead(cfg, random_mtp(cfg, embed))
-    limited = MtpHead(cfg, random_mtp(cfg, embed))
-    limited.set_draft_vocab(range(args.draft_vocab))
-    mtp_params = sum(t.numel() for t in (head._fc, head._qkv, head._o, head._mlp_gate_up, head._mlp_down))
-    print(f"MTP layer: {mtp_params / 1e6:.1f} M params + shared lm_head {embed.numel() / 1e6:.0f} M")
+    print(f"target: {n_params / 1e6:.0f} M params, {dtype}, ready in {time.perf_counter() - t0:.1f} s")
+    layer = head._layer
+    mtp_params = sum(t.numel() for t in (layer.fc, layer.qkv, layer.o, head._mlp_gate_up, head._mlp_down))
+    print(f"MTP layer: {mtp_params / 1e6:.1f} M params + shared lm_head {head._lm_head.numel() / 1e6:.0f} M")
 
     vocab, hidden = cfg.vocab_size, cfg.hidden_size
     prompt = torch.randint(0, vocab, (args.prompt,)).tolist()
@@ -120,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     target_step(prompt)
     print(f"target prefill {args.prompt} tokens: {time.perf_counter() - t0:.2f} s")
-    hiddens = torch.randn(args.prompt, hidden).to(torch.bfloat16)
+    hiddens = torch.randn(args.prompt, hidden).to(dtype)
     for h in (head, limited):
         t0 = time.perf_counter()
         h.prefill(hiddens[:-1], prompt[1:], 0)

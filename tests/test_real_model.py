@@ -132,3 +132,25 @@ def test_cli_defaults_to_smollm2_with_its_chat_template(capsys: pytest.CaptureFi
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert "Paris" in out["text"]
+
+
+def test_shipped_mtp_head_drafts_losslessly(loaded, generators) -> None:
+    """`--model smollm2 --method mtp` needs no flags: the packaged head loads, and output equals greedy's."""
+    from lattice_inference.api import mtp_head_for
+
+    head = mtp_head_for(loaded, 3)
+    assert head.config.hidden_size == 576 and head._draft_ids is not None  # the head's own draft vocabulary
+    prompt = "Write two sentences about the sea."
+    reference = generators["greedy"].generate(prompt, max_new_tokens=24, chat=True)
+    for method in ("mtp", "ngram+mtp"):
+        gen = Generator(
+            loaded.model,
+            loaded.tokenizer,
+            method=method,
+            draft_length=3,
+            mtp_head=head,
+            eos_token_ids=loaded.eos_token_ids,
+        )
+        out = gen.generate(prompt, max_new_tokens=24, chat=True)
+        assert out.token_ids == reference.token_ids
+        assert out.metrics.drafted_tokens > 0

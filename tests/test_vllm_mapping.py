@@ -212,6 +212,7 @@ def test_bad_interpreter_is_one_line_error():
         (["generate", "--engine", "vllm", "--prompt", "x", "--match", "recent"], "--match recent"),
         (["generate", "--engine", "vllm", "--prompt", "x", "--temperature", "1", "--min-p", "0.1"], "--min-p"),
         (["serve", "--engine", "vllm", "--max-queue", "2"], "--max-queue"),
+        (["generate", "--engine", "vllm", "--prompt", "x", "--method", "mtp", "--mtp-head", "h"], "--mtp-head h"),
         (["bench", "--engine", "local,vllm", "--methods", "ngram+mtp"], "ngram\\+mtp"),
         (["bench", "--engine", "local,gpu"], "unknown engine gpu"),
     ],

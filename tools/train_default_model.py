@@ -12,9 +12,11 @@ same stream). Stages (``--stage all`` runs them in order, skipping finished ones
    minutes it prints held-out losses and a free-running greedy copy probe on held-out files (copy rate and the
    4-gram repetition rate of the outputs); it stops at ``--trunk-minutes`` or once the copy probe reaches
    ``--target-copy`` (then it runs a short learning-rate decay first).
-3. ``mtp``: with the trunk frozen, one MTP head in the Qwen3.5 ``mtp.*`` layout, trained teacher-forced to predict
-   ``x_{t+2}`` from the trunk's post-final-norm hidden ``h_t`` and the embedding of ``x_{t+1}``. The module below
-   computes exactly the function of ``lattice_inference.mtp.head.MtpHead`` (checked at export).
+3. ``mtp``: with the trunk frozen, one MTP head in the Qwen3.5 ``mtp.*`` layout, trained by the package trainer
+   (``lattice_inference.train``, the engine of ``lattice train-mtp``) teacher-forced to predict the trunk's own
+   choice of ``x_{t+2}`` from its post-final-norm hidden ``h_t`` and the embedding of ``x_{t+1}``; the trainer runs
+   the drafting head's own layer function (``lattice_inference.mtp.layer``; checked again at export).
+   (The shipped head was trained by this script's earlier in-file copy of that function, on text labels.)
 4. ``export``: bfloat16 ``model.safetensors`` (trunk + ``mtp.*``), config, generation config, tokenizer,
    ``eval_prompts.jsonl`` and ``training_report.json``; then checks that ``AutoModelForCausalLM`` loads the trunk and
    that ``load_mtp_head`` reproduces the training module's logits.
@@ -53,8 +55,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the package trainer runs the MTP stage
 
 EOS = "<|endoftext|>"
 SPECIALS = [EOS, "<|im_start|>", "<|im_end|>"]
@@ -624,238 +627,54 @@ def train_trunk(args, corpus: Corpus, tok, mix: Mixture, probe_prompts: list[dic
 # ============================================================================================ MTP head
 
 
-def _gnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm (``1 + w``) in float32, as ``lattice_inference.mtp.head.gnorm``."""
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * (1.0 + w.float())).to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class MtpTrainHead(nn.Module):
-    """Differentiable, batched version of ``MtpHead._forward`` with a dense SwiGLU MLP (Qwen3.5 ``mtp.*`` layout).
-
-    ``forward(hidden [B, n, H], next_tokens [B, n], embed [V, H])``: row ``t`` pairs the trunk's post-norm
-    ``h_t`` with ``x_{t+1}`` at RoPE position ``t`` (causal attention over rows ``<= t``) and returns logits for
-    ``x_{t+2}`` (through the tied embedding) and the post-norm MTP hidden.
-    """
-
-    def __init__(self, cfg) -> None:
-        super().__init__()
-        h = cfg.hidden_size
-        self.h, self.n_h, self.n_kv, self.hd = h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.eps = cfg.rms_norm_eps
-        rp = cfg.rope_parameters
-        self.rotary_dim = int(self.hd * rp.get("partial_rotary_factor", 0.25))
-        self.theta = float(rp.get("rope_theta", 10000.0))
-        inter = cfg.intermediate_size
-        z = lambda n: nn.Parameter(torch.zeros(n))  # noqa: E731  (1 + w) norms start at identity
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = z(h), z(h), z(h)
-        self.input_layernorm, self.post_attention_layernorm = z(h), z(h)
-        self.q_proj = nn.Linear(h, 2 * self.n_h * self.hd, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv * self.hd, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.n_h * self.hd, h, bias=False)
-        self.q_norm, self.k_norm = z(self.hd), z(self.hd)
-        self.gate_proj = nn.Linear(h, inter, bias=False)
-        self.up_proj = nn.Linear(h, inter, bias=False)
-        self.down_proj = nn.Linear(inter, h, bias=False)
-        for lin in (
-            self.fc,
-            self.q_proj,
-            self.k_proj,
-            self.v_proj,
-            self.o_proj,
-            self.gate_proj,
-            self.up_proj,
-            self.down_proj,
-        ):
-            nn.init.normal_(lin.weight, std=0.02)
-
-    def init_from_trunk(self, model) -> None:
-        """Warm start: copy the trunk's last full-attention layer (same shapes) into the MTP decoder layer."""
-        layers = model.model.layers
-        types = getattr(model.config, "layer_types", None) or ["full_attention"] * len(layers)
-        idx = max(i for i, t in enumerate(types) if t == "full_attention")
-        layer = layers[idx]
-        with torch.no_grad():
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(self, name).weight.copy_(getattr(layer.self_attn, name).weight)
-            self.q_norm.copy_(layer.self_attn.q_norm.weight)
-            self.k_norm.copy_(layer.self_attn.k_norm.weight)
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                getattr(self, name).weight.copy_(getattr(layer.mlp, name).weight)
-            self.input_layernorm.copy_(layer.input_layernorm.weight)
-            self.post_attention_layernorm.copy_(layer.post_attention_layernorm.weight)
-            self.norm.copy_(model.model.norm.weight)
-            # fc: start as "mostly the hidden" (identity on the hidden half) plus a little of the embedding
-            self.fc.weight.zero_()
-            self.fc.weight[:, self.h :].copy_(torch.eye(self.h))
-            self.fc.weight[:, : self.h].normal_(std=0.02)
-
-    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, embed: torch.Tensor):
-        b, n, _h = hidden.shape
-        eps, n_h, n_kv, hd = self.eps, self.n_h, self.n_kv, self.hd
-        emb = F.embedding(next_tokens, embed)
-        x = self.fc(
-            torch.cat([_gnorm(emb, self.pre_fc_norm_embedding, eps), _gnorm(hidden, self.pre_fc_norm_hidden, eps)], -1)
-        )
-        residual = x
-        y = _gnorm(x, self.input_layernorm, eps)
-        qg = self.q_proj(y).view(b, n, n_h, 2 * hd)
-        q, gate = qg[..., :hd], qg[..., hd:].reshape(b, n, n_h * hd)
-        k = self.k_proj(y).view(b, n, n_kv, hd)
-        v = self.v_proj(y).view(b, n, n_kv, hd)
-        q, k = _gnorm(q, self.q_norm, eps), _gnorm(k, self.k_norm, eps)
-        rd = self.rotary_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, rd, 2, dtype=torch.float, device=x.device) / rd))
-        freqs = torch.arange(n, device=x.device).float()[:, None] * inv_freq
-        ang = torch.cat((freqs, freqs), -1)
-        cos, sin = ang.cos().to(q.dtype)[None, :, None, :], ang.sin().to(q.dtype)[None, :, None, :]
-
-        def rope(t):
-            return torch.cat([t[..., :rd] * cos + _rotate_half(t[..., :rd]) * sin, t[..., rd:]], -1)
-
-        q, k = rope(q), rope(k)
-        groups = n_h // n_kv
-        k = k.repeat_interleave(groups, dim=2)
-        v = v.repeat_interleave(groups, dim=2)
-        attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=hd**-0.5
-        )
-        attn = attn.transpose(1, 2).reshape(b, n, n_h * hd)
-        x = residual + self.o_proj(attn * torch.sigmoid(gate))
-        residual = x
-        y = _gnorm(x, self.post_attention_layernorm, eps)
-        x = residual + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
-        out = _gnorm(x, self.norm, eps)
-        return F.linear(out, embed), out
-
-    def mtp_state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors under the checkpoint names ``lattice_inference.mtp.weights`` reads (dense layout)."""
-        p = "mtp.layers.0."
-        return {
-            "mtp.fc.weight": self.fc.weight,
-            "mtp.pre_fc_norm_embedding.weight": self.pre_fc_norm_embedding,
-            "mtp.pre_fc_norm_hidden.weight": self.pre_fc_norm_hidden,
-            "mtp.norm.weight": self.norm,
-            p + "input_layernorm.weight": self.input_layernorm,
-            p + "post_attention_layernorm.weight": self.post_attention_layernorm,
-            p + "self_attn.q_proj.weight": self.q_proj.weight,
-            p + "self_attn.k_proj.weight": self.k_proj.weight,
-            p + "self_attn.v_proj.weight": self.v_proj.weight,
-            p + "self_attn.o_proj.weight": self.o_proj.weight,
-            p + "self_attn.q_norm.weight": self.q_norm,
-            p + "self_attn.k_norm.weight": self.k_norm,
-            p + "mlp.gate_proj.weight": self.gate_proj.weight,
-            p + "mlp.up_proj.weight": self.up_proj.weight,
-            p + "mlp.down_proj.weight": self.down_proj.weight,
-        }
-
-
-@torch.no_grad()
-def trunk_hidden(model, x: torch.Tensor) -> torch.Tensor:
-    """Post-final-norm hidden states (what ``lm_head`` scores)."""
-    return model.model(input_ids=x, use_cache=False).last_hidden_state.float()
-
-
-@torch.no_grad()
-def mtp_accuracy(head: MtpTrainHead, model, batches: dict[str, torch.Tensor], embed, device) -> dict[str, float]:
-    head.eval()
-    out = {}
-    for name, x in batches.items():
-        correct = total = 0
-        loss = []
-        for i in range(0, x.shape[0], 4):
-            xb = x[i : i + 4].to(device)
-            hid = trunk_hidden(model, xb)
-            logits, _ = head(hid[:, :-2], xb[:, 1:-1], embed)
-            target = xb[:, 2:]
-            correct += int((logits.argmax(-1) == target).sum())
-            total += target.numel()
-            loss.append(float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))))
-        out[f"{name}_top1"] = correct / total
-        out[f"{name}_loss"] = float(np.mean(loss))
-    head.train()
-    return out
-
-
 def train_mtp(args, corpus, tok, mix, trunk: dict, device) -> dict:
-    wd = Path(args.workdir)
-    ckpt_path = wd / "mtp.pt"
-    model = trunk["model"]
-    model.eval()
+    """MTP stage: the package trainer (``lattice_inference.train``, as ``lattice train-mtp``) on the frozen trunk,
+    over windows of this tool's mixture; labels are the trunk's own next tokens (self-distilled)."""
+    from lattice_inference.errors import ConfigError
+    from lattice_inference.mtp.config import MtpConfig
+    from lattice_inference.mtp.head_file import config_for_target
+    from lattice_inference.train.data import ShardCache, trunk_rows
+    from lattice_inference.train.loop import LoopConfig, train
+    from lattice_inference.train.model import TrainableHead
+
+    model = trunk["model"].eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    embed = model.model.embed_tokens.weight.detach()
+    try:
+        cfg = MtpConfig.from_hf_config(trunk["config"], draft_length=2)
+    except ConfigError:  # a trunk without a native MTP config (--arch qwen3): size the head from it
+        cfg = config_for_target(trunk["config"], draft_length=2)
     torch.manual_seed(args.seed + 1)
-    head = MtpTrainHead(trunk["config"]).to(device)
-    head.init_from_trunk(model)
-    opt = torch.optim.AdamW(head.parameters(), lr=args.mtp_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = LrSchedule(args.mtp_lr, 50)
-    state = {"step": 0, "elapsed": 0.0, "tokens": 0, "done": False, "history": []}
-    if args.resume and ckpt_path.exists():
-        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
-        head.load_state_dict(ck["head"])
-        opt.load_state_dict(ck["opt"])
-        state = ck["state"]
-        log(f"MTP resumed at step {state['step']}")
-    held = heldout_batches(corpus, mix, args.seed, args.heldout_seqs)
-    if state["done"]:
-        return {"head": head, "state": state}
-    if state["step"] == 0:
-        acc = mtp_accuracy(head, model, held, embed, device)
-        log(f"MTP at init (warm start): {json.dumps({k: round(v, 4) for k, v in acc.items()})}")
-        state["init"] = acc
-    head.train()
-    t_start = time.time() - state["elapsed"]
-    deadline = args.mtp_minutes * 60
-    last_eval = last_ckpt = time.time()
-    win_t0, win_tok, acc_loss, n_loss = time.time(), 0, 0.0, 0
+    head = TrainableHead(cfg).to(device)
+    head.init_from_target(model)
     mtp_seed = args.seed + 7919  # a different stream from the trunk's
-    while True:
-        elapsed = time.time() - t_start
-        progress = elapsed / deadline
-        if progress >= 1.0:
-            break
-        x = mix.batch(mtp_seed, state["step"], args.batch).to(device)
-        hid = trunk_hidden(model, x)
-        logits, _ = head(hid[:, :-2], x[:, 1:-1], embed)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 2:].reshape(-1))
-        lr = sched(state["step"], progress)
-        update(opt, loss, head.parameters(), lr)
-        state["step"] += 1
-        state["tokens"] += x.numel()
-        win_tok += x.numel()
-        acc_loss += loss.item()
-        n_loss += 1
-        now = time.time()
-        if state["step"] % args.log_every == 0:
-            log(
-                f"MTP step {state['step']} loss {acc_loss / n_loss:.3f} lr {lr:.2e} {win_tok / (now - win_t0):.0f} tok/s "
-                f"elapsed {(now - t_start) / 60:.1f}m ETA {(deadline - (now - t_start)) / 60:.1f}m"
-            )
-            win_t0, win_tok, acc_loss, n_loss = now, 0, 0.0, 0
-        if now - last_eval >= args.eval_every_min * 60:
-            acc = mtp_accuracy(head, model, held, embed, device)
-            state["history"].append({"step": state["step"], **acc})
-            log(f"MTP EVAL step {state['step']}: {json.dumps({k: round(v, 4) for k, v in acc.items()})}")
-            last_eval = win_t0 = time.time()
-        if now - last_ckpt >= args.ckpt_every_min * 60:
-            state["elapsed"] = time.time() - t_start
-            save_ckpt(ckpt_path, {"head": head.state_dict(), "opt": opt.state_dict(), "state": state})
-            last_ckpt = time.time()
-    acc = mtp_accuracy(head, model, held, embed, device)
-    state["final"] = acc
-    state["done"] = True
-    state["elapsed"] = time.time() - t_start
-    save_ckpt(ckpt_path, {"head": head.state_dict(), "opt": opt.state_dict(), "state": state})
-    log(f"MTP done: {state['step']} steps, {state['tokens'] / 1e6:.2f}M tokens; held-out {json.dumps(acc)}")
+    windows = [
+        row for i in range(args.mtp_windows // args.batch) for row in mix.batch(mtp_seed, i, args.batch).tolist()
+    ]
+    held = heldout_batches(corpus, mix, args.seed, args.heldout_seqs)
+    held_rows = trunk_rows(model, torch.cat([held["plain"], held["copy"]]).to(device))
+    cache = ShardCache(Path(args.workdir) / "mtp_shards", windows, args.batch, model)
+    loop = LoopConfig(
+        steps=args.mtp_steps,
+        batch=args.batch,
+        lr=args.mtp_lr,
+        probe_every_s=args.eval_every_min * 60,
+        checkpoint_every_s=args.ckpt_every_min * 60,
+        seed=args.seed,
+    )
+    embed = model.get_input_embeddings().weight
+    state = train(
+        head,
+        cache,
+        held_rows,
+        embed,
+        model.get_output_embeddings().weight,
+        loop,
+        checkpoint=Path(args.workdir) / "mtp.pt",
+        resume=args.resume,
+        on_checkpoint=lambda _state: None,
+        log=log,
+    )
     return {"head": head, "state": state}
 
 
@@ -872,7 +691,7 @@ def export(args, tok, trunk: dict, mtp: dict, prompts: list[dict], corpus: Corpu
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
-    sd.update({k: v.detach() for k, v in head.mtp_state_dict().items()})
+    sd.update(head.checkpoint_tensors())
     sd = {k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.architectures = [type(model).__name__]
@@ -889,8 +708,8 @@ def export(args, tok, trunk: dict, mtp: dict, prompts: list[dict], corpus: Corpu
     log(f"exported to {out}: " + ", ".join(f"{f.name} {f.stat().st_size / 1e6:.2f}MB" for f in sorted(out.iterdir())))
 
     # ---- checks: transformers loads the trunk; the project's loader reproduces the MTP module
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from lattice_inference.mtp import load_mtp_head
+    from lattice_inference.train.model import TrainableHead
 
     loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     loaded.eval()
@@ -906,14 +725,14 @@ def export(args, tok, trunk: dict, mtp: dict, prompts: list[dict], corpus: Corpu
     log(
         f"check: AutoModelForCausalLM.from_pretrained trunk logits max|diff| vs rounded training model = {trunk_diff:.2e}"
     )
-    head_r = MtpTrainHead(config)
+    head_r = TrainableHead(head.cfg)
     head_r.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in head.state_dict().items()})
     head_r.eval()
     emb = loaded.model.embed_tokens.weight.detach().float()
     mtp_head = load_mtp_head(out, dtype=torch.float32, draft_length=2)
     with torch.no_grad():
         hid = loaded.model(input_ids=x[:1]).last_hidden_state.float()[0]
-        lg_train, _ = head_r(hid[None, :-2], x[:1, 1:-1], emb)
+        lg_train = F.linear(head_r(hid[None, :-2], x[:1, 1:-1], emb), emb)
         mtp_head.reset_cache()
         lg_proj, _ = mtp_head.forward_many(x[0, 1:-1].tolist(), list(range(x.shape[1] - 2)), hid[:-2])
         # also one forward_one step on top (draft path)
@@ -959,12 +778,12 @@ def export(args, tok, trunk: dict, mtp: dict, prompts: list[dict], corpus: Corpu
             "target_copy": args.target_copy,
         },
         "mtp": {
-            "steps": ms["step"],
-            "tokens": ms["tokens"],
-            "minutes": ms["elapsed"] / 60,
-            "init": ms.get("init"),
-            "final": ms.get("final"),
-            "history": ms.get("history"),
+            "steps": ms.step,
+            "tokens": ms.tokens,
+            "minutes": ms.elapsed / 60,
+            "init": ms.history[0] if ms.history else None,
+            "final": ms.history[-1] if ms.history else None,
+            "history": ms.history,
         },
         "export_checks": {
             "trunk_logits_max_abs_diff": trunk_diff,
@@ -1033,7 +852,8 @@ def parse_args(argv=None):
     ap.add_argument("--extend-minutes", type=float, default=0.0, help="with --resume: add to the trunk budget")
     ap.add_argument("--target-copy", type=float, default=0.8)
     ap.add_argument("--final-decay-min", type=float, default=6.0)
-    ap.add_argument("--mtp-minutes", type=float, default=12.0)
+    ap.add_argument("--mtp-steps", type=int, default=600, help="MTP stage: optimiser steps")
+    ap.add_argument("--mtp-windows", type=int, default=1200, help="MTP stage: mixture windows of trunk states")
     ap.add_argument("--mtp-lr", type=float, default=1e-3)
     ap.add_argument("--eval-every-min", type=float, default=4.0)
     ap.add_argument("--ckpt-every-min", type=float, default=4.0)

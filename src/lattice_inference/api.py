@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import TypedDict, Unpack
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -31,6 +32,7 @@ from lattice_inference.generation import Generation, GenerationResult
 from lattice_inference.loading import LoadedModel, eos_token_ids_of, load_model
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.mtp import MtpHead, load_mtp_head
+from lattice_inference.mtp.head_file import load_head_file, shipped_head
 from lattice_inference.options import (
     METHOD_DRAFTERS,
     METHODS,
@@ -71,28 +73,46 @@ class SamplingArgs(TypedDict, total=False):
 GenerationOutput = GenerationResult
 
 
-def mtp_head_for(loaded: LoadedModel, draft_length: int, draft_vocab: int | None = None) -> MtpHead:
-    """The MTP head of a loaded checkpoint, sharing the trunk's embedding and ``lm_head`` and its dtype.
+def mtp_head_for(
+    loaded: LoadedModel,
+    draft_length: int,
+    draft_vocab: int | None = None,
+    head_path: str | Path | None = None,
+) -> MtpHead:
+    """The MTP head for a loaded model, sharing the trunk's embedding and ``lm_head`` and its dtype.
+
+    ``head_path`` (``--mtp-head``) is a head written by ``lattice train-mtp`` (its ``.safetensors`` file or its
+    folder), for any model it fits. Without it: a head shipped in the package for this model (SmolLM2), else the
+    ``mtp.*`` tensors of a Hugging Face checkpoint (Qwen3.5 / Qwen3-Next, the bundled model).
 
     ``draft_vocab=N`` restricts the draft argmax to token ids ``0..N-1`` (byte-level BPE vocabularies, Qwen's
-    included, number tokens in merge order, so low ids are the frequent ones). On a 248k vocabulary this cuts
-    the largest cost of a draft step, the ``lm_head``; it changes which tokens get drafted, never the output.
+    included, number tokens in merge order, so low ids are the frequent ones); a trained head's own
+    ``draft_vocab`` applies when none is given. On a 248k vocabulary this cuts the largest cost of a draft step,
+    the ``lm_head``; it changes which tokens get drafted, never the output.
     """
     check_draft_vocab(draft_vocab)
-    if loaded.kind != "hf":
+    lm = loaded.model
+    embed, lm_head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
+    path = head_path if head_path is not None else shipped_head(loaded.source)
+    if path is not None:
+        head, meta = load_head_file(path, lm.config, embed, lm_head, draft_length=draft_length)
+        if draft_vocab is None:
+            draft_vocab = meta.get("draft_vocab")
+    elif loaded.kind != "hf":
         raise ConfigError(
             f"model '{loaded.source}' has no MTP head: heads are read from the mtp.* tensors of a Hugging Face "
-            "folder's safetensors (Qwen3.5 / Qwen3-Next checkpoints, or the bundled model)"
+            "folder's safetensors (Qwen3.5 / Qwen3-Next checkpoints, or the bundled model), or from a head trained "
+            "with `lattice train-mtp` (--mtp-head PATH)"
         )
-    lm = loaded.model
-    head = load_mtp_head(
-        loaded.source,
-        dtype=next(lm.parameters()).dtype,
-        device=next(lm.parameters()).device,
-        draft_length=draft_length,
-        embed_tokens=lm.get_input_embeddings().weight,
-        lm_head=lm.get_output_embeddings().weight,
-    )
+    else:
+        head = load_mtp_head(
+            loaded.source,
+            dtype=next(lm.parameters()).dtype,
+            device=next(lm.parameters()).device,
+            draft_length=draft_length,
+            embed_tokens=embed,
+            lm_head=lm_head,
+        )
     if draft_vocab is not None and draft_vocab < head.config.vocab_size:
         head.set_draft_vocab(range(draft_vocab))
     return head
@@ -181,13 +201,17 @@ class Generator:
 
         ``options``/``settings`` are the constructor's (validated before the model is loaded); for the MTP
         methods the checkpoint's head is loaded too (``draft_vocab=N`` restricts its draft to token ids below
-        ``N``, see `mtp_head_for`)."""
+        ``N``, see `mtp_head_for`); ``mtp_head`` may be an `MtpHead` or the path of a head written by
+        ``lattice train-mtp``."""
         mtp_head = settings.pop("mtp_head", None)
+        head_path = mtp_head if isinstance(mtp_head, str | Path) else None
+        if head_path is not None:
+            mtp_head = None
         eos = settings.pop("eos_token_ids", None)
         options = (options or DecodeOptions()).updated(**settings)
         loaded = load_model(model, dtype=dtype, device=device)
         if options.needs_mtp_head and mtp_head is None:
-            mtp_head = mtp_head_for(loaded, options.draft_length, options.draft_vocab)
+            mtp_head = mtp_head_for(loaded, options.draft_length, options.draft_vocab, head_path)
         return cls(
             loaded.model,
             loaded.tokenizer,

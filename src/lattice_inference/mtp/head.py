@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.mtp.config import MtpConfig
+from lattice_inference.mtp.layer import LayerTensors, gqa_attention, mtp_layer, rope_inv_freq, swiglu
 from lattice_inference.mtp.weights import MtpWeights
 
 _INITIAL_CAPACITY = 256
@@ -36,30 +37,9 @@ _INITIAL_CAPACITY = 256
 Tokens = Sequence[int] | torch.Tensor
 
 
-def gnorm(x: torch.Tensor, one_plus_w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm ``x * rsqrt(mean(x²) + eps) * (1 + w)`` in float32, cast back to ``x.dtype``.
-
-    ``one_plus_w`` is the precomputed float32 ``1 + w`` (exactly transformers' ``1.0 + weight.float()``).
-    """
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * one_plus_w).to(x.dtype)
-
-
 def _is_int(value: object) -> bool:
     """True for Python and numpy integers, False for bools and everything else."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _one_plus(w: torch.Tensor) -> torch.Tensor:
-    """float32 ``1 + w`` of a zero-centred norm weight (transformers: ``1.0 + weight.float()``)."""
-    return 1.0 + w.float()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """NeoX pairing: element ``i`` pairs with ``i + d/2``."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class MtpHead:
@@ -82,18 +62,8 @@ class MtpHead:
         self.device = weights.fc.device
         self.layout = weights.layout
         w = weights
-        one = _one_plus
-        self._w_pre_emb, self._w_pre_hid, self._w_final = (
-            one(w.pre_fc_norm_embedding),
-            one(w.pre_fc_norm_hidden),
-            one(w.norm),
-        )
-        self._w_in, self._w_post = one(w.input_layernorm), one(w.post_attention_layernorm)
-        self._w_qn, self._w_kn = one(w.q_norm), one(w.k_norm)
-        self._fc = w.fc
         # q, k and v share one matmul; the rows split back into [q|gate per head], k, v.
-        self._qkv = torch.cat([w.q_proj, w.k_proj, w.v_proj], dim=0)
-        self._o = w.o_proj
+        self._layer = LayerTensors.of(w)
         self._embed = w.embed_tokens
         self._lm_head = w.lm_head
         if config.is_moe:
@@ -106,9 +76,7 @@ class MtpHead:
         else:
             self._mlp_gate_up = torch.cat([w.mlp_gate, w.mlp_up], dim=0)  # type: ignore[list-item]
             self._mlp_down = w.mlp_down
-        rd = config.rotary_dim
-        # Same expression as transformers' compute_default_rope_parameters (float32).
-        self._inv_freq = (1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))).to(self.device)
+        self._inv_freq = rope_inv_freq(config.rope_theta, config.rotary_dim, self.device)
         self._scale = config.head_dim**-0.5
         capacity = _INITIAL_CAPACITY if max_seq_len is None else min(_INITIAL_CAPACITY, max_seq_len)
         kv_shape = (capacity, config.num_key_value_heads, config.head_dim)
@@ -341,78 +309,28 @@ class MtpHead:
         self, ids: torch.Tensor, start: int, hidden: torch.Tensor, *, want_logits: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         cfg = self.config
-        eps = cfg.rms_norm_eps
-        n = ids.shape[0]
-        n_h, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        emb = self._embed[ids]
-        x = F.linear(
-            torch.cat([gnorm(emb, self._w_pre_emb, eps), gnorm(hidden, self._w_pre_hid, eps)], dim=-1), self._fc
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            n = k.shape[0]
+            self._reserve(start + n)
+            self._k[start : start + n] = k
+            self._v[start : start + n] = v
+            return gqa_attention(q, self._k[: start + n], self._v[: start + n], start, self._scale)
+
+        out = mtp_layer(
+            self._layer,
+            self._embed[ids],
+            hidden,
+            heads=(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim),
+            eps=cfg.rms_norm_eps,
+            inv_freq=self._inv_freq,
+            start=start,
+            attend=attend,
+            mlp=self._moe if cfg.is_moe else lambda y: swiglu(y, self._mlp_gate_up, self._mlp_down),
         )
-        # ---- attention
-        residual = x
-        y = gnorm(x, self._w_in, eps)
-        qkv = F.linear(y, self._qkv)
-        q_dim, kv_dim = 2 * n_h * hd, n_kv * hd
-        qg = qkv[:, :q_dim].view(n, n_h, 2 * hd)
-        q, gate = qg[..., :hd], qg[..., hd:].reshape(n, n_h * hd)
-        k = qkv[:, q_dim : q_dim + kv_dim].view(n, n_kv, hd)
-        v = qkv[:, q_dim + kv_dim :].view(n, n_kv, hd)
-        q = gnorm(q, self._w_qn, eps)
-        k = gnorm(k, self._w_kn, eps)
-        q, k = self._rope(q, k, start, n)
-        self._reserve(start + n)
-        self._k[start : start + n] = k
-        self._v[start : start + n] = v
-        attn = self._attend(q, start, n)
-        x = residual + F.linear(attn * torch.sigmoid(gate), self._o)
-        # ---- MLP
-        residual = x
-        y = gnorm(x, self._w_post, eps)
-        mlp = self._moe(y) if cfg.is_moe else self._swiglu(y, self._mlp_gate_up, self._mlp_down)
-        x = residual + mlp
-        out = gnorm(x, self._w_final, eps)
-        self._len = start + n
+        self._len = start + ids.shape[0]
         logits = F.linear(out, self._lm_head).float() if want_logits else None
         return logits, out.float()
-
-    def _rope(self, q: torch.Tensor, k: torch.Tensor, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partial NeoX RoPE on the first ``rotary_dim`` dims, cos/sin built like transformers (float32, then cast)."""
-        pos = torch.arange(start, start + n, device=self.device).float()
-        freqs = pos[:, None] * self._inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(q.dtype)[:, None, :]
-        sin = emb.sin().to(q.dtype)[:, None, :]
-        rd = self.config.rotary_dim
-
-        def apply(t: torch.Tensor) -> torch.Tensor:
-            rot, keep = t[..., :rd], t[..., rd:]
-            return torch.cat([rot * cos + rotate_half(rot) * sin, keep], dim=-1)
-
-        return apply(q), apply(k)
-
-    def _attend(self, q: torch.Tensor, start: int, n: int) -> torch.Tensor:
-        """Causal GQA attention of ``n`` new rows over cache slots ``0..start+n-1``; returns ``[n, n_h*hd]``."""
-        cfg = self.config
-        n_h, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        groups = n_h // n_kv
-        total = start + n
-        keys = self._k[:total].permute(1, 2, 0)  # [n_kv, hd, L]
-        values = self._v[:total].transpose(0, 1)  # [n_kv, L, hd]
-        qh = q.view(n, n_kv, groups, hd).permute(1, 2, 0, 3).reshape(n_kv, groups * n, hd)
-        scores = torch.matmul(qh, keys) * self._scale  # [n_kv, groups*n, L]
-        if n > 1:
-            row = torch.arange(n, device=self.device).repeat(groups)[:, None] + start
-            col = torch.arange(total, device=self.device)[None, :]
-            scores = scores.masked_fill(col > row, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        ctx = torch.matmul(probs, values)  # [n_kv, groups*n, hd]
-        return ctx.view(n_kv, groups, n, hd).permute(2, 0, 1, 3).reshape(n, n_h * hd)
-
-    @staticmethod
-    def _swiglu(y: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        gu = F.linear(y, gate_up)
-        inter = gu.shape[-1] // 2
-        return F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], down)
 
     def _moe(self, y: torch.Tensor) -> torch.Tensor:
         """Routed experts (softmax fp32 -> top-k -> renormalise) plus the sigmoid-gated shared expert."""
@@ -433,8 +351,8 @@ class MtpHead:
             rows = [r for r, _ in by_expert[e]]
             slots = [s for _, s in by_expert[e]]
             rows_t = torch.tensor(rows, device=y.device)
-            h = self._swiglu(y[rows_t], self._experts_gate_up[e], self._experts_down[e])
+            h = swiglu(y[rows_t], self._experts_gate_up[e], self._experts_down[e])
             h = h * top_w[rows_t, torch.tensor(slots, device=y.device), None]
             out.index_add_(0, rows_t, h)
-        shared = self._swiglu(y, self._mlp_gate_up, self._mlp_down)
+        shared = swiglu(y, self._mlp_gate_up, self._mlp_down)
         return out + torch.sigmoid(F.linear(y, self._shared_expert_gate)) * shared

@@ -171,9 +171,11 @@ def index_checkpoint(model_dir: str | Path) -> dict[str, Path]:
     """Map every tensor name of the checkpoint in ``model_dir`` to the safetensors file holding it.
 
     Uses ``model.safetensors.index.json`` when present (sharded), else ``model.safetensors``, else every
-    ``*.safetensors`` file in the directory.
+    ``*.safetensors`` file in the directory; ``model_dir`` may also be one ``.safetensors`` file.
     """
     root = Path(model_dir)
+    if root.is_file() and root.suffix == ".safetensors":  # a stand-alone head file (mtp.head_file)
+        return dict.fromkeys(_keys(root), root)
     if not root.is_dir():
         raise ModelLoadError(f"model directory {root} does not exist")
     index = root / "model.safetensors.index.json"

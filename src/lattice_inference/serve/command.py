@@ -79,7 +79,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     settings = default_options(args)
     name = args.served_model_name or served_name(args.model)
     loaded = load_model(args.model, dtype=args.dtype)
-    return Engine(loaded, settings, name=name)
+    return Engine(loaded, settings, name=name, mtp_head_path=args.mtp_head)
 
 
 def run(args: argparse.Namespace) -> int:

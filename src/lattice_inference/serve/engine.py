@@ -66,7 +66,8 @@ def _check_text(text: str, param: str) -> None:
 
 
 class Engine:
-    """One loaded model served under ``name`` with default speculation ``settings``."""
+    """One loaded model served under ``name`` with default speculation ``settings`` (``mtp_head_path``: a head
+    written by ``lattice train-mtp`` for the MTP methods)."""
 
     def __init__(
         self,
@@ -75,8 +76,10 @@ class Engine:
         *,
         name: str | None = None,
         cache_size: int = 8,
+        mtp_head_path: str | None = None,
     ) -> None:
         self.loaded = loaded
+        self.mtp_head_path = mtp_head_path
         self.tokenizer = loaded.tokenizer
         self.defaults = settings
         self.name = name or Path(loaded.source).name
@@ -190,7 +193,9 @@ class Engine:
 
     def _head(self, draft_length: int) -> MtpHead:
         if draft_length not in self._heads:
-            self._heads[draft_length] = mtp_head_for(self.loaded, draft_length, self.defaults.draft_vocab)
+            self._heads[draft_length] = mtp_head_for(
+                self.loaded, draft_length, self.defaults.draft_vocab, self.mtp_head_path
+            )
         return self._heads[draft_length]
 
     def generator(self, settings: DecodeOptions) -> Generator:

@@ -12,7 +12,7 @@ import sys
 
 from lattice_inference.engines.encoder import PromptEncoder, eos_token_ids
 from lattice_inference.engines.vllm.batch import VllmRequest, VllmRun, run_batch
-from lattice_inference.engines.vllm.mapping import refuse_unsupported
+from lattice_inference.engines.vllm.mapping import check_mtp_head, refuse_unsupported
 from lattice_inference.engines.vllm.runtime import find_runtime, vllm_model
 from lattice_inference.options import DecodeOptions
 
@@ -20,6 +20,7 @@ from lattice_inference.options import DecodeOptions
 def generate(args: argparse.Namespace, options: DecodeOptions, text: str) -> int:
     """Generate ``text``'s continuation with vLLM; print it (or ``--json``) as ``lattice generate`` does."""
     refuse_unsupported(options)
+    check_mtp_head(getattr(args, "mtp_head", None))
     runtime = find_runtime(args.vllm_python)
     model = vllm_model(args.model, args.dtype)
     encoder = PromptEncoder.from_folder(model.location)

@@ -36,6 +36,12 @@ def refuse_unsupported(options: DecodeOptions) -> None:
     check_sampling(options.method, options.sampling)
 
 
+def check_mtp_head(mtp_head: object) -> None:
+    """`ConfigError` for ``--mtp-head``: vLLM reads MTP layers only from the model's own checkpoint."""
+    if mtp_head:
+        raise ConfigError(f"--mtp-head {mtp_head}: vLLM reads MTP layers only from the model's own checkpoint")
+
+
 def check_sampling(method: str, sampling: SamplingOptions, cpu_build: bool = False) -> None:
     """`ConfigError` for sampling vLLM cannot honour with ``method``: it ignores ``min_p`` whenever it
     speculates (its own warning: "min_p and logit_bias parameters won't work with speculative decoding"), and

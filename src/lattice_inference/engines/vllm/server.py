@@ -18,6 +18,7 @@ from types import FrameType
 from typing import Any
 
 from lattice_inference.engines.vllm.mapping import (
+    check_mtp_head,
     check_server_flags,
     mtp_layers_of,
     refuse_unsupported,
@@ -37,6 +38,7 @@ def server_command(
     """The vLLM server's command line and environment for ``lattice serve`` ``args`` (``served_model_name``
     filled in; `ConfigError` for anything vLLM cannot honour, before anything starts)."""
     refuse_unsupported(options)
+    check_mtp_head(getattr(args, "mtp_head", None))
     check_server_flags(args, defaults)
     runtime = find_runtime(args.vllm_python)
     model = vllm_model(args.model, args.dtype)

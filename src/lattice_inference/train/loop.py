@@ -1,0 +1,205 @@
+"""The MTP training loop: AdamW on the head only, progress line, held-out acceptance probe, checkpoints, resume.
+
+The loss is cross-entropy over the draft vocabulary (token ids below ``draft_vocab``; rows whose label lies
+outside it are skipped, since such a head can never draft them). The probe is the share of held-out rows where
+the head's draft-vocabulary argmax equals the target's own next token: the first draft's acceptance rate under
+greedy decoding. Ctrl-C (SIGINT) and SIGTERM finish the current step, then checkpoint and export; SIGSTOP /
+SIGCONT (other jobs pausing this one) only pause it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lattice_inference.mtp.head_file import write_atomic
+from lattice_inference.train.data import ShardCache
+from lattice_inference.train.model import TrainableHead
+
+
+@dataclass
+class LoopConfig:
+    """Optimisation settings of one run."""
+
+    steps: int = 1000
+    batch: int = 8
+    lr: float = 1e-3
+    warmup: int = 30
+    draft_vocab: int | None = None
+    build_every: int = 2
+    """Compute one new shard of trunk states every this many steps until all are cached."""
+    log_every_s: float = 10.0
+    probe_every_s: float = 300.0
+    checkpoint_every_s: float = 300.0
+    seed: int = 0
+
+
+@dataclass
+class LoopState:
+    """What a checkpoint restores besides the weights."""
+
+    step: int = 0
+    tokens: int = 0
+    elapsed: float = 0.0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def lr_at(cfg: LoopConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak at ``cfg.steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def head_loss(
+    head: TrainableHead, rows: dict[str, torch.Tensor], embed: torch.Tensor, lm_head: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, correct [rows], valid [rows])`` of one batch of training rows over the first ``vocab`` ids."""
+    out = head(rows["hidden"], rows["tokens"].long(), embed)
+    logits = F.linear(out, lm_head[:vocab]).float()
+    labels = rows["labels"].long()
+    valid = labels < vocab
+    loss = F.cross_entropy(logits[valid], labels[valid]) if bool(valid.any()) else logits.sum() * 0
+    correct = (logits.argmax(-1) == labels) & valid
+    return loss, correct, valid
+
+
+@torch.no_grad()
+def probe(
+    head: TrainableHead, held: dict[str, torch.Tensor], embed: torch.Tensor, lm_head: torch.Tensor, vocab: int
+) -> dict[str, float]:
+    """Held-out loss and first-draft acceptance (share of all rows, out-of-vocabulary labels counting as misses)."""
+    losses, correct, total = [], 0, 0
+    for i in range(0, held["tokens"].shape[0], 4):
+        rows = {k: v[i : i + 4] for k, v in held.items()}
+        loss, ok, _ = head_loss(head, rows, embed, lm_head, vocab)
+        losses.append(float(loss))
+        correct += int(ok.sum())
+        total += ok.numel()
+    return {"heldout_loss": sum(losses) / len(losses), "acceptance": correct / max(1, total)}
+
+
+class _Stop:
+    """Turns SIGINT/SIGTERM into a flag the loop checks between steps."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _Stop:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def save_checkpoint(path: Path, head: TrainableHead, opt: torch.optim.Optimizer, state: LoopState) -> None:
+    """Weights, optimiser and loop state, written atomically."""
+    blob = {"head": head.state_dict(), "opt": opt.state_dict(), "state": state.__dict__}
+    write_atomic(path, lambda tmp: torch.save(blob, tmp))
+
+
+def train(
+    head: TrainableHead,
+    cache: ShardCache,
+    held: dict[str, torch.Tensor],
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    cfg: LoopConfig,
+    *,
+    checkpoint: Path,
+    resume: bool,
+    on_checkpoint: Callable[[LoopState], None],
+    log: Callable[[str], None],
+) -> LoopState:
+    """Train ``head`` for ``cfg.steps`` steps (continuing a checkpoint when ``resume``); returns the final state."""
+    vocab = cfg.draft_vocab or int(lm_head.shape[0])
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    state = LoopState()
+    if resume and checkpoint.is_file():
+        blob = torch.load(checkpoint, weights_only=False)
+        head.load_state_dict(blob["head"])
+        opt.load_state_dict(blob["opt"])
+        state = LoopState(**blob["state"])
+        log(f"resumed at step {state.step} ({state.tokens / 1e6:.2f}M tokens)")
+    rng = random.Random(cfg.seed * 1_000_003 + state.step)
+    built = len(cache.ready())
+    if built == 0:
+        cache.ensure(0)
+    t0 = time.monotonic() - state.elapsed
+    last_log = last_probe = last_ckpt = time.monotonic()
+    win_tokens, win_loss, win_n = 0, 0.0, 0
+    tty = sys.stderr.isatty()
+
+    def snapshot(final: bool = False) -> None:
+        state.elapsed = time.monotonic() - t0
+        state.history.append({"step": state.step, "tokens": state.tokens, **probe(head, held, embed, lm_head, vocab)})
+        save_checkpoint(checkpoint, head, opt, state)
+        on_checkpoint(state)
+        h = state.history[-1]
+        log(
+            f"{'final' if final else 'checkpoint'} step {state.step}: held-out loss {h['heldout_loss']:.3f}, "
+            f"acceptance {h['acceptance']:.3f}"
+        )
+
+    if not state.history:  # the warm start's figures, for comparison
+        state.history.append({"step": 0, "tokens": 0, **probe(head, held, embed, lm_head, vocab)})
+        first = state.history[0]
+        log(f"at init: held-out loss {first['heldout_loss']:.3f}, acceptance {first['acceptance']:.3f}")
+    with _Stop() as stop:
+        while state.step < cfg.steps and not stop.requested:
+            ready = cache.ready()
+            if len(ready) < cache.count and state.step % cfg.build_every == 0:
+                cache.ensure(len(ready))
+            rows = cache.sample(rng, cfg.batch)
+            lr = lr_at(cfg, state.step)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss, _, valid = head_loss(head, rows, embed, lm_head, vocab)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            state.step += 1
+            state.tokens += int(valid.numel())
+            win_tokens += int(valid.numel())
+            win_loss, win_n = win_loss + loss.item(), win_n + 1
+            now = time.monotonic()
+            if now - last_log >= cfg.log_every_s or state.step == cfg.steps:
+                acc = state.history[-1]["acceptance"] if state.history else float("nan")
+                line = (
+                    f"step {state.step}/{cfg.steps} loss {win_loss / win_n:.3f} lr {lr:.1e} "
+                    f"{win_tokens / (now - last_log):.0f} tok/s shards {len(cache.ready())}/{cache.count} "
+                    f"acceptance {acc:.3f} elapsed {(now - t0) / 60:.1f}m"
+                )
+                if tty:
+                    print("\r" + line, end="", file=sys.stderr, flush=True)
+                else:
+                    log(line)
+                last_log, win_tokens, win_loss, win_n = now, 0, 0.0, 0
+            if now - last_probe >= cfg.probe_every_s or now - last_ckpt >= cfg.checkpoint_every_s:
+                if tty:
+                    print(file=sys.stderr)
+                snapshot()
+                last_probe = last_ckpt = time.monotonic()
+        if stop.requested:
+            log(f"stopping at step {state.step} (interrupted); writing a checkpoint")
+        snapshot(final=True)
+    return state
