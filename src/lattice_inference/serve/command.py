@@ -68,7 +68,7 @@ def default_options(args: argparse.Namespace) -> DecodeOptions:
     """The server's default draft settings (`ConfigError` for a bad one, before anything loads)."""
     from lattice_inference.options import DecodeOptions
 
-    return DecodeOptions(**{name: getattr(args, name) for name in DRAFT_OPTIONS})
+    return DecodeOptions(**{name: getattr(args, name) for name in DRAFT_OPTIONS}, adaptive=not args.fixed_draft)
 
 
 def build_engine(args: argparse.Namespace) -> Engine:

@@ -48,6 +48,8 @@ class Speculative(_Strict):
     min_ngram: int | None = Field(None, ge=1, le=64)
     match: Literal["first", "recent"] | None = None
     draft_length: int | None = Field(None, ge=2, le=8)
+    adaptive: bool | None = None
+    """False verifies every drafted token (``--fixed-draft``); True lets the draft planner choose."""
 
     @field_validator("method")
     @classmethod
