@@ -184,3 +184,41 @@ def test_interrupt_stops_cleanly_with_a_usable_checkpoint(toy_dirs, tmp_path):
     assert (tmp_path / "checkpoint.pt").is_file() and exported
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["state"]["step"] == 3
     mtp_head_for(loaded, 2, head_path=tmp_path)
+
+
+def test_soft_loss_is_the_kl_to_the_targets_next_distribution(toy_dirs):
+    """With ``soft_weight=1`` the loss is KL(target || head): zero for a 'head' that returns the target's own next
+    hidden (its logits are the target's), positive for one that lags a position."""
+    from lattice_inference.train.data import trunk_rows
+    from lattice_inference.train.loop import head_loss
+
+    loaded = load_model(str(toy_dirs["llama"]), dtype="float32")
+    lm = loaded.model
+    rows = trunk_rows(lm, torch.tensor([loaded.tokenizer(TEXT).input_ids[:40]]))
+    rows["hidden"] = rows["hidden"].float()
+    embed, lm_head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
+    vocab = int(lm_head.shape[0])
+
+    def leading(hidden, tokens, embed):
+        return torch.cat([hidden[:, 1:], hidden[:, -1:]], dim=1)
+
+    def lagging(hidden, tokens, embed):
+        return hidden
+
+    with torch.no_grad():
+        exact, _, _ = head_loss(leading, rows, embed, lm_head, vocab, soft_weight=1.0)
+        off, _, _ = head_loss(lagging, rows, embed, lm_head, vocab, soft_weight=1.0)
+        hard, _, _ = head_loss(lagging, rows, embed, lm_head, vocab, soft_weight=0.0)
+        mixed, _, _ = head_loss(lagging, rows, embed, lm_head, vocab, soft_weight=0.25)
+    assert abs(float(exact)) < 1e-5
+    assert float(off) > 0.01
+    assert float(mixed) == pytest.approx(0.75 * float(hard) + 0.25 * float(off), rel=1e-5)
+
+
+def test_soft_weight_out_of_range_is_refused(toy_dirs, tmp_path, capsys):
+    data = tmp_path / "data.txt"
+    data.write_text(TEXT)
+    argv = ["train-mtp", "--model", str(toy_dirs["llama"]), "--data", str(data), "--out", str(tmp_path / "o")]
+    assert main([*argv, "--soft-weight", "1.5"]) == 2
+    assert "--soft-weight must lie in [0, 1], got 1.5" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -48,10 +48,18 @@ def add_parser(sub: argparse._SubParsersAction, positive_int: Callable[[str], in
         "--self-distill", action="store_true", help="answer the prompts with the target (greedy) and train on that"
     )
     p.add_argument("--distill-tokens", type=positive_int, default=160, help="answer length for --self-distill")
+    p.add_argument("--distill-batch", type=positive_int, default=16, help="prompts answered at once (default 16)")
     p.add_argument("--num-prompts", type=positive_int, default=320, help="built-in prompts to use (default 320)")
     p.add_argument("--seq-len", type=positive_int, default=256, help="window length (default 256)")
     p.add_argument("--batch", type=positive_int, default=8, help="windows per step (default 8)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument(
+        "--soft-weight",
+        type=float,
+        default=0.0,
+        help="share of the loss that is KL to the target's next-token distribution, the rest cross-entropy on "
+        "its argmax (default 0)",
+    )
     p.add_argument("--checkpoint-minutes", type=float, default=5.0, help="checkpoint + probe interval (default 5)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="float32", help="target dtype")
@@ -75,7 +83,13 @@ def _documents(args: argparse.Namespace, loaded: LoadedModel, work: Path) -> tup
     if sources.prompts:
         if args.self_distill:
             docs += datamod.self_distill(
-                model, tok, sources.prompts, max_new_tokens=args.distill_tokens, cache=work / "distill.jsonl", log=log
+                model,
+                tok,
+                sources.prompts,
+                max_new_tokens=args.distill_tokens,
+                batch_size=args.distill_batch,
+                cache=work / "distill.jsonl",
+                log=log,
             )
         else:
             docs += [tok.apply_chat_template(m, tokenize=True, return_dict=False) for m in sources.prompts]
@@ -110,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     work = out / "work"
+    if not 0.0 <= args.soft_weight <= 1.0:
+        raise ConfigError(f"--soft-weight must lie in [0, 1], got {args.soft_weight}")
     if work.exists() and not args.resume and (work / "checkpoint.pt").exists():
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
     work.mkdir(parents=True, exist_ok=True)
@@ -159,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         probe_every_s=args.checkpoint_minutes * 60,
         checkpoint_every_s=args.checkpoint_minutes * 60,
         seed=args.seed,
+        soft_weight=args.soft_weight,
     )
     state = train(
         head,

@@ -42,6 +42,8 @@ class LoopConfig:
     probe_every_s: float = 300.0
     checkpoint_every_s: float = 300.0
     seed: int = 0
+    soft_weight: float = 0.0
+    """Share of the loss that is KL to the target's next-token distribution (see `head_loss`)."""
 
 
 @dataclass
@@ -63,14 +65,30 @@ def lr_at(cfg: LoopConfig, step: int) -> float:
 
 
 def head_loss(
-    head: TrainableHead, rows: dict[str, torch.Tensor], embed: torch.Tensor, lm_head: torch.Tensor, vocab: int
+    head: TrainableHead,
+    rows: dict[str, torch.Tensor],
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    vocab: int,
+    soft_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss, correct [rows], valid [rows])`` of one batch of training rows over the first ``vocab`` ids."""
+    """``(loss, correct [rows], valid [rows])`` of one batch of training rows over the first ``vocab`` ids.
+
+    The loss is ``(1 - soft_weight) * CE(target's argmax) + soft_weight * KL(target || head)``, the KL over the
+    draft vocabulary with the target's own distribution at the next position (``lm_head(h_{t+1})``, the next
+    row's hidden; a window's last row has none and counts in the cross-entropy only). The soft term gives every
+    row the target's whole ranking, not one token, and is the quantity sampled verification accepts by."""
     out = head(rows["hidden"], rows["tokens"].long(), embed)
     logits = F.linear(out, lm_head[:vocab]).float()
     labels = rows["labels"].long()
     valid = labels < vocab
     loss = F.cross_entropy(logits[valid], labels[valid]) if bool(valid.any()) else logits.sum() * 0
+    if soft_weight > 0 and logits.shape[1] > 1:
+        with torch.no_grad():
+            teacher = F.linear(rows["hidden"][:, 1:].to(lm_head.dtype), lm_head[:vocab]).float().log_softmax(-1)
+        student = logits[:, :-1].log_softmax(-1)
+        kl = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
+        loss = (1 - soft_weight) * loss + soft_weight * kl
     correct = (logits.argmax(-1) == labels) & valid
     return loss, correct, valid
 
@@ -172,7 +190,7 @@ def train(
             lr = lr_at(cfg, state.step)
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss, _, valid = head_loss(head, rows, embed, lm_head, vocab)
+            loss, _, valid = head_loss(head, rows, embed, lm_head, vocab, cfg.soft_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
