@@ -61,3 +61,53 @@ def test_needs_a_drafter():
     with pytest.raises(ConfigError, match="at least one drafter"):
         FallbackDrafter([])
     assert not FallbackDrafter([Scripted([[1]])]).uses_hidden_states
+
+
+class Costly(Scripted):
+    """A scripted drafter that runs a model (the planner asks it for the planned length only)."""
+
+    proposes_for_free = False
+
+
+def test_planned_fallback_plans_each_drafter_under_its_own_key():
+    """A lookup proposal whose kind of match keeps failing is declined and passed over (kept for the planner to
+    learn from); the model drafter then drafts the length planned under its own key, not the lookup's."""
+    from lattice_inference.draft_planner import DraftPlanner
+    from lattice_inference.targets.forward_cost import ForwardCosts
+
+    planner = DraftPlanner(ForwardCosts((1, 2, 9), (1.0, 1.1, 1.5)))
+    for _ in range(20):
+        planner.record([1, 1, 1], 3, 0, next_token=0, key=2)  # lookups with a 2-gram match: always wrong
+        planner.record([1, 1], 2, 1, next_token=0, key=100)  # the model drafter: first token right
+    lookup = Scripted([[9, 9, 9, 9]])
+    lookup.proposal_key = 2
+    model = Costly([[5, 6, 7, 8]])
+    fb = FallbackDrafter([lookup, model])
+    fb.reset([0])
+    planned = fb.propose_planned(4, planner)
+    assert planned.skipped == [([9, 9, 9, 9], 2)]
+    assert planned.key == 100 and fb.proposal_key == 100 and fb.proposals_by == [0, 1]
+    assert planned.verify == planned.proposal == [5, 6, 7, 8][: planner.choose(4, 100, free=False)]
+    assert 1 <= len(planned.verify) < 4  # the second position fails: it is not worth the full width
+
+
+def test_adaptive_fallback_uses_the_model_drafter_where_lookups_fail():
+    """End to end: lookups that are always wrong come first; the planner learns to pass them over and the good
+    drafter behind them does the drafting. Output is greedy's either way."""
+    from helpers import ContextKeyedTarget, OracleDrafter
+
+    from lattice_inference.decode import SpeculativeDecoder
+    from lattice_inference.targets.forward_cost import ForwardCosts
+
+    model = ContextKeyedTarget(vocab=12, seed=2)
+    prompt = [1, 2, 3]
+    reference = prompt + model.greedy(prompt, 90)
+    bad = OracleDrafter(reference, vocab=12, corrupt=1.0, seed=2)
+    good = OracleDrafter(reference, vocab=12, corrupt=0.0, seed=3)
+    good.proposes_for_free = False
+    costs = ForwardCosts((1, 2, 9), (1.0, 1.1, 1.5))
+    dec = SpeculativeDecoder(model, FallbackDrafter([bad, good]), max_draft=6, adaptive=True, costs=costs)
+    result = dec.generate(prompt, 80)
+    assert result.token_ids == model.greedy(prompt, 80)
+    assert result.metrics.accepted_tokens > 30
+    assert dec.drafter.proposals_by[1] > 2 * dec.drafter.proposals_by[0]

@@ -23,14 +23,14 @@ from collections.abc import Generator, Iterable, Iterator, Sequence
 import torch
 
 from lattice_inference.draft_planner import DraftPlanner
-from lattice_inference.drafters.base import Drafter
+from lattice_inference.drafters.base import Drafter, PlannedDraft
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.generation import Generation, GenerationResult
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets.base import Target
 from lattice_inference.targets.forward_cost import ForwardCosts, forward_costs
-from lattice_inference.verify import verify_prefix
+from lattice_inference.verify import Verdict, verify_prefix
 
 __all__ = ["Generation", "GenerationResult", "SpeculativeDecoder"]
 
@@ -168,16 +168,15 @@ class SpeculativeDecoder:
             pending = first[-1]
             while not gen.stop_reason:
                 self._check_current(gen)
-                proposal, draft = self._draft(gen, gen.max_new_tokens - m.new_tokens - 1)
+                planned = self._draft(gen, gen.max_new_tokens - m.new_tokens - 1)
+                draft = planned.verify
                 position = target.length
                 choices = sampler.choose(target.forward([pending, *draft]), position + 1)
                 verdict = verify_prefix(draft, choices)
                 hidden = self._hidden_rows(verdict.accepted + 1)  # before rollback, which may run the model
                 target.rollback(position + 1 + verdict.accepted)
                 m.record_round(len(draft), verdict.accepted)
-                if gen.planner is not None and drafter is not None:
-                    key = drafter.proposal_key
-                    gen.planner.record(proposal, len(draft), verdict.accepted, verdict.tokens[-1], key)
+                self._learn(gen, planned, verdict)
                 out = self._emit(gen, verdict.tokens)
                 self._inform_drafter(verdict.tokens, hidden, position)
                 pending = verdict.tokens[-1]
@@ -187,30 +186,27 @@ class SpeculativeDecoder:
             m.decode_s = time.perf_counter() - start
             m.drafter_forwards = drafter.forward_count if drafter is not None else 0
 
-    def _draft(self, gen: Generation, room: int) -> tuple[list[int], list[int]]:
-        """This round's proposal and the part of it to verify (at most ``room`` tokens fit the budget).
-
-        Without a planner the whole proposal is verified. A free (lookup) proposal is made at full length and
-        the planner picks how much of it to verify; a drafter that runs a model is asked for the planned length
-        only (the planner timing its proposals, in target forwards per token)."""
-        drafter, planner = self.drafter, gen.planner
+    def _draft(self, gen: Generation, room: int) -> PlannedDraft:
+        """This round's draft (at most ``room`` tokens fit the budget): without a planner the whole proposal is
+        verified; with one, the drafter plans it (`Drafter.propose_planned`)."""
+        drafter = self.drafter
         cap = min(self.max_draft, room)
         if drafter is None or cap < 1:
-            return [], []
-        if planner is None:
+            return PlannedDraft([], [])
+        if gen.planner is None:
             proposal = drafter.propose(cap)[:cap]
-            return proposal, proposal
-        if drafter.proposes_for_free:
-            proposal = drafter.propose(cap)[:cap]
-            return proposal, proposal[: planner.choose(len(proposal), drafter.proposal_key)]
-        k = planner.choose(cap, drafter.proposal_key, free=False)
-        if k == 0:
-            return [], []
-        start = time.perf_counter()
-        proposal = drafter.propose(k)[:k]
-        if proposal:
-            planner.observe_drafter_seconds((time.perf_counter() - start) / len(proposal))
-        return proposal, proposal
+            return PlannedDraft(proposal, proposal, drafter.proposal_key)
+        return drafter.propose_planned(cap, gen.planner)
+
+    @staticmethod
+    def _learn(gen: Generation, planned: PlannedDraft, verdict: Verdict) -> None:
+        """Feed one round's outcome to the planner: the verified draft, and the first token of each proposal
+        passed over (it would have been accepted if it is the round's first emitted token)."""
+        if gen.planner is None:
+            return
+        gen.planner.record(planned.proposal, len(planned.verify), verdict.accepted, verdict.tokens[-1], planned.key)
+        for tokens, key in planned.skipped:
+            gen.planner.record(tokens, 0, 0, verdict.tokens[0], key)
 
     def _check_current(self, gen: Generation) -> None:
         if self.last is not gen:
@@ -230,11 +226,11 @@ class SpeculativeDecoder:
         if drafter is None or self._wants_hidden or not target.fuses_prefill_and_draft or budget < 2:
             first = gen.sampler.choose(target.prefill(prompt).unsqueeze(0), len(prompt))
             return first, self._hidden_rows(len(prompt))
-        proposal, draft = self._draft(gen, budget - 1)
+        planned = self._draft(gen, budget - 1)
+        draft = planned.verify
         verdict = verify_prefix(draft, gen.sampler.choose(target.prefill_with_draft(prompt, draft), len(prompt)))
         target.rollback(len(prompt) + verdict.accepted)
-        if gen.planner is not None:
-            gen.planner.record(proposal, len(draft), verdict.accepted, verdict.tokens[-1], drafter.proposal_key)
+        self._learn(gen, planned, verdict)
         if draft:
             gen.metrics.record_round(len(draft), verdict.accepted, in_prefill=True)
         return verdict.tokens, None

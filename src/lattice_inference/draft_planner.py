@@ -92,9 +92,11 @@ class DraftPlanner:
             rate = expected / (self.costs.relative(k + 1) + k * self.drafter_cost)
             if rate > best_rate * GAIN_MARGIN:
                 best_k, best_rate = k, rate
-        if best_k or free or not available:
+        if best_k or not available:
             self._plain_rounds = 0
             return best_k
+        if free:  # a declined free proposal neither counts towards nor resets a costly drafter's probe
+            return 0
         self._plain_rounds += 1
         if self._plain_rounds >= PROBE_EVERY:
             self._plain_rounds = 0

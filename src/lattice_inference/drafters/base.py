@@ -10,13 +10,38 @@ the sampler); the decode loop reads them directly, never by probing.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
     from lattice_inference.sampling import Sampler
+
+
+class Plan(Protocol):
+    """What a drafter asks of the adaptive planner (`lattice_inference.draft_planner.DraftPlanner` is one)."""
+
+    def choose(self, available: int, key: int = 0, *, free: bool = True) -> int:
+        """How many of ``available`` tokens proposed under ``key`` to verify (``free``: the proposal cost nothing)."""
+        ...
+
+    def observe_drafter_seconds(self, seconds_per_token: float) -> None:
+        """One measured drafting time per drafted token."""
+        ...
+
+
+@dataclass
+class PlannedDraft:
+    """One round's draft under the planner: what was proposed, the part to verify, the key to learn under, and
+    free proposals passed over this round (``(tokens, key)``; the planner still learns from their first token)."""
+
+    proposal: list[int]
+    verify: list[int]
+    key: int = 0
+    skipped: list[tuple[list[int], int]] = field(default_factory=list)
 
 
 @runtime_checkable
@@ -56,6 +81,22 @@ class Drafter(Protocol):
     def propose(self, max_tokens: int) -> list[int]:
         """Return up to ``max_tokens`` tokens likely to follow the history (possibly none)."""
         ...
+
+    def propose_planned(self, max_tokens: int, plan: Plan) -> PlannedDraft:
+        """This round's draft when a planner chooses its length. A free proposal is made at full length and the
+        planner picks how much of it to verify; a drafter that runs a model is asked for the planned length only,
+        and its time per drafted token is reported to the planner."""
+        if self.proposes_for_free:
+            proposal = self.propose(max_tokens)[:max_tokens]
+            return PlannedDraft(proposal, proposal[: plan.choose(len(proposal), self.proposal_key)], self.proposal_key)
+        k = plan.choose(max_tokens, self.proposal_key, free=False)
+        if k == 0:
+            return PlannedDraft([], [], self.proposal_key)
+        start = time.perf_counter()
+        proposal = self.propose(k)[:k]
+        if proposal:
+            plan.observe_drafter_seconds((time.perf_counter() - start) / len(proposal))
+        return PlannedDraft(proposal, proposal, self.proposal_key)
 
     def observe(self, hidden_states: torch.Tensor, start_position: int) -> None:
         """Hidden states ``[n, hidden]`` of positions ``start_position .. start_position + n - 1``, in position

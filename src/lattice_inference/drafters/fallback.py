@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lattice_inference.drafters.base import Drafter
+from lattice_inference.drafters.base import Drafter, Plan, PlannedDraft
 from lattice_inference.errors import ConfigError
 from lattice_inference.sampling import Sampler
 
@@ -69,3 +69,33 @@ class FallbackDrafter(Drafter):
                 self.proposal_key = 100 * i + d.proposal_key
                 return draft
         return []
+
+    def propose_planned(self, max_tokens: int, plan: Plan) -> PlannedDraft:
+        """The first drafter whose planned draft is non-empty drafts, each planned under its own keys (offset as
+        in `propose`). A free proposal the planner declines (its kind of match has been failing) passes the round
+        to the next drafter, and is kept in ``skipped`` so the planner still learns whether it would have held."""
+        skipped: list[tuple[list[int], int]] = []
+        for i, d in enumerate(self.drafters):
+            sub = d.propose_planned(max_tokens, _KeyOffset(plan, 100 * i))
+            key = 100 * i + sub.key
+            skipped += [(tokens, 100 * i + k) for tokens, k in sub.skipped]
+            if sub.verify:
+                self.proposals_by[i] += 1
+                self.proposal_key = key
+                return PlannedDraft(sub.proposal, sub.verify, key, skipped)
+            if sub.proposal:
+                skipped.append((sub.proposal, key))
+        return PlannedDraft([], [], self.proposal_key, skipped)
+
+
+class _KeyOffset:
+    """A `Plan` seen through a key offset (each place in a fallback order keeps its own statistics)."""
+
+    def __init__(self, plan: Plan, offset: int) -> None:
+        self.plan, self.offset = plan, offset
+
+    def choose(self, available: int, key: int = 0, *, free: bool = True) -> int:
+        return self.plan.choose(available, key + self.offset, free=free)
+
+    def observe_drafter_seconds(self, seconds_per_token: float) -> None:
+        self.plan.observe_drafter_seconds(seconds_per_token)
