@@ -222,3 +222,32 @@ def test_soft_weight_out_of_range_is_refused(toy_dirs, tmp_path, capsys):
     assert main([*argv, "--soft-weight", "1.5"]) == 2
     assert "--soft-weight must lie in [0, 1], got 1.5" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_builtin_prompts_are_distinct_stable_and_kept_apart_from_the_benchmarks():
+    from lattice_inference.train.prompts import benchmark_texts, builtin_prompts
+
+    short, long = builtin_prompts(300, seed=1), builtin_prompts(2000, seed=1)
+    assert long[:300] == short  # a self-distillation cache stays valid when --num-prompts grows
+    users = [conv[-1]["content"] for conv in long]
+    assert len(set(users)) == len(long) == 2000
+    assert not set(users) & benchmark_texts()
+    assert all(conv[-1]["role"] == "user" and conv[0]["role"] in ("system", "user") for conv in long)
+    composed = long[1000:]
+    assert any(conv[0]["role"] == "system" for conv in composed)
+    assert len({u.split()[0] for u in users[1000:]}) >= 8  # many kinds of request, not one template
+    assert builtin_prompts(2000, seed=2) != long
+
+
+def test_shards_of_other_windows_are_refused(toy_dirs, tmp_path):
+    from lattice_inference.errors import ConfigError
+    from lattice_inference.train.data import ShardCache
+
+    lm = load_model(str(toy_dirs["llama"]), dtype="float32").model
+    windows = [[i % 50 + 3] * 9 for i in range(6)]
+    ShardCache(tmp_path, windows, 2, lm).ensure(0)
+    assert ShardCache(tmp_path, windows, 2, lm).ready() == [0]  # the same windows resume
+    with pytest.raises(ConfigError, match=r"other training windows .*6 windows.*this run has 5"):
+        ShardCache(tmp_path, windows[:5], 2, lm)
+    with pytest.raises(ConfigError, match="data or its settings changed"):
+        ShardCache(tmp_path, windows[::-1], 2, lm)

@@ -69,7 +69,7 @@ def gather(data: Sequence[str], *, num_prompts: int = 320, seed: int = 0) -> Sou
             out.texts.extend(p.read_text(errors="replace") for p in _walk(Path(sysconfig.get_paths()["stdlib"])))
             continue
         if entry == "prompts":
-            out.prompts.extend([{"role": "user", "content": p}] for p in builtin_prompts(num_prompts, seed))
+            out.prompts.extend(builtin_prompts(num_prompts, seed))
             continue
         path = Path(entry)
         if not path.exists():
@@ -178,6 +178,26 @@ class ShardCache:
         self.count = (len(self.windows) + shard_size - 1) // shard_size
         self._loaded: dict[int, dict[str, torch.Tensor]] = {}
         root.mkdir(parents=True, exist_ok=True)
+        self._check_fingerprint()
+
+    def _check_fingerprint(self) -> None:
+        """Shards are only reusable for the same windows in the same order: a run resumed with other data (other
+        ``--data``, ``--tokens``, ``--seq-len`` or prompts) is refused instead of silently mixing two data sets."""
+        crc = zlib.crc32(json.dumps([self.shard_size, self.windows]).encode())
+        stamp = {"windows": len(self.windows), "shard_size": self.shard_size, "crc32": crc}
+        path = self.root / "windows.json"
+        if path.is_file():
+            old = json.loads(path.read_text())
+            if old != stamp:
+                raise ConfigError(
+                    f"{self.root} holds trunk states of other training windows ({old['windows']} windows, crc "
+                    f"{old['crc32']}; this run has {stamp['windows']}, crc {crc}): the data or its settings changed "
+                    "since the run began; use a new --out (or delete that folder to recompute them)"
+                )
+        elif self.ready():
+            return  # shards from before fingerprints were kept: nothing to compare against
+        else:
+            path.write_text(json.dumps(stamp) + "\n")
 
     def path(self, i: int) -> Path:
         return self.root / f"shard-{i:05d}.pt"

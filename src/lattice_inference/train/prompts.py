@@ -1,7 +1,8 @@
 """Built-in chat prompts for self-distillation (the model answers them; the head learns from its own answers).
 
-Made from templates and topics, none of them from the benchmark sets (``tasks/grounded.jsonl`` and the bundled
-model's ``eval_prompts.jsonl``): `builtin_prompts` drops any prompt whose text appears there.
+Made from templates and topics, then, past that pool, composed by `prompt_composer`; none from the benchmark sets
+(``tasks/grounded.jsonl`` and the bundled model's ``eval_prompts.jsonl``): prompts whose text appears there are
+dropped.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import itertools
 import json
 import random
 from pathlib import Path
+
+from lattice_inference.train.prompt_composer import composed_prompts
 
 _TOPICS = [
     "volcanoes",
@@ -142,10 +145,14 @@ def benchmark_texts() -> set[str]:
     return texts
 
 
-def builtin_prompts(n: int, seed: int = 0) -> list[str]:
-    """``n`` distinct chat prompts (at most the templates' product), shuffled by ``seed``, none from a benchmark."""
+def builtin_prompts(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """``n`` distinct chat conversations, none from a benchmark: first the template x topic pool (shuffled by
+    ``seed``, about 900), then requests composed by `prompt_composer` (varied kinds, lengths and system
+    prompts). A longer list starts with a shorter one, so a self-distillation cache stays valid when ``n``
+    grows."""
     pool = [tpl.format(t=t) for tpl, t in itertools.product(_TEMPLATES, _TOPICS)] + _OTHERS
     held = benchmark_texts()
     pool = [p for p in pool if p not in held]
     random.Random(seed).shuffle(pool)
-    return pool[:n]
+    fixed = [[{"role": "user", "content": p}] for p in pool[:n]]
+    return fixed + composed_prompts(n - len(fixed), seed, exclude=held | set(pool))
