@@ -140,3 +140,14 @@ def test_adaptive_loop_falls_back_to_plain_steps_when_drafts_always_fail() -> No
     result = dec.generate(prompt, 60)
     assert result.token_ids == model.greedy(prompt, 60)
     assert sum(result.metrics.draft_lengths[-20:]) == 0
+
+
+def test_a_fallback_drafters_misses_do_not_lower_another_drafters_estimates() -> None:
+    """Keys a hundred apart (places in a fallback order) keep separate drafter-wide estimates: an MTP head that
+    keeps missing (keys 100..) leaves a fresh n-gram key at the lookups' own rate."""
+    planner = DraftPlanner(FLAT)
+    for _ in range(20):
+        planner.record([1, 1, 1], 3, 3, next_token=0, key=4)  # 4-gram lookups: all accepted
+        planner.record([1, 1], 2, 0, next_token=0, key=100)  # the head: always wrong
+    assert planner.acceptance(0, key=3) > 0.9  # a 3-gram match, never seen: the lookups' rate
+    assert planner.acceptance(0, key=101) < 0.1  # another head key: the head's rate

@@ -9,10 +9,10 @@ per second, ``E(k) / (cost(k + 1) + k * drafter_cost)``, where ``cost`` is the t
 
 ``p_j`` is learned online, per generation: exponentially decayed counts of offered and accepted tokens at each
 position, kept separately for each *key* the drafter reports with its proposal (for n-gram lookup, the length of
-the matched n-gram: longer matches copy better) and blended with the all-keys estimate of that position, which
-starts from a prior. A lookup proposal is free, so the planner also learns from the positions it did not
-verify: when every verified token is accepted, the target's next token shows whether the next draft token would
-have been, which lets a planner that stopped drafting notice when drafting would pay again.
+the matched n-gram: longer matches copy better) and blended with the estimate over all of that drafter's keys at
+that position, which starts from a prior. A lookup proposal is free, so the planner also learns from the
+positions it did not verify: when every verified token is accepted, the target's next token shows whether the
+next draft token would have been, which lets a planner that stopped drafting notice when drafting would pay again.
 """
 
 from __future__ import annotations
@@ -27,9 +27,13 @@ PRIOR = 0.6
 PRIOR_WEIGHT = 2.0
 """How many observations the prior is worth."""
 KEY_WEIGHT = 3.0
-"""How many observations the all-keys estimate is worth against one key's own counts."""
+"""How many observations the drafter-wide estimate is worth against one key's own counts."""
 DECAY = 0.97
 """Weight kept by older observations at each new one (recent rounds count more: text changes its nature)."""
+KEY_GROUP = 100
+"""Keys that share a hundred share the estimate their own counts are blended with: a drafter's keys lie in one
+hundred (`FallbackDrafter` offsets each place in its order by 100), so an MTP head's misses never lower the
+estimates of n-gram matches, nor the reverse."""
 GAIN_MARGIN = 1.02
 """A longer draft must promise this much more throughput to be preferred (ties go to less work)."""
 PROBE_EVERY = 16
@@ -66,7 +70,7 @@ class DraftPlanner:
     def __init__(self, costs: ForwardCosts, drafter_cost: float = 0.0) -> None:
         self.costs = costs
         self.drafter_cost = drafter_cost
-        self._all = _Counts()
+        self._groups: dict[int, _Counts] = {}
         self._by_key: dict[int, _Counts] = {}
         self._plain_rounds = 0
 
@@ -77,7 +81,8 @@ class DraftPlanner:
 
     def acceptance(self, position: int, key: int = 0) -> float:
         """Estimated chance that draft position ``position`` (0-based) is accepted once the earlier ones were."""
-        base = self._all.rate(position, PRIOR, PRIOR_WEIGHT)
+        group = self._groups.get(key // KEY_GROUP)
+        base = PRIOR if group is None else group.rate(position, PRIOR, PRIOR_WEIGHT)
         counts = self._by_key.get(key)
         return base if counts is None else counts.rate(position, base, KEY_WEIGHT)
 
@@ -108,11 +113,12 @@ class DraftPlanner:
         ``next_token`` is the target's own token after them. Where everything verified was accepted and the
         proposal had more, ``next_token`` also says whether the next proposed token would have been."""
         counts = self._by_key.setdefault(key, _Counts())
+        group = self._groups.setdefault(key // KEY_GROUP, _Counts())
         outcomes = [True] * accepted
         if accepted < verified:
             outcomes.append(False)
         elif verified < len(proposal):
             outcomes.append(proposal[verified] == next_token)
         for position, ok in enumerate(outcomes):
-            self._all.add(position, ok)
+            group.add(position, ok)
             counts.add(position, ok)
