@@ -91,10 +91,11 @@ class DraftPlanner:
         nothing (otherwise every `PROBE_EVERY`-th round that would be plain drafts one token)."""
         best_k, best_rate = 0, 1.0 / self.costs.relative(1)
         expected, reach = 1.0, 1.0
+        per_token = 0.0 if free else self.drafter_cost  # a free proposal's tokens cost nothing to draft
         for k in range(1, available + 1):
             reach *= self.acceptance(k - 1, key)
             expected += reach
-            rate = expected / (self.costs.relative(k + 1) + k * self.drafter_cost)
+            rate = expected / (self.costs.relative(k + 1) + k * per_token)
             if rate > best_rate * GAIN_MARGIN:
                 best_k, best_rate = k, rate
         if best_k or not available:
