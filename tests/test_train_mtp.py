@@ -87,6 +87,33 @@ def test_saved_head_round_trips(arch, toy_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_chained_training_steps_are_the_drafting_heads_chain(arch, toy_dirs, tmp_path):
+    """`forward_chain` step ``j`` at origin ``t`` equals the loaded head drafting ``j`` steps from ``h_t``: the
+    cache holds rows from target hiddens up to ``t``, then the head's own hiddens at ``t+1..``."""
+    loaded = load_model(str(toy_dirs[arch]), dtype="float32")
+    lm = loaded.model
+    train_head = _random_head(lm, seed=2)
+    export_head(train_head, lm.config, tmp_path, draft_vocab=None, training={}, dtype=torch.float32)
+    embed, lm_head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
+    head, _ = load_head_file(tmp_path / HEAD_NAME, lm.config, embed, lm_head)
+    hidden = torch.randn(1, 8, 64)
+    tokens = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        chain = train_head.forward_chain(hidden, tokens, embed, 3)
+    assert [tuple(o.shape) for o in chain] == [(1, 8, 64), (1, 7, 64), (1, 6, 64)]
+    for t in range(6):
+        head.reset_cache()
+        if t:
+            head.prefill(hidden[0, :t], tokens[0, :t], 0)
+        hid = hidden[0, t]
+        for j in range(3):
+            _, hid = head.forward_one(int(tokens[0, t + j]), t + j, hid)
+            torch.testing.assert_close(hid, chain[j][0, t], rtol=1e-5, atol=1e-5)
+    # step 2 differs from step 1 on the same rows: the chain really feeds the head's own hiddens
+    assert not torch.allclose(chain[1][0], train_head(hidden, tokens, embed)[0, 1:], atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("method", ["mtp", "ngram+mtp"])
 def test_loaded_head_is_lossless(arch, method, toy_dirs, tmp_path):
     loaded = load_model(str(toy_dirs[arch]), dtype="float32")
@@ -199,11 +226,15 @@ def test_soft_loss_is_the_kl_to_the_targets_next_distribution(toy_dirs):
     embed, lm_head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
     vocab = int(lm_head.shape[0])
 
-    def leading(hidden, tokens, embed):
-        return torch.cat([hidden[:, 1:], hidden[:, -1:]], dim=1)
+    class Fixed:  # a stand-in head whose first draft step returns a given function of the target hiddens
+        def __init__(self, fn):
+            self.fn = fn
 
-    def lagging(hidden, tokens, embed):
-        return hidden
+        def forward_chain(self, hidden, tokens, embed, depth):
+            return [self.fn(hidden)]
+
+    leading = Fixed(lambda hidden: torch.cat([hidden[:, 1:], hidden[:, -1:]], dim=1))
+    lagging = Fixed(lambda hidden: hidden)
 
     with torch.no_grad():
         exact, _, _ = head_loss(leading, rows, embed, lm_head, vocab, soft_weight=1.0)

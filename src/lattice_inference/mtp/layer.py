@@ -56,10 +56,20 @@ def apply_rope(t: torch.Tensor, inv_freq: torch.Tensor, start: int, dtype: torch
     return torch.cat([rot * cos + rotate_half(rot) * sin, keep], dim=-1)
 
 
-def gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+def gqa_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    scale: float,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal GQA attention of ``q [..., n, n_h, hd]`` (positions ``start..``) over ``keys``/``values``
     ``[..., L, n_kv, hd]`` (positions ``0..L-1``, ``L = start + n``); query head ``h`` reads kv head
-    ``h // (n_h / n_kv)``. Softmax in float32. Returns ``[..., n, n_h * hd]``."""
+    ``h // (n_h / n_kv)``. Softmax in float32. Returns ``[..., n, n_h * hd]``.
+
+    ``allowed [n, L]`` (bool), when given, replaces the causal mask: training the chained draft steps lays
+    several steps' keys side by side (`train.model.chain_mask`)."""
     *lead, n, n_h, hd = q.shape
     n_kv, total = keys.shape[-2], keys.shape[-3]
     groups = n_h // n_kv
@@ -67,7 +77,9 @@ def gqa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
     v = values.movedim(-3, -2)  # [..., n_kv, L, hd]
     qh = q.reshape(*lead, n, n_kv, groups, hd).movedim(-4, -2).reshape(*lead, n_kv, groups * n, hd)
     scores = torch.matmul(qh, k) * scale  # [..., n_kv, groups*n, L]
-    if n > 1:
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed.repeat(groups, 1), float("-inf"))
+    elif n > 1:
         row = torch.arange(n, device=q.device).repeat(groups)[:, None] + start
         col = torch.arange(total, device=q.device)[None, :]
         scores = scores.masked_fill(col > row, float("-inf"))

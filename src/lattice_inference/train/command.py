@@ -60,6 +60,12 @@ def add_parser(sub: argparse._SubParsersAction, positive_int: Callable[[str], in
         help="share of the loss that is KL to the target's next-token distribution, the rest cross-entropy on "
         "its argmax (default 0)",
     )
+    p.add_argument(
+        "--draft-steps",
+        type=positive_int,
+        default=2,
+        help="chained draft steps trained: step 2 drafts from the head's own hidden, as drafting does (default 2)",
+    )
     p.add_argument("--checkpoint-minutes", type=float, default=5.0, help="checkpoint + probe interval (default 5)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="float32", help="target dtype")
@@ -176,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every_s=args.checkpoint_minutes * 60,
         seed=args.seed,
         soft_weight=args.soft_weight,
+        depth=args.draft_steps,
     )
     state = train(
         head,

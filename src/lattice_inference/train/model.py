@@ -73,20 +73,50 @@ class TrainableHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
         """Post-norm MTP output ``[B, n, H]`` for target hiddens ``[B, n, H]`` and tokens ``[B, n]`` (causal)."""
+        return self.forward_chain(hidden, next_tokens, embed, 1)[0]
+
+    def forward_chain(
+        self, hidden: torch.Tensor, next_tokens: torch.Tensor, embed: torch.Tensor, depth: int
+    ) -> list[torch.Tensor]:
+        """Outputs of draft steps ``1..depth`` over a whole window, each step chained as `MtpHead.draft_tokens`
+        chains it: step ``j`` (0-based) feeds step ``j-1``'s own output at position ``p - 1`` with the token
+        ``x_{p+1}`` at position ``p`` and attends to what the head's KV cache would hold there (`chain_mask`).
+        Step ``j``'s output ``[B, n - j, H]`` covers positions ``j..n-1`` and predicts ``x_{p+2}``; step 0 is
+        the plain causal `forward`. Training later steps this way is EAGLE-3's training-time test: the head
+        learns from its own hiddens, which is what it drafts from after the first token."""
         cfg = self.cfg
         scale = cfg.head_dim**-0.5
         gate_up = torch.cat([self.mlp_gate, self.mlp_up], dim=0)
-        return mtp_layer(
-            self.layer_tensors(),
-            embed[next_tokens],
-            hidden.to(self.fc.dtype),
-            heads=(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim),
-            eps=cfg.rms_norm_eps,
-            inv_freq=self.inv_freq,
-            start=0,
-            attend=lambda q, k, v: gqa_attention(q, k, v, 0, scale),
-            mlp=lambda y: swiglu(y, gate_up, self.mlp_down),
-        )
+        tensors = self.layer_tensors()
+        n = int(next_tokens.shape[-1])
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
+        hid = hidden.to(self.fc.dtype)
+        for j in range(min(depth, n)):
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, j: int = j) -> torch.Tensor:
+                keys.append(k)
+                values.append(v)
+                if j == 0:
+                    return gqa_attention(q, k, v, 0, scale)
+                mask = chain_mask(n, j, q.device)
+                return gqa_attention(q, torch.cat(keys, -3), torch.cat(values, -3), 0, scale, allowed=mask)
+
+            out = mtp_layer(
+                tensors,
+                embed[next_tokens[..., j:]],
+                hid,
+                heads=(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim),
+                eps=cfg.rms_norm_eps,
+                inv_freq=self.inv_freq,
+                start=j,
+                attend=attend,
+                mlp=lambda y: swiglu(y, gate_up, self.mlp_down),
+            )
+            outs.append(out)
+            hid = out[..., :-1, :]
+        return outs
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The parameters under their ``mtp.*`` checkpoint names."""
@@ -136,3 +166,17 @@ class TrainableHead(nn.Module):
         self.fc.zero_()
         self.fc[:, h:] = torch.eye(h)
         self.fc[:, :h].normal_(std=0.02)
+
+
+def chain_mask(n: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Which keys draft step ``step`` (0-based, >= 1) may read in a window of ``n`` positions: ``[n - step, L]``
+    bool over the keys of steps ``0..step`` laid side by side (step ``k`` holds positions ``k..n-1``).
+
+    The query at position ``p`` is the ``step``-th chained draft from the target hidden at ``t = p - step``. When
+    drafting, the head's cache then holds rows computed from target hiddens at positions ``0..t`` and this
+    chain's own earlier drafts at ``t+1..p-1``, so: step 0's keys at positions ``<= t``, and step ``k``'s key at
+    position ``t + k`` only."""
+    pos = torch.arange(step, n, device=device)[:, None]
+    cols = [torch.arange(0, n, device=device)[None, :] <= pos - step]
+    cols += [torch.arange(k, n, device=device)[None, :] == pos - step + k for k in range(1, step + 1)]
+    return torch.cat(cols, dim=1)
