@@ -1,9 +1,10 @@
 """The MTP training loop: AdamW on the head only, progress line, held-out acceptance probe, checkpoints, resume.
 
 The loss is cross-entropy over the draft vocabulary (token ids below ``draft_vocab``; rows whose label lies
-outside it are skipped, since such a head can never draft them). The probe is the share of held-out rows where
-the head's draft-vocabulary argmax equals the target's own next token: the first draft's acceptance rate under
-greedy decoding. Ctrl-C (SIGINT) and SIGTERM finish the current step, then checkpoint and export; SIGSTOP /
+outside it are skipped, since such a head can never draft them), summed over the chained draft steps trained
+(`LoopConfig.depth`). The probe is the share of held-out rows where the head's draft-vocabulary argmax equals
+the target's own next token (the first draft's acceptance rate under greedy decoding), and the share where the
+first two chained drafts both do. Ctrl-C (SIGINT) and SIGTERM finish the current step, then checkpoint and export; SIGSTOP /
 SIGCONT (other jobs pausing this one) only pause it.
 """
 
