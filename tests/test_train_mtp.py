@@ -49,7 +49,8 @@ def test_training_lowers_loss_and_writes_a_head_that_loads(trained, toy_dirs):
     history = json.loads((trained / "training_log.json").read_text())["history"]
     assert history[0]["step"] == 0 and history[-1]["step"] == 20
     assert history[-1]["heldout_loss"] < history[0]["heldout_loss"]
-    assert all(0.0 <= h["acceptance_2"] <= h["acceptance"] for h in history)  # two drafts right: a subset
+    # both drafts right is a subset of the first right (47 chains per 48-row window)
+    assert all(0.0 <= h["acceptance_2"] <= h["acceptance"] * 48 / 47 for h in history)
     loaded = load_model(str(toy_dirs["llama"]), dtype="float32")
     head = mtp_head_for(loaded, 3, head_path=trained)
     assert head.config.hidden_size == 64 and head.config.num_drafts == 2
