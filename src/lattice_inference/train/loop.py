@@ -4,8 +4,8 @@ The loss is cross-entropy over the draft vocabulary (token ids below ``draft_voc
 outside it are skipped, since such a head can never draft them), summed over the chained draft steps trained
 (`LoopConfig.depth`). The probe is the share of held-out rows where the head's draft-vocabulary argmax equals
 the target's own next token (the first draft's acceptance rate under greedy decoding), and the share where the
-first two chained drafts both do. Ctrl-C (SIGINT) and SIGTERM finish the current step, then checkpoint and export; SIGSTOP /
-SIGCONT (other jobs pausing this one) only pause it.
+first two chained drafts both do. Ctrl-C (SIGINT) and SIGTERM finish the current step, then checkpoint and
+export; SIGSTOP / SIGCONT (other jobs pausing this one) only pause it.
 """
 
 from __future__ import annotations
