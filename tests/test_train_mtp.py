@@ -71,14 +71,20 @@ def _random_head(model, seed: int = 0) -> TrainableHead:
     return TrainableHead(config_for_target(model.config), std=0.1)
 
 
+def _saved_and_loaded(arch: str, toy_dirs, folder: Path, seed: int):
+    """A random trainable head for the toy ``arch``, written in float32 and loaded back as a drafting head:
+    ``(trainable, drafting, meta, embed)``."""
+    lm = load_model(str(toy_dirs[arch]), dtype="float32").model
+    train_head = _random_head(lm, seed)
+    export_head(train_head, lm.config, folder, draft_vocab=None, training={}, dtype=torch.float32)
+    embed, lm_head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
+    head, meta = load_head_file(folder / HEAD_NAME, lm.config, embed, lm_head)
+    return train_head, head, meta, embed
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_saved_head_round_trips(arch, toy_dirs, tmp_path):
-    loaded = load_model(str(toy_dirs[arch]), dtype="float32")
-    lm = loaded.model
-    train_head = _random_head(lm)
-    export_head(train_head, lm.config, tmp_path, draft_vocab=None, training={}, dtype=torch.float32)
-    embed, lm_head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
-    head, meta = load_head_file(tmp_path / HEAD_NAME, lm.config, embed, lm_head)
+    train_head, head, meta, embed = _saved_and_loaded(arch, toy_dirs, tmp_path, seed=0)
     hidden = torch.randn(1, 7, 64)
     tokens = torch.randint(0, 256, (1, 7))
     with torch.no_grad():
@@ -92,12 +98,7 @@ def test_saved_head_round_trips(arch, toy_dirs, tmp_path):
 def test_chained_training_steps_are_the_drafting_heads_chain(arch, toy_dirs, tmp_path):
     """`forward_chain` step ``j`` at origin ``t`` equals the loaded head drafting ``j`` steps from ``h_t``: the
     cache holds rows from target hiddens up to ``t``, then the head's own hiddens at ``t+1..``."""
-    loaded = load_model(str(toy_dirs[arch]), dtype="float32")
-    lm = loaded.model
-    train_head = _random_head(lm, seed=2)
-    export_head(train_head, lm.config, tmp_path, draft_vocab=None, training={}, dtype=torch.float32)
-    embed, lm_head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
-    head, _ = load_head_file(tmp_path / HEAD_NAME, lm.config, embed, lm_head)
+    train_head, head, _, embed = _saved_and_loaded(arch, toy_dirs, tmp_path, seed=2)
     hidden = torch.randn(1, 8, 64)
     tokens = torch.randint(0, 256, (1, 8))
     with torch.no_grad():
