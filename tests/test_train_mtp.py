@@ -240,10 +240,10 @@ def test_soft_loss_is_the_kl_to_the_targets_next_distribution(toy_dirs):
     lagging = Fixed(lambda hidden: hidden)
 
     with torch.no_grad():
-        exact, _, _ = head_loss(leading, rows, embed, lm_head, vocab, soft_weight=1.0)
-        off, _, _ = head_loss(lagging, rows, embed, lm_head, vocab, soft_weight=1.0)
-        hard, _, _ = head_loss(lagging, rows, embed, lm_head, vocab, soft_weight=0.0)
-        mixed, _, _ = head_loss(lagging, rows, embed, lm_head, vocab, soft_weight=0.25)
+        (exact,), _, _ = head_loss(leading, rows, embed, lm_head, vocab, soft_weight=1.0)
+        (off,), _, _ = head_loss(lagging, rows, embed, lm_head, vocab, soft_weight=1.0)
+        (hard,), _, _ = head_loss(lagging, rows, embed, lm_head, vocab, soft_weight=0.0)
+        (mixed,), _, _ = head_loss(lagging, rows, embed, lm_head, vocab, soft_weight=0.25)
     assert abs(float(exact)) < 1e-5
     assert float(off) > 0.01
     assert float(mixed) == pytest.approx(0.75 * float(hard) + 0.25 * float(off), rel=1e-5)

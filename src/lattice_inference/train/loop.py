@@ -75,9 +75,10 @@ def head_loss(
     vocab: int,
     soft_weight: float = 0.0,
     depth: int = 1,
-) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-    """``(loss, correct, valid [B, n])`` of one batch of training rows over the first ``vocab`` ids, for draft
-    steps ``1..depth`` chained as drafting chains them (`TrainableHead.forward_chain`); ``correct[j]``
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """``(losses, correct, valid [B, n])`` of one batch of training rows over the first ``vocab`` ids, for draft
+    steps ``1..depth`` chained as drafting chains them (`TrainableHead.forward_chain`); ``losses[j]`` is step
+    ``j``'s loss (training minimises their sum) and ``correct[j]``
     ``[B, n - j]`` marks where step ``j``'s argmax is the target's token, indexed by the chain's first row.
 
     Step 1's loss is ``(1 - soft_weight) * CE(target's argmax) + soft_weight * KL(target || head)``, the KL over
@@ -88,7 +89,7 @@ def head_loss(
     accepted, and training on the head's own hiddens is what makes it acceptable (EAGLE-3)."""
     outs = head.forward_chain(rows["hidden"], rows["tokens"].long(), embed, depth)
     labels = rows["labels"].long()
-    loss = torch.zeros((), dtype=torch.float32)
+    losses: list[torch.Tensor] = []
     correct: list[torch.Tensor] = []
     for j, out in enumerate(outs):
         logits = F.linear(out, lm_head[:vocab]).float()
@@ -101,9 +102,9 @@ def head_loss(
             student = logits[:, :-1].log_softmax(-1)
             kl = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
             ce = (1 - soft_weight) * ce + soft_weight * kl
-        loss = loss + ce
+        losses.append(ce)
         correct.append((logits.argmax(-1) == lab) & valid)
-    return loss, correct, labels < vocab
+    return losses, correct, labels < vocab
 
 
 @torch.no_grad()
@@ -116,9 +117,8 @@ def probe(
     losses, first, both, total, chains = [], 0, 0, 0, 0
     for i in range(0, held["tokens"].shape[0], 4):
         rows = {k: v[i : i + 4] for k, v in held.items()}
-        _, ok, _ = head_loss(head, rows, embed, lm_head, vocab, depth=2)
-        step1, _, _ = head_loss(head, rows, embed, lm_head, vocab)
-        losses.append(float(step1))
+        step_losses, ok, _ = head_loss(head, rows, embed, lm_head, vocab, depth=2)
+        losses.append(float(step_losses[0]))
         first += int(ok[0].sum())
         total += ok[0].numel()
         if len(ok) > 1:
@@ -216,7 +216,8 @@ def train(
             lr = lr_at(cfg, state.step)
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss, _, valid = head_loss(head, rows, embed, lm_head, vocab, cfg.soft_weight, cfg.depth)
+            step_losses, _, valid = head_loss(head, rows, embed, lm_head, vocab, cfg.soft_weight, cfg.depth)
+            loss = torch.stack(step_losses).sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
