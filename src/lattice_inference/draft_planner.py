@@ -86,22 +86,25 @@ class DraftPlanner:
         counts = self._by_key.get(key)
         return base if counts is None else counts.rate(position, base, KEY_WEIGHT)
 
-    def choose(self, available: int, key: int = 0, *, free: bool = True) -> int:
+    def choose(self, available: int, key: int = 0, *, free: bool = True, drafted: int = 0) -> int:
         """How many of ``available`` draft tokens to verify (0..available). ``free``: whether the proposal cost
-        nothing (otherwise every `PROBE_EVERY`-th round that would be plain drafts one token)."""
+        nothing (otherwise every `PROBE_EVERY`-th round that would be plain drafts one token). ``drafted``: how
+        many of a costly proposal's tokens are drafted already (an MTP head's first draft, drafted to read its
+        confidence): their cost is spent whatever the choice, and a declined one is learned from like a free
+        proposal, so it needs no probe."""
         best_k, best_rate = 0, 1.0 / self.costs.relative(1)
         expected, reach = 1.0, 1.0
         per_token = 0.0 if free else self.drafter_cost  # a free proposal's tokens cost nothing to draft
         for k in range(1, available + 1):
             reach *= self.acceptance(k - 1, key)
             expected += reach
-            rate = expected / (self.costs.relative(k + 1) + k * per_token)
+            rate = expected / (self.costs.relative(k + 1) + max(0, k - drafted) * per_token)
             if rate > best_rate * GAIN_MARGIN:
                 best_k, best_rate = k, rate
         if best_k or not available:
             self._plain_rounds = 0
             return best_k
-        if free:  # a declined free proposal neither counts towards nor resets a costly drafter's probe
+        if free or drafted:  # a declined proposal already in hand neither counts towards nor resets the probe
             return 0
         self._plain_rounds += 1
         if self._plain_rounds >= PROBE_EVERY:

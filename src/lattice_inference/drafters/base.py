@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 class Plan(Protocol):
     """What a drafter asks of the adaptive planner (`lattice_inference.draft_planner.DraftPlanner` is one)."""
 
-    def choose(self, available: int, key: int = 0, *, free: bool = True) -> int:
-        """How many of ``available`` tokens proposed under ``key`` to verify (``free``: the proposal cost nothing)."""
+    def choose(self, available: int, key: int = 0, *, free: bool = True, drafted: int = 0) -> int:
+        """How many of ``available`` tokens proposed under ``key`` to verify (``free``: the proposal cost nothing;
+        ``drafted``: how many of a costly proposal's tokens are drafted already, their cost spent)."""
         ...
 
     def observe_drafter_seconds(self, seconds_per_token: float) -> None:

@@ -94,8 +94,8 @@ class _KeyOffset:
     def __init__(self, plan: Plan, offset: int) -> None:
         self.plan, self.offset = plan, offset
 
-    def choose(self, available: int, key: int = 0, *, free: bool = True) -> int:
-        return self.plan.choose(available, key + self.offset, free=free)
+    def choose(self, available: int, key: int = 0, *, free: bool = True, drafted: int = 0) -> int:
+        return self.plan.choose(available, key + self.offset, free=free, drafted=drafted)
 
     def observe_drafter_seconds(self, seconds_per_token: float) -> None:
         self.plan.observe_drafter_seconds(seconds_per_token)

@@ -22,7 +22,7 @@ always holds the entry built from ``(h_p, x_{p+1})``, and a position must equal 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -218,7 +218,6 @@ class MtpHead:
         ids = self._check_tokens(next_tokens)
         self.forward_many(ids, range(start_position, start_position + int(ids.shape[0])), hiddens, return_logits=False)
 
-    @torch.inference_mode()
     def draft_tokens(
         self,
         next_token_id: int,
@@ -247,6 +246,32 @@ class MtpHead:
         count = self.config.num_drafts if num_tokens is None else num_tokens
         if count < 1:
             raise ValueError(f"num_tokens must be >= 1, got {count}")
+        steps = self.draft_steps(next_token_id, position, hidden, catch_up=catch_up, choose=choose, limit=count)
+        eos = set(eos_token_ids)
+        drafts: list[int] = []
+        for token, _ in steps:
+            drafts.append(token)
+            if token in eos or len(drafts) == count:
+                break
+        steps.close()
+        return drafts
+
+    def draft_steps(
+        self,
+        next_token_id: int,
+        position: int,
+        hidden: torch.Tensor | Sequence[float],
+        *,
+        catch_up: tuple[torch.Tensor, Tokens] | None = None,
+        choose: Callable[[torch.Tensor, int, torch.Tensor | None], int] | None = None,
+        limit: int | None = None,
+    ) -> Iterator[tuple[int, float]]:
+        """The draft chain of `draft_tokens`, one step per ``next``: ``(token, confidence)``, where confidence is
+        the head's probability of its most likely token (over the draft vocabulary), the signal EAGLE-2 uses to
+        predict acceptance. A caller that stops early pays only for the steps it took, so it can look at the first
+        draft's confidence before deciding to chain more. Arguments and checks as in `draft_tokens` (made when
+        called, before the first step); ``limit`` caps the steps (default: up to ``max_seq_len``).
+        """
         if not _is_int(next_token_id):
             raise TokenError(f"MTP token_id must be an int, got {next_token_id!r}")
         ids = self._check_tokens([next_token_id])
@@ -260,27 +285,35 @@ class MtpHead:
         if not _is_int(position) or position - m != self._len:
             where = f"position {position!r}" if not m else f"position {position!r} minus {m} catch-up rows"
             raise ValueError(f"MTP {where} must equal cache_len {self._len}")
-        if self.max_seq_len is not None and position + count > self.max_seq_len:
-            raise ValueError(f"drafting {count} tokens from position {position} passes max_seq_len {self.max_seq_len}")
-        eos = set(eos_token_ids)
-        drafts: list[int] = []
-        pos = position - m
+        if limit is not None and self.max_seq_len is not None and position + limit > self.max_seq_len:
+            raise ValueError(f"drafting {limit} tokens from position {position} passes max_seq_len {self.max_seq_len}")
+        return self._chain(ids, position - m, hid, position, choose)
+
+    @torch.inference_mode()
+    def _chain(
+        self,
+        ids: torch.Tensor,
+        pos: int,
+        hid: torch.Tensor,
+        position: int,
+        choose: Callable[[torch.Tensor, int, torch.Tensor | None], int] | None,
+    ) -> Iterator[tuple[int, float]]:
         scorer = self._lm_head if self._draft_head is None else self._draft_head
-        for _ in range(count):
+        index = position + 2
+        while self.max_seq_len is None or pos + int(ids.shape[0]) <= self.max_seq_len:
             _, out = self._forward(ids, pos, hid, want_logits=False)
             hid = out[-1:].to(self.dtype)  # exact: the head's own dtype, widened to float32 and back
             scores = F.linear(hid, scorer)[0]
+            best = int(torch.argmax(scores))
+            confidence = float(torch.softmax(scores.float(), dim=0)[best])
             if choose is None:
-                best = int(torch.argmax(scores))
                 token = best if self._draft_ids is None else int(self._draft_ids[best])
             else:
-                token = choose(scores, position + 2 + len(drafts), self._draft_ids)
-            drafts.append(token)
-            if token in eos:
-                break
+                token = choose(scores, index, self._draft_ids)
+            yield token, confidence
             pos += int(ids.shape[0])
+            index += 1
             ids = torch.tensor([token], dtype=torch.long, device=self.device)
-        return drafts
 
     def set_draft_vocab(self, token_ids: Iterable[int] | torch.Tensor | None) -> None:
         """Restrict the argmax of ``draft_tokens`` to ``token_ids`` (None: the whole vocabulary again).
