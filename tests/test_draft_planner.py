@@ -88,6 +88,19 @@ def test_planner_probes_a_costly_drafter_after_plain_rounds() -> None:
     assert [planner.choose(3) for _ in range(PROBE_EVERY)] == [0] * PROBE_EVERY  # free: never forced
 
 
+def test_a_first_draft_in_hand_is_a_sunk_cost_and_needs_no_probe() -> None:
+    """An MTP head's first draft, drafted to read its confidence, is paid for whatever the planner picks: only the
+    drafts still to come are charged, and declining it counts towards no probe (the planner learns from it)."""
+    planner = DraftPlanner(ForwardCosts((1, 5), (1.0, 1.2)))
+    for _ in range(10):
+        planner.record([1], 1, 1, next_token=0, key=1)
+    planner.observe_drafter_seconds(1.0)  # each drafted token costs a target step
+    assert planner.choose(1, key=1, free=False) == 0  # verifying (1.05) and drafting (1) cost more than they gain
+    assert planner.choose(1, key=1, free=False, drafted=1) == 1  # with it drafted, verifying it pays
+    stale = DraftPlanner(STEEP)
+    assert [stale.choose(3, free=False, drafted=1) for _ in range(2 * PROBE_EVERY)] == [0] * (2 * PROBE_EVERY)
+
+
 def test_drafter_cost_makes_drafting_dearer() -> None:
     cheap = DraftPlanner(ForwardCosts((1, 5), (1.0, 1.2)))
     for _ in range(10):

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5Text
 
 from lattice_inference import Generator
 from lattice_inference.cli import main
+from lattice_inference.drafters.mtp import BACK_OFF, MtpDrafter, confidence_key
 from lattice_inference.errors import ConfigError
 from lattice_inference.mtp import MtpConfig, load_mtp_head
 from lattice_inference.mtp.testing import random_mtp_tensors
@@ -255,3 +256,77 @@ def test_ngram_plus_mtp_equals_greedy_and_uses_both_drafters(models, greedy_runs
     assert used[0] > 0 and used[1] > 0, used
     with pytest.raises(ConfigError, match="'ngram\\+mtp' needs an MTP head"):
         Generator(greedy.model, greedy.tokenizer, method="ngram+mtp")
+
+
+class ScriptedPlan:
+    """A `Plan` that answers every `choose` with ``answer`` and records the calls."""
+
+    def __init__(self, answer: int) -> None:
+        self.answer, self.calls = answer, []
+
+    def choose(self, available: int, key: int = 0, *, free: bool = True, drafted: int = 0) -> int:
+        self.calls.append((available, key, free, drafted))
+        return self.answer
+
+    def observe_drafter_seconds(self, seconds_per_token: float) -> None:
+        assert seconds_per_token > 0
+
+
+def test_planned_mtp_rounds_are_keyed_by_the_first_drafts_confidence(models):
+    """Under the planner the head drafts one token, the round's key is that draft's confidence band, and the
+    chain goes on only as far as the plan says; drafts equal the head's own `forward_one` chain."""
+    path = models["random-diverse"]
+    drafter = MtpDrafter(load_mtp_head(path, dtype=torch.float32, draft_length=3))
+    ref = load_mtp_head(path, dtype=torch.float32, draft_length=3)
+    rows, forward = [], drafter.head._forward
+    drafter.head._forward = lambda ids, *a, **k: rows.append(len(ids)) or forward(ids, *a, **k)
+    torch.manual_seed(0)
+    hidden, prompt = torch.randn(12, 64), [3, 5, 7, 11, 13, 17, 19, 23, 29, 31]
+    drafter.reset(prompt)
+    drafter.observe(hidden[:10], 0)
+    drafter.extend([37])
+    declined = drafter.propose_planned(2, plan := ScriptedPlan(0))
+    ref.prefill(hidden[:9], prompt[1:], 0)
+    logits, own = ref.forward_one(37, 9, hidden[9])
+    first, confidence = int(torch.argmax(logits)), float(torch.softmax(logits, 0).max())
+    assert declined.proposal == [first] and declined.verify == [] and declined.key == confidence_key(confidence)
+    assert plan.calls == [(2, declined.key, False, 1)] and drafter.forward_count == 1
+
+    drafter.extend([41])
+    drafter.observe(hidden[10:11], 10)
+    wanted = drafter.propose_planned(2, ScriptedPlan(2))
+    logits, own = ref.forward_one(41, 10, hidden[10])
+    second = int(torch.argmax(logits))
+    third = int(torch.argmax(ref.forward_one(second, 11, own)[0]))
+    assert wanted.proposal == wanted.verify == [second, third]
+    assert rows == [10, 1, 1]  # a stopped chain still commits its catch-up: nothing is recomputed
+    assert wanted.key == confidence_key(float(torch.softmax(logits, 0).max()))
+    assert [confidence_key(c) for c in (0.1, 0.4, 0.65, 0.85, 0.95)] == [1, 2, 3, 4, 5]
+
+
+def test_planned_mtp_backs_off_while_every_round_is_declined(models):
+    """After `BACK_OFF` declined rounds in a row the head drafts only every `BACK_OFF`-th round (a probe), and
+    drafts every round again once a probe is wanted."""
+    path = models["random-diverse"]
+    drafter = MtpDrafter(load_mtp_head(path, dtype=torch.float32, draft_length=3))
+    torch.manual_seed(1)
+    drafter.reset([1, 2, 3])
+    drafter.observe(torch.randn(3, 64), 0)
+
+    length = 3
+
+    def rounds(n: int, answer: int) -> list[bool]:  # plain rounds: one token accepted, its hidden observed
+        nonlocal length
+        drafted = []
+        for _ in range(n):
+            drafter.extend([4])
+            planned = drafter.propose_planned(2, ScriptedPlan(answer))
+            drafted.append(bool(planned.proposal))
+            drafter.observe(torch.randn(1, 64), length)
+            length += 1
+        return drafted
+
+    assert rounds(BACK_OFF, 0) == [True] * BACK_OFF
+    assert rounds(2 * BACK_OFF, 0) == ([True] + [False] * (BACK_OFF - 1)) * 2
+    assert rounds(1, 0) == [True]  # the next probe, declined again
+    assert rounds(BACK_OFF + 3, 1) == [False] * (BACK_OFF - 1) + [True] * 4

@@ -159,13 +159,14 @@ class MtpDrafter(Drafter):
             choose=self._sampler.choose_draft if self._sampler is not None else None,
             limit=limit,
         )
-        yield next(steps)
+        first = next(steps)  # the bookkeeping below must run even if the caller stops after this step
         self._committed = last + 1
         # Hidden rows before the committed slots are never needed again.
         drop = self._committed - 1 - self._hidden_start
         if drop > 256:
             self._hidden = self._hidden[drop:]
             self._hidden_start += drop
+        yield first
         yield from steps
 
 

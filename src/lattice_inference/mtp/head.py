@@ -21,6 +21,7 @@ always holds the entry built from ``(h_p, x_{p+1})``, and a position must equal 
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -29,8 +30,9 @@ import torch.nn.functional as F
 
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.mtp.config import MtpConfig
-from lattice_inference.mtp.layer import LayerTensors, gqa_attention, mtp_layer, rope_inv_freq, swiglu
+from lattice_inference.mtp.layer import LayerTensors, Linear, gqa_attention, mtp_layer, rope_inv_freq, swiglu
 from lattice_inference.mtp.weights import MtpWeights
+from lattice_inference.targets.packed_linear import pack_weight, packed_linear, packing_supported
 
 _INITIAL_CAPACITY = 256
 
@@ -76,6 +78,14 @@ class MtpHead:
         else:
             self._mlp_gate_up = torch.cat([w.mlp_gate, w.mlp_up], dim=0)  # type: ignore[list-item]
             self._mlp_down = w.mlp_down
+        self._linear: Linear = F.linear
+        if self.device.type == "cpu" and packing_supported(self.dtype):  # oneDNN reads the weights faster
+            layer = self._layer
+            self._layer = dataclasses.replace(
+                layer, fc=pack_weight(layer.fc), qkv=pack_weight(layer.qkv), o=pack_weight(layer.o)
+            )
+            self._mlp_gate_up, self._mlp_down = pack_weight(self._mlp_gate_up), pack_weight(self._mlp_down)
+            self._linear = packed_linear
         self._inv_freq = rope_inv_freq(config.rope_theta, config.rotary_dim, self.device)
         self._scale = config.head_dim**-0.5
         capacity = _INITIAL_CAPACITY if max_seq_len is None else min(_INITIAL_CAPACITY, max_seq_len)
@@ -303,7 +313,7 @@ class MtpHead:
         while self.max_seq_len is None or pos + int(ids.shape[0]) <= self.max_seq_len:
             _, out = self._forward(ids, pos, hid, want_logits=False)
             hid = out[-1:].to(self.dtype)  # exact: the head's own dtype, widened to float32 and back
-            scores = F.linear(hid, scorer)[0]
+            scores = (F.linear if scorer is self._lm_head else self._linear)(hid, scorer)[0]
             best = int(torch.argmax(scores))
             confidence = float(torch.softmax(scores.float(), dim=0)[best])
             if choose is None:
@@ -336,7 +346,8 @@ class MtpHead:
             raise TokenError(f"draft vocabulary token id {bad} out of range: must be in [0, vocab_size {vocab})")
         index = torch.tensor(ids, dtype=torch.long, device=self.device)
         self._draft_ids = index
-        self._draft_head = self._lm_head.index_select(0, index)
+        rows = self._lm_head.index_select(0, index)
+        self._draft_head = pack_weight(rows) if self._linear is packed_linear else rows
 
     def _forward(
         self, ids: torch.Tensor, start: int, hidden: torch.Tensor, *, want_logits: bool
@@ -359,7 +370,8 @@ class MtpHead:
             inv_freq=self._inv_freq,
             start=start,
             attend=attend,
-            mlp=self._moe if cfg.is_moe else lambda y: swiglu(y, self._mlp_gate_up, self._mlp_down),
+            mlp=self._moe if cfg.is_moe else lambda y: swiglu(y, self._mlp_gate_up, self._mlp_down, self._linear),
+            linear=self._linear,
         )
         self._len = start + ids.shape[0]
         logits = F.linear(out, self._lm_head).float() if want_logits else None
@@ -387,5 +399,5 @@ class MtpHead:
             h = swiglu(y[rows_t], self._experts_gate_up[e], self._experts_down[e])
             h = h * top_w[rows_t, torch.tensor(slots, device=y.device), None]
             out.index_add_(0, rows_t, h)
-        shared = swiglu(y, self._mlp_gate_up, self._mlp_down)
+        shared = swiglu(y, self._mlp_gate_up, self._mlp_down, self._linear)
         return out + torch.sigmoid(F.linear(y, self._shared_expert_gate)) * shared

@@ -88,11 +88,16 @@ def gqa_attention(
     return ctx.reshape(*lead, n_kv, groups, n, hd).movedim(-2, -4).reshape(*lead, n, n_h * hd)
 
 
-def swiglu(y: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``linear(x, weight) = x @ weight.T``: ``F.linear``, or `packed_linear` over oneDNN-packed weights (drafting on
+a CPU, where it reads the weights faster)."""
+
+
+def swiglu(y: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
     """SwiGLU MLP with the gate rows first in ``gate_up``."""
-    gu = F.linear(y, gate_up)
+    gu = linear(y, gate_up)
     inter = gu.shape[-1] // 2
-    return F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], down)
+    return linear(F.silu(gu[..., :inter]) * gu[..., inter:], down)
 
 
 @dataclass(frozen=True)
@@ -144,16 +149,18 @@ def mtp_layer(
     start: int,
     attend: Attend,
     mlp: Callable[[torch.Tensor], torch.Tensor],
+    linear: Linear = F.linear,
 ) -> torch.Tensor:
     """One MTP step over ``n`` rows: ``emb [..., n, H]`` (embedding of ``x_{t+1}``) and ``hidden [..., n, H]``
     (post-norm ``h_t``) at RoPE positions ``start..``; returns the post-norm output ``[..., n, H]`` that
-    ``lm_head`` scores for ``x_{t+2}``. ``heads`` is ``(n_h, n_kv, head_dim)``."""
+    ``lm_head`` scores for ``x_{t+2}``. ``heads`` is ``(n_h, n_kv, head_dim)``; ``linear`` runs the projections
+    ``fc``, ``qkv`` and ``o`` (their tensors in ``t`` are whatever it takes)."""
     n_h, n_kv, hd = heads
-    x = F.linear(torch.cat([gnorm(emb, t.pre_emb, eps), gnorm(hidden, t.pre_hid, eps)], dim=-1), t.fc)
+    x = linear(torch.cat([gnorm(emb, t.pre_emb, eps), gnorm(hidden, t.pre_hid, eps)], dim=-1), t.fc)
     # ---- attention
     residual = x
     y = gnorm(x, t.w_in, eps)
-    qkv = F.linear(y, t.qkv)
+    qkv = linear(y, t.qkv)
     q_dim, kv_dim = 2 * n_h * hd, n_kv * hd
     qg = qkv[..., :q_dim].unflatten(-1, (n_h, 2 * hd))
     q, gate = qg[..., :hd], qg[..., hd:].flatten(-2)
@@ -162,7 +169,7 @@ def mtp_layer(
     q = apply_rope(gnorm(q, t.q_norm, eps), inv_freq, start)
     k = apply_rope(gnorm(k, t.k_norm, eps), inv_freq, start)
     attn = attend(q, k, v)
-    x = residual + F.linear(attn * torch.sigmoid(gate), t.o)
+    x = residual + linear(attn * torch.sigmoid(gate), t.o)
     # ---- MLP
     residual = x
     x = residual + mlp(gnorm(x, t.w_post, eps))

@@ -44,11 +44,22 @@ def packing_supported(dtype: torch.dtype) -> bool:
     return True
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A oneDNN-packed copy of a dense ``[out, in]`` weight (check `packing_supported` first), for `packed_linear`."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` over ``packed = pack_weight(weight)`` (``x`` on the CPU, in its dtype)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = getattr(module, _PACKED)
     if x.dtype != packed.dtype or x.device.type != "cpu":
         return nn.functional.linear(x, module.weight, module.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
+    return packed_linear(x, packed, module.bias)
 
 
 class _FusedGroup:
@@ -58,8 +69,7 @@ class _FusedGroup:
         self.members = members
         self.splits = [m.out_features for m in members]
         with torch.no_grad():
-            weight = torch.cat([m.weight.detach() for m in members])
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            self.packed = pack_weight(torch.cat([m.weight.detach() for m in members]))
             biases = [m.bias for m in members]
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # type: ignore[union-attr]
         self._input: torch.Tensor | None = None
@@ -72,7 +82,7 @@ class _FusedGroup:
             if x.dtype != self.packed.dtype or x.device.type != "cpu":
                 member = self.members[index]
                 return nn.functional.linear(x, member.weight, member.bias)
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y = packed_linear(x, self.packed, self.bias)
             self._input, self._outputs = x, y.split(self.splits, dim=-1)
             self._pending = set(range(len(self.members)))
         self._pending.discard(index)
@@ -123,8 +133,7 @@ def pack_linears(model: nn.Module) -> int:
         weight = module.weight
         if weight.device.type != "cpu" or not packing_supported(weight.dtype):
             continue
-        with torch.no_grad():
-            setattr(module, _PACKED, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        setattr(module, _PACKED, pack_weight(weight))
         module.forward = functools.partial(_packed_forward, module)  # type: ignore[method-assign]
         count += 1
     return count
