@@ -101,6 +101,27 @@ def test_a_first_draft_in_hand_is_a_sunk_cost_and_needs_no_probe() -> None:
     assert [stale.choose(3, free=False, drafted=1) for _ in range(2 * PROBE_EVERY)] == [0] * (2 * PROBE_EVERY)
 
 
+def test_timed_forwards_correct_a_calibration_that_was_off() -> None:
+    """Calibrated on a lucky moment, a 2-token verification looked nearly free (1.02 steps); this generation's timed
+    forwards say 1.3, and a draft accepted a quarter of the time stops paying. A slower machine overall (every
+    width timed at twice its calibration) leaves the ratios between widths alone."""
+    lucky = ForwardCosts((1, 2), (1.0, 1.02))
+    planner = DraftPlanner(lucky)
+    for i in range(40):
+        planner.record([1], 1, int(i % 4 == 0), next_token=0, key=1)
+    assert planner.choose(1, key=1) == 1
+    for _ in range(30):
+        planner.observe_forward_seconds(1, 1.0)
+        planner.observe_forward_seconds(2, 1.3)
+    assert planner.relative(2) == pytest.approx(1.3, abs=0.05)
+    assert planner.choose(1, key=1) == 0
+    slower = DraftPlanner(lucky)
+    for _ in range(30):
+        slower.observe_forward_seconds(1, 2.0)
+        slower.observe_forward_seconds(2, 2.04)
+    assert slower.forward_seconds(1) == pytest.approx(2.0, rel=0.05) and slower.relative(2) == pytest.approx(1.02)
+
+
 def test_drafter_cost_makes_drafting_dearer() -> None:
     cheap = DraftPlanner(ForwardCosts((1, 5), (1.0, 1.2)))
     for _ in range(10):

@@ -43,10 +43,10 @@ class SpeculativeDecoder:
     ``max_draft`` caps the tokens proposed per round; ``adaptive`` lets a `DraftPlanner` choose fewer (the
     first generation then measures the target's forward costs, once; `Generator` turns it on by default, here
     it is off so that every proposal is verified as drafted). ``costs`` gives the planner forward costs instead
-    of measuring them. The decoder holds no per-generation
-    state: each call of
-    `start` (or `stream`, `generate`) makes a new `Generation`; ``metrics`` and ``stop_reason`` are the most
-    recent generation's. Generations run in turn: starting one ends any earlier one still being iterated.
+    of measuring them (they stand as given; measured ones are corrected by each generation's timed forwards).
+    The decoder holds no per-generation state: each call of `start` (or `stream`, `generate`) makes a new
+    `Generation`; ``metrics`` and ``stop_reason`` are the most recent generation's. Generations run in turn:
+    starting one ends any earlier one still being iterated.
     """
 
     def __init__(
@@ -171,7 +171,10 @@ class SpeculativeDecoder:
                 planned = self._draft(gen, gen.max_new_tokens - m.new_tokens - 1)
                 draft = planned.verify
                 position = target.length
-                choices = sampler.choose(target.forward([pending, *draft]), position + 1)
+                forward_start = time.perf_counter()
+                choices = sampler.choose(target.forward([pending, *draft]), position + 1)  # reads the logits: synced
+                if gen.planner is not None and self.costs is None:  # given costs stand as given
+                    gen.planner.observe_forward_seconds(len(draft) + 1, time.perf_counter() - forward_start)
                 verdict = verify_prefix(draft, choices)
                 hidden = self._hidden_rows(verdict.accepted + 1)  # before rollback, which may run the model
                 target.rollback(position + 1 + verdict.accepted)

@@ -4,8 +4,9 @@ A round that verifies ``k`` draft tokens emits ``1 + a`` tokens, where ``a`` is 
 accepts, and costs one forward of ``k + 1`` tokens (plus the drafter's own work). With ``p_j`` the chance that
 draft position ``j`` is accepted once positions ``1..j-1`` were, the expected yield is
 ``E(k) = 1 + p_1 + p_1 p_2 + ... + p_1...p_k``, and the planner picks the ``k`` with the most expected tokens
-per second, ``E(k) / (cost(k + 1) + k * drafter_cost)``, where ``cost`` is the target's measured forward cost
-(`ForwardCosts`). When drafts keep failing, ``k = 0`` wins and the round is plain decoding.
+per second, ``E(k) / (cost(k + 1) + k * drafter_cost)``, where ``cost`` is the target's forward cost, calibrated
+once per model (`ForwardCosts`) and corrected by the forwards each generation times. When drafts keep failing,
+``k = 0`` wins and the round is plain decoding.
 
 ``p_j`` is learned online, per generation: exponentially decayed counts of offered and accepted tokens at each
 position, kept separately for each *key* the drafter reports with its proposal (for n-gram lookup, the length of
@@ -36,6 +37,10 @@ hundred (`FallbackDrafter` offsets each place in its order by 100), so an MTP he
 estimates of n-gram matches, nor the reverse."""
 GAIN_MARGIN = 1.02
 """A longer draft must promise this much more throughput to be preferred (ties go to less work)."""
+COST_PRIOR_WEIGHT = 4.0
+"""How many timed forwards of a width the calibrated cost is worth (`DraftPlanner.observe_forward_seconds`)."""
+COST_DECAY = 0.99
+"""Weight kept by older timed forwards at each new one (costs drift more slowly than acceptance)."""
 PROBE_EVERY = 16
 """After this many plain rounds in a row, a drafter whose proposals cost a forward drafts one token anyway, so
 the planner sees whether its acceptance came back (lookup drafters need no probe: their unverified proposals
@@ -73,11 +78,36 @@ class DraftPlanner:
         self._groups: dict[int, _Counts] = {}
         self._by_key: dict[int, _Counts] = {}
         self._plain_rounds = 0
+        self._drift = [0.0, 0.0]  # decayed count and sum of timed / calibrated seconds, every width
+        self._timed: dict[int, list[float]] = {}  # the same, per width
 
     def observe_drafter_seconds(self, seconds_per_token: float) -> None:
         """Fold one measured drafting time per token into ``drafter_cost`` (a running average)."""
-        cost = seconds_per_token / self.costs.seconds(1)
+        cost = seconds_per_token / self.forward_seconds(1)
         self.drafter_cost = cost if self.drafter_cost == 0.0 else 0.8 * self.drafter_cost + 0.2 * cost
+
+    def observe_forward_seconds(self, width: int, seconds: float) -> None:
+        """One timed target forward of ``width`` tokens in this generation. The calibration is a few forwards on
+        a short context, and on a busy machine its width ratios are off by as much as the margins the planner
+        weighs (a 2-token verification measured at 1.05 decode steps ran at 1.09 here); the forwards the
+        generation runs anyway correct it (`forward_seconds`)."""
+        ratio = seconds / self.costs.seconds(width)
+        for counts in (self._drift, self._timed.setdefault(width, [0.0, 0.0])):
+            counts[0] = counts[0] * COST_DECAY + 1.0
+            counts[1] = counts[1] * COST_DECAY + ratio
+
+    def forward_seconds(self, width: int) -> float:
+        """Estimated seconds of a ``width``-token forward: the calibrated cost, scaled by how this generation's
+        timed forwards of that width compare with it. A width not timed yet takes the ratio over every width
+        (the machine got busier or the context longer), so the ratios between widths come from timed forwards
+        only, never from drift alone."""
+        drift = (COST_PRIOR_WEIGHT + self._drift[1]) / (COST_PRIOR_WEIGHT + self._drift[0])
+        count, total = self._timed.get(width, (0.0, 0.0))
+        return self.costs.seconds(width) * (COST_PRIOR_WEIGHT * drift + total) / (COST_PRIOR_WEIGHT + count)
+
+    def relative(self, width: int) -> float:
+        """Cost of a ``width``-token forward in one-token forwards (`forward_seconds`)."""
+        return self.forward_seconds(width) / self.forward_seconds(1)
 
     def acceptance(self, position: int, key: int = 0) -> float:
         """Estimated chance that draft position ``position`` (0-based) is accepted once the earlier ones were."""
@@ -92,13 +122,13 @@ class DraftPlanner:
         many of a costly proposal's tokens are drafted already (an MTP head's first draft, drafted to read its
         confidence): their cost is spent whatever the choice, and a declined one is learned from like a free
         proposal, so it needs no probe."""
-        best_k, best_rate = 0, 1.0 / self.costs.relative(1)
+        best_k, best_rate = 0, 1.0
         expected, reach = 1.0, 1.0
         per_token = 0.0 if free else self.drafter_cost  # a free proposal's tokens cost nothing to draft
         for k in range(1, available + 1):
             reach *= self.acceptance(k - 1, key)
             expected += reach
-            rate = expected / (self.costs.relative(k + 1) + max(0, k - drafted) * per_token)
+            rate = expected / (self.relative(k + 1) + max(0, k - drafted) * per_token)
             if rate > best_rate * GAIN_MARGIN:
                 best_k, best_rate = k, rate
         if best_k or not available:
