@@ -122,6 +122,19 @@ def test_timed_forwards_correct_a_calibration_that_was_off() -> None:
     assert slower.forward_seconds(1) == pytest.approx(2.0, rel=0.05) and slower.relative(2) == pytest.approx(1.02)
 
 
+def test_the_loop_times_its_forwards_only_where_costs_were_measured() -> None:
+    model = ContextKeyedTarget(vocab=12, seed=4)
+    drafter = OracleDrafter([1, 2, *model.greedy([1, 2], 30)], vocab=12, corrupt=0.3)
+    measured = SpeculativeDecoder(model, drafter, max_draft=4, adaptive=True)
+    measured.generate([1, 2], 30)
+    planner = measured.last.planner
+    assert planner is not None and planner.forward_seconds(1) != planner.costs.seconds(1)
+    given = SpeculativeDecoder(model, drafter, max_draft=4, adaptive=True, costs=STEEP)
+    given.generate([1, 2], 30)
+    assert given.last.planner.forward_seconds(1) == STEEP.seconds(1)
+    assert given.last.planner.relative(2) == STEEP.relative(2)
+
+
 def test_drafter_cost_makes_drafting_dearer() -> None:
     cheap = DraftPlanner(ForwardCosts((1, 5), (1.0, 1.2)))
     for _ in range(10):
