@@ -68,8 +68,9 @@ class Drafter(Protocol):
     asked for exactly the tokens the planner chose."""
 
     proposal_key: int = 0
-    """A small integer grading how the latest proposal was made (n-gram lookup: the matched n-gram's length);
-    the draft planner keeps acceptance statistics per key."""
+    """A small integer grading how the latest proposal was made (n-gram lookup: the matched n-gram's length; an
+    MTP head under the planner: its first draft's confidence band); the draft planner keeps acceptance statistics
+    per key."""
 
     def reset(self, prompt_ids: Sequence[int]) -> None:
         """Start a new generation whose history is ``prompt_ids``."""
