@@ -131,7 +131,10 @@ class MtpDrafter(Drafter):
         k = plan.choose(count, key, free=False, drafted=1)
         drafts = [first[0]]
         while len(drafts) < k and drafts[-1] not in self.eos_token_ids:
-            drafts.append(next(steps)[0])
+            step = next(steps, None)  # the chain is checked for room up to `count` steps; never None in practice
+            if step is None:
+                break
+            drafts.append(step[0])
         steps.close()
         self.forward_count += len(drafts)
         plan.observe_drafter_seconds((time.perf_counter() - start) / len(drafts))
