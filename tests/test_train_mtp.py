@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from lattice_inference import Generator
 from lattice_inference.api import mtp_head_for
@@ -64,6 +65,32 @@ def test_resume_continues_and_refuses_to_overwrite(trained, toy_dirs, capsys):
     assert "--resume" in capsys.readouterr().err
     assert main([*argv, "--steps", "22", "--resume"]) == 0
     assert json.loads((trained / "training_log.json").read_text())["steps"] == 22
+
+
+def test_training_can_start_from_a_saved_head(trained, toy_dirs, tmp_path, capsys):
+    """``--init-head`` starts from the saved head's weights (its first probe is where the trained head ended, not
+    where a fresh start begins), and a head for another model or a model without a packaged head is refused by name."""
+    data = trained.parent / "data.txt"
+    base = ["train-mtp", "--data", str(data), "--tokens", "4000", "--seq-len", "48", "--batch", "4", "--threads", "1"]
+    out = tmp_path / "tuned"
+    argv = [*base, "--model", str(toy_dirs["llama"]), "--out", str(out), "--init-head", str(trained)]
+    assert main([*argv, "--steps", "1", "--lr", "1e-12"]) == 0
+    history = json.loads((trained / "training_log.json").read_text())["history"]
+    start = json.loads((out / "training_log.json").read_text())["history"][0]
+    assert start["step"] == 0 and history[-1]["heldout_loss"] < history[0]["heldout_loss"] - 0.1
+    assert start["heldout_loss"] == pytest.approx(history[-1]["heldout_loss"], abs=0.03)  # bf16 head file
+    saved = load_file(str(trained / HEAD_NAME))
+    tuned = load_file(str(out / HEAD_NAME))
+    assert saved.keys() == tuned.keys()
+    for name, tensor in saved.items():
+        torch.testing.assert_close(tuned[name], tensor, rtol=0, atol=1e-2)
+    capsys.readouterr()
+    other = [*base, "--model", str(toy_dirs["qwen3"]), "--out", str(tmp_path / "q"), "--init-head", str(trained)]
+    assert main(other) == 2
+    assert "model_type" in capsys.readouterr().err
+    none = [*base, "--model", str(toy_dirs["llama"]), "--out", str(tmp_path / "s"), "--init-head", "shipped"]
+    assert main(none) == 2
+    assert "no head ships" in capsys.readouterr().err
 
 
 def _random_head(model, seed: int = 0) -> TrainableHead:

@@ -134,6 +134,24 @@ def check_fits(meta: Mapping[str, Any], config: Any, hidden_size: int, vocab_siz
             )
 
 
+def read_head_tensors(path: str | Path, config: Any, cfg: MtpConfig) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The raw ``mtp.*`` tensors (float32) and JSON config of the head at ``path``, checked to fit the model with
+    transformers ``config`` and the head shape ``cfg`` (the field that differs is named): what a training run
+    that starts from an existing head reads."""
+    tensors_path, meta_path = head_paths(path)
+    meta = read_head_meta(path)
+    check_fits(meta, config, cfg.hidden_size, cfg.vocab_size)
+    for name in _MTP_FIELDS:
+        have, want = meta["mtp"].get(name), getattr(cfg, name)
+        if have != want:
+            raise ModelLoadError(f"MTP head '{meta_path}' has {name} {have!r}; a head for this model has {want!r}")
+    from safetensors import safe_open
+
+    with safe_open(str(tensors_path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k).float() for k in f.keys() if k.startswith("mtp.")}
+    return tensors, meta
+
+
 def load_head_file(
     path: str | Path,
     config: Any,

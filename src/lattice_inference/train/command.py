@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lattice_inference.errors import ConfigError
 
@@ -66,6 +66,13 @@ def add_parser(sub: argparse._SubParsersAction, positive_int: Callable[[str], in
         default=2,
         help="chained draft steps trained: step 2 drafts from the head's own hidden, as drafting does (default 2)",
     )
+    p.add_argument(
+        "--init-head",
+        metavar="PATH",
+        help="start from this saved head (file or folder; 'shipped' for the model's packaged head) instead of the "
+        "target's last layer: fine-tune a head on your own data. Its draft vocabulary is kept unless "
+        "--draft-vocab is given",
+    )
     p.add_argument("--checkpoint-minutes", type=float, default=5.0, help="checkpoint + probe interval (default 5)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="float32", help="target dtype")
@@ -114,6 +121,18 @@ def _documents(args: argparse.Namespace, loaded: LoadedModel, work: Path) -> tup
     return train_docs, held_docs
 
 
+def _init_head(args: argparse.Namespace, source: str, config: Any, cfg: Any) -> tuple[dict, dict]:
+    """The tensors and JSON config of ``--init-head`` (``shipped``: the model's packaged head), checked to fit."""
+    from lattice_inference.mtp.head_file import read_head_tensors, shipped_head
+
+    path = args.init_head
+    if path == "shipped":
+        path = shipped_head(source)
+        if path is None:
+            raise ConfigError(f"--init-head shipped: no head ships with {source}; give a head's path")
+    return read_head_tensors(path, config, cfg)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``lattice train-mtp``; returns the exit code."""
     import torch
@@ -145,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
     if args.draft_vocab is not None and args.draft_vocab > vocab:
         raise ConfigError(f"--draft-vocab {args.draft_vocab} is larger than the model's vocabulary ({vocab})")
     cfg = config_for_target(model.config)
+    init = _init_head(args, loaded.source, model.config, cfg) if args.init_head else None
+    if init is not None and args.draft_vocab is None:
+        args.draft_vocab = init[1].get("draft_vocab")
     train_docs, held_docs = _documents(args, loaded, work)
     sep = loaded.eos_token_ids[0] if loaded.eos_token_ids else 0
     windows = datamod.pack(train_docs, args.seq_len, sep, budget=args.tokens)
@@ -156,13 +178,17 @@ def run(args: argparse.Namespace) -> int:
     held = datamod.trunk_rows(model, torch.tensor(held_windows))
     cache = datamod.ShardCache(work / "shards", windows, max(1, args.batch), model)
     head = TrainableHead(cfg)
-    head.init_from_target(model)
+    if init is not None:
+        head.init_from_tensors(init[0], str(args.init_head))
+    else:
+        head.init_from_target(model)
     notes = {
         "model": loaded.source,
         "data": list(args.data),
         "self_distill": bool(args.self_distill),
         "windows": len(windows),
         "seq_len": args.seq_len,
+        "init_head": args.init_head,
         "command": " ".join(sys.argv[1:]),
     }
 

@@ -8,9 +8,12 @@ post-norm hidden ``h_t`` with the token ``x_{t+1}`` at position ``t``, and its o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
+from lattice_inference.errors import ModelLoadError
 from lattice_inference.mtp.config import MtpConfig
 from lattice_inference.mtp.layer import LayerTensors, gqa_attention, mtp_layer, rope_inv_freq, swiglu
 
@@ -121,6 +124,22 @@ class TrainableHead(nn.Module):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The parameters under their ``mtp.*`` checkpoint names."""
         return {ckpt: getattr(self, name).detach() for name, ckpt in CHECKPOINT_NAMES.items()}
+
+    @torch.no_grad()
+    def init_from_tensors(self, tensors: Mapping[str, torch.Tensor], source: str) -> None:
+        """Start from a saved head's ``mtp.*`` tensors (fine-tuning a head, e.g. the shipped one, on new data)
+        rather than from the target's last layer. Every parameter must be present with its shape; ``source``
+        names the head in the error."""
+        for name, ckpt in CHECKPOINT_NAMES.items():
+            dst = getattr(self, name)
+            src = tensors.get(ckpt)
+            if src is None:
+                raise ModelLoadError(f"MTP head '{source}' lacks tensor {ckpt}")
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ModelLoadError(
+                    f"MTP head '{source}': tensor {ckpt} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+                )
+            dst.copy_(src)
 
     @torch.no_grad()
     def init_from_target(self, model: nn.Module) -> None:
