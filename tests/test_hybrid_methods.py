@@ -268,6 +268,9 @@ class ScriptedPlan:
         self.calls.append((available, key, free, drafted))
         return self.answer
 
+    def choose_tree(self, available: int, key: int = 0, *, drafted: int = 0, runners_up: int = 0) -> tuple[int, list]:
+        return self.choose(available, key, free=False, drafted=drafted), [0] * self.answer
+
     def observe_drafter_seconds(self, seconds_per_token: float) -> None:
         assert seconds_per_token > 0
 

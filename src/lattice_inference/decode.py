@@ -22,7 +22,7 @@ from collections.abc import Generator, Iterable, Iterator, Sequence
 
 import torch
 
-from lattice_inference.draft_planner import DraftPlanner
+from lattice_inference.draft_planner import MAX_LEAVES, DraftPlanner
 from lattice_inference.drafters.base import Drafter, PlannedDraft
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.generation import Generation, GenerationResult
@@ -30,7 +30,7 @@ from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets.base import Target
 from lattice_inference.targets.forward_cost import ForwardCosts, forward_costs
-from lattice_inference.verify import Verdict, verify_prefix
+from lattice_inference.verify import DraftTree, Verdict, verify_prefix
 
 __all__ = ["Generation", "GenerationResult", "SpeculativeDecoder"]
 
@@ -154,7 +154,9 @@ class SpeculativeDecoder:
             drafter.use_sampler(sampler)
             if self.adaptive:  # measuring resets the target's cache, so it comes before the prefill
                 start = time.perf_counter()
-                gen.planner = DraftPlanner(self.costs or forward_costs(target, self.max_draft + 1))
+                leaves = MAX_LEAVES if target.verifies_trees and not drafter.proposes_for_free else 0
+                costs = self.costs or forward_costs(target, self.max_draft + 1 + leaves)
+                gen.planner = DraftPlanner(costs, max_leaves=leaves)
                 m.calibration_s = time.perf_counter() - start
         start = time.perf_counter()
         first, hidden = self._prefill(gen)
@@ -172,13 +174,20 @@ class SpeculativeDecoder:
                 draft = planned.verify
                 position = target.length
                 forward_start = time.perf_counter()
-                choices = sampler.choose(target.forward([pending, *draft]), position + 1)  # reads the logits: synced
+                if planned.alternatives:  # a draft tree (only planned where the target verifies trees)
+                    tree = DraftTree(draft, planned.alternatives)
+                    tokens, parents, depths = tree.rows(pending)
+                    logits = target.forward_tree(tokens, parents)
+                    verdict = tree.verify(sampler.choose_at(logits, [position + 1 + d for d in depths]))
+                else:
+                    tokens = [pending, *draft]
+                    verdict = verify_prefix(draft, sampler.choose(target.forward(tokens), position + 1))
                 if gen.planner is not None and self.costs is None:  # given costs stand as given
-                    gen.planner.observe_forward_seconds(len(draft) + 1, time.perf_counter() - forward_start)
-                verdict = verify_prefix(draft, choices)
-                hidden = self._hidden_rows(verdict.accepted + 1)  # before rollback, which may run the model
-                target.rollback(position + 1 + verdict.accepted)
-                m.record_round(len(draft), verdict.accepted)
+                    gen.planner.observe_forward_seconds(len(tokens), time.perf_counter() - forward_start)
+                hidden = self._hidden_rows(verdict.path)  # before rollback, which may run the model
+                target.keep_rows(position, verdict.path)
+                leaves = len(tokens) - len(draft) - 1
+                m.record_round(len(draft), verdict.accepted, leaves=leaves, on_leaf=verdict.rows is not None)
                 self._learn(gen, planned, verdict)
                 out = self._emit(gen, verdict.tokens)
                 self._inform_drafter(verdict.tokens, hidden, position)
@@ -203,13 +212,18 @@ class SpeculativeDecoder:
 
     @staticmethod
     def _learn(gen: Generation, planned: PlannedDraft, verdict: Verdict) -> None:
-        """Feed one round's outcome to the planner: the verified draft, and the first token of each proposal
-        passed over (it would have been accepted if it is the round's first emitted token)."""
-        if gen.planner is None:
+        """Feed one round's outcome to the planner: the verified draft, the first token of each proposal passed
+        over (it would have been accepted if it is the round's first emitted token), and, where the draft failed
+        at a depth whose runners-up were ranked, whether they would have held."""
+        planner = gen.planner
+        if planner is None:
             return
-        gen.planner.record(planned.proposal, len(planned.verify), verdict.accepted, verdict.tokens[-1], planned.key)
+        depth = verdict.on_draft
+        planner.record(planned.proposal, len(planned.verify), depth, verdict.tokens[depth], planned.key)
         for tokens, key in planned.skipped:
-            gen.planner.record(tokens, 0, 0, verdict.tokens[0], key)
+            planner.record(tokens, 0, 0, verdict.tokens[0], key)
+        if depth < len(planned.runners_up) and planned.proposal[depth] != verdict.tokens[depth]:
+            planner.record_runners_up(planned.runners_up, depth, verdict.tokens[depth], planned.key)
 
     def _check_current(self, gen: Generation) -> None:
         if self.last is not gen:
@@ -238,13 +252,16 @@ class SpeculativeDecoder:
             gen.metrics.record_round(len(draft), verdict.accepted, in_prefill=True)
         return verdict.tokens, None
 
-    def _hidden_rows(self, n: int) -> torch.Tensor | None:
-        """The first ``n`` hidden-state rows of the target's last forward, if the drafter wants them."""
+    def _hidden_rows(self, rows: int | list[int]) -> torch.Tensor | None:
+        """The hidden-state rows of the target's last forward (the first ``rows``, or those listed: an accepted
+        path), if the drafter wants them."""
         if not self._wants_hidden:
             return None
         hidden = self.target.last_hidden
         assert hidden is not None
-        return hidden[:n]
+        if isinstance(rows, int):
+            return hidden[:rows]
+        return hidden[: len(rows)] if rows == list(range(len(rows))) else hidden[rows]
 
     def _inform_drafter(self, tokens: list[int], hidden: torch.Tensor | None, position: int) -> None:
         """Hand accepted tokens (and the target hiddens of the positions that produced them) to the drafter."""

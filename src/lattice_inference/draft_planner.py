@@ -14,6 +14,14 @@ the matched n-gram: longer matches copy better) and blended with the estimate ov
 that position, which starts from a prior. A lookup proposal is free, so the planner also learns from the
 positions it did not verify: when every verified token is accepted, the target's next token shows whether the
 next draft token would have been, which lets a planner that stopped drafting notice when drafting would pay again.
+
+Draft trees (`choose_tree`, where the target verifies them): a drafter that ranks its tokens offers, at each draft
+depth ``j``, runners-up to its draft token there. Verified as leaves beside it, a runner-up of rank ``r`` adds one
+token when the draft is accepted up to depth ``j - 1``, rejected at ``j``, and the target's token is that
+runner-up: ``reach_{j-1} (1 - p_j) q_{j,r}``, where ``q_{j,r}`` (learned like ``p``, per key, depth and rank,
+from every round in which the draft failed at a depth whose runners-up were ranked, verified or not) is the chance
+of the latter once the draft token failed. Distinct tokens exclude each other, so gains add up; each leaf widens
+the forward by one row, and leaves are added, best gain first, while the rate grows.
 """
 
 from __future__ import annotations
@@ -41,6 +49,11 @@ COST_PRIOR_WEIGHT = 4.0
 """How many timed forwards of a width the calibrated cost is worth (`DraftPlanner.observe_forward_seconds`)."""
 COST_DECAY = 0.99
 """Weight kept by older timed forwards at each new one (costs drift more slowly than acceptance)."""
+ALT_PRIOR = 0.1
+"""Chance assumed that a runner-up of any rank holds where the draft token failed, before anything is observed
+(the shipped SmolLM2 head's second choice, teacher-forced on chat: 0.19; third 0.11; fourth 0.06)."""
+MAX_LEAVES = 4
+"""Most runners-up verified beside a draft in one round (the planner's default cap on a tree's leaves)."""
 PROBE_EVERY = 16
 """After this many plain rounds in a row, a drafter whose proposals cost a forward drafts one token anyway, so
 the planner sees whether its acceptance came back (lookup drafters need no probe: their unverified proposals
@@ -72,11 +85,16 @@ class DraftPlanner:
     per drafted token in one-token target forwards (0 for lookup drafters).
     """
 
-    def __init__(self, costs: ForwardCosts, drafter_cost: float = 0.0) -> None:
+    def __init__(self, costs: ForwardCosts, drafter_cost: float = 0.0, *, max_leaves: int = 0) -> None:
         self.costs = costs
         self.drafter_cost = drafter_cost
+        self.max_leaves = max_leaves
+        """Most runners-up `choose_tree` verifies in a round (0: never a tree; the decoder sets it where the target
+        verifies trees)."""
         self._groups: dict[int, _Counts] = {}
         self._by_key: dict[int, _Counts] = {}
+        self._alt_groups: dict[tuple[int, int], _Counts] = {}  # (key group, depth) -> counts by rank
+        self._alt_by_key: dict[tuple[int, int], _Counts] = {}  # (key, depth) -> counts by rank
         self._plain_rounds = 0
         self._drift = [0.0, 0.0]  # decayed count and sum of timed / calibrated seconds, every width
         self._timed: dict[int, list[float]] = {}  # the same, per width
@@ -115,6 +133,55 @@ class DraftPlanner:
         base = PRIOR if group is None else group.rate(position, PRIOR, PRIOR_WEIGHT)
         counts = self._by_key.get(key)
         return base if counts is None else counts.rate(position, base, KEY_WEIGHT)
+
+    def alternative(self, depth: int, rank: int, key: int = 0) -> float:
+        """Estimated chance that the runner-up of ``rank`` (0: the best after the draft token) at draft position
+        ``depth`` (0-based) is the target's token, once the draft token there failed."""
+        group = self._alt_groups.get((key // KEY_GROUP, depth))
+        base = ALT_PRIOR if group is None else group.rate(rank, ALT_PRIOR, PRIOR_WEIGHT)
+        counts = self._alt_by_key.get((key, depth))
+        return base if counts is None else counts.rate(rank, base, KEY_WEIGHT)
+
+    def choose_tree(
+        self, available: int, key: int = 0, *, drafted: int = 0, runners_up: int = 0
+    ) -> tuple[int, list[int]]:
+        """`choose` for a costly proposal whose every depth has ``runners_up`` ranked next-best tokens: the draft
+        length ``k`` and, per depth ``0..k-1``, how many runners-up to verify as leaves beside it (the module
+        docstring has the rule; at most ``max_leaves`` in all). Without leaves it is `choose` exactly."""
+        width = min(runners_up, self.max_leaves)
+        k = self.choose(available, key, free=False, drafted=drafted)
+        if not width or not available:
+            return k, [0] * k
+        per_token = self.drafter_cost
+        best_k, best_leaves = k, [0] * k
+        best_rate = self._yield(k, key) / (self.relative(k + 1) + max(0, k - drafted) * per_token)
+        for depth_count in range(1, available + 1):
+            gains, reach = [], 1.0
+            for depth in range(depth_count):
+                p = self.acceptance(depth, key)
+                gains += [(reach * (1 - p) * self.alternative(depth, r, key), depth) for r in range(width)]
+                reach *= p
+            gains.sort(reverse=True)
+            expected = self._yield(depth_count, key)
+            leaves = [0] * depth_count
+            drafting = max(0, depth_count - drafted) * per_token
+            for n, (gain, depth) in enumerate(gains[: self.max_leaves], start=1):
+                expected += gain
+                leaves[depth] += 1
+                rate = expected / (self.relative(depth_count + 1 + n) + drafting)
+                if rate > best_rate * GAIN_MARGIN:
+                    best_k, best_leaves, best_rate = depth_count, list(leaves), rate
+        if best_k and not k:
+            self._plain_rounds = 0
+        return best_k, best_leaves
+
+    def _yield(self, k: int, key: int) -> float:
+        """``E(k)``: expected tokens of a round verifying ``k`` draft tokens (no leaves)."""
+        expected, reach = 1.0, 1.0
+        for position in range(k):
+            reach *= self.acceptance(position, key)
+            expected += reach
+        return expected
 
     def choose(self, available: int, key: int = 0, *, free: bool = True, drafted: int = 0) -> int:
         """How many of ``available`` draft tokens to verify (0..available). ``free``: whether the proposal cost
@@ -156,3 +223,16 @@ class DraftPlanner:
         for position, ok in enumerate(outcomes):
             group.add(position, ok)
             counts.add(position, ok)
+
+    def record_runners_up(
+        self, runners_up: Sequence[Sequence[int]], depth: int, target_token: int, key: int = 0
+    ) -> None:
+        """Learn from one round in which the draft token at position ``depth`` (0-based) failed, verified or not,
+        and the target's token there was ``target_token``: whether each ranked runner-up there would have held."""
+        if depth >= len(runners_up):
+            return
+        group = self._alt_groups.setdefault((key // KEY_GROUP, depth), _Counts())
+        counts = self._alt_by_key.setdefault((key, depth), _Counts())
+        for rank, token in enumerate(runners_up[depth]):
+            group.add(rank, token == target_token)
+            counts.add(rank, token == target_token)

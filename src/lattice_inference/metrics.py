@@ -29,6 +29,12 @@ class GenerationMetrics:
     """``drafted_per_position[i]``: rounds whose draft had a token at position ``i``."""
     draft_lengths: list[int] = field(default_factory=list)
     """Tokens verified in each round, in order (0: a plain decoding step); the adaptive planner's choices."""
+    leaves: int = 0
+    """Runners-up verified as a draft tree's leaves beside the drafted tokens, over all rounds (not counted in
+    ``drafted_tokens``: each stands in for a drafted token, at the drafted token's position)."""
+    accepted_leaves: int = 0
+    """Rounds in which a leaf was accepted in place of a rejected drafted token (counted in ``accepted_tokens``,
+    at that drafted token's position)."""
     drafter_forwards: int = 0
     """Forward passes of a learned drafter (MTP head steps, catch-up batches included); 0 for n-gram lookup."""
     prefill_s: float = 0.0
@@ -37,10 +43,15 @@ class GenerationMetrics:
     """Time spent measuring the target's forward costs for the draft planner (first generation of a target only;
     counted in neither prefill nor decode)."""
 
-    def record_round(self, drafted: int, accepted: int, *, in_prefill: bool = False) -> None:
+    def record_round(
+        self, drafted: int, accepted: int, *, in_prefill: bool = False, leaves: int = 0, on_leaf: bool = False
+    ) -> None:
         """Count one verification round that drafted ``drafted`` tokens and accepted ``accepted`` of them
-        (``in_prefill``: the draft was verified by the prefill forward, which is not counted as a target forward)."""
+        (``in_prefill``: the draft was verified by the prefill forward, which is not counted as a target forward;
+        ``leaves``: runners-up verified beside the draft, ``on_leaf``: the last accepted token was one)."""
         self.target_forwards += not in_prefill
+        self.leaves += leaves
+        self.accepted_leaves += on_leaf
         self.draft_lengths.append(drafted)
         if drafted == 0:
             return
@@ -91,6 +102,8 @@ class GenerationMetrics:
             "drafted_per_position": list(self.drafted_per_position),
             "acceptance_per_position": self.acceptance_per_position,
             "draft_lengths": list(self.draft_lengths),
+            "leaves": self.leaves,
+            "accepted_leaves": self.accepted_leaves,
             "drafter_forwards": self.drafter_forwards,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
@@ -120,9 +121,19 @@ class Sampler(Protocol):
         """The tokens for rows ``logits[i]`` (``[n, vocab]``), row ``i`` choosing sequence index ``first_index + i``."""
         ...
 
+    def choose_at(self, logits: torch.Tensor, indices: Sequence[int]) -> list[int]:
+        """The tokens for rows ``logits[i]``, row ``i`` choosing sequence index ``indices[i]`` (a draft tree's rows
+        choose indices by their depth, so several rows may choose the same index)."""
+        ...
+
     def choose_draft(self, scores: torch.Tensor, index: int, token_ids: torch.Tensor | None = None) -> int:
         """A drafter's token for index ``index`` from its own ``scores`` (``[vocab]``, or ``[len(token_ids)]``
         over the ids ``token_ids``), with the same noise the target's choice at ``index`` will use."""
+        ...
+
+    def rank_draft(self, scores: torch.Tensor, index: int, token_ids: torch.Tensor | None, count: int) -> list[int]:
+        """The ``count`` best draft tokens for ``index``, best first, by the ranking `choose_draft` takes the first
+        of (a draft tree verifies the runners-up beside the best)."""
         ...
 
 
@@ -135,9 +146,15 @@ class GreedySampler:
     def choose(self, logits: torch.Tensor, first_index: int) -> list[int]:
         return logits.argmax(dim=-1).tolist()
 
+    def choose_at(self, logits: torch.Tensor, indices: Sequence[int]) -> list[int]:
+        return logits.argmax(dim=-1).tolist()
+
     def choose_draft(self, scores: torch.Tensor, index: int, token_ids: torch.Tensor | None = None) -> int:
         best = int(torch.argmax(scores))
         return best if token_ids is None else int(token_ids[best])
+
+    def rank_draft(self, scores: torch.Tensor, index: int, token_ids: torch.Tensor | None, count: int) -> list[int]:
+        return top_tokens(scores.reshape(-1), token_ids, count)
 
 
 class KeyedSampler:
@@ -167,18 +184,37 @@ class KeyedSampler:
         return g
 
     def choose(self, logits: torch.Tensor, first_index: int) -> list[int]:
-        for stale in [i for i in self._noise if i < first_index]:
+        return self.choose_at(logits, range(first_index, first_index + logits.shape[0]))
+
+    def choose_at(self, logits: torch.Tensor, indices: Sequence[int]) -> list[int]:
+        lowest = min(indices)
+        for stale in [i for i in self._noise if i < lowest]:
             del self._noise[stale]
-        rows, vocab = logits.shape
-        noise = [self.noise(first_index + i, vocab, logits.device) for i in range(rows)]
+        vocab = logits.shape[-1]
+        noise = [self.noise(i, vocab, logits.device) for i in indices]
         return (process_logits(logits, self.options) + torch.stack(noise)).argmax(dim=-1).tolist()
 
     def choose_draft(self, scores: torch.Tensor, index: int, token_ids: torch.Tensor | None = None) -> int:
+        return self.rank_draft(scores, index, token_ids, 1)[0]
+
+    def rank_draft(self, scores: torch.Tensor, index: int, token_ids: torch.Tensor | None, count: int) -> list[int]:
         g = self.noise(index, self.vocab if token_ids is not None else scores.shape[-1], scores.device)
         if token_ids is not None:
             g = g[token_ids]
-        best = int((process_logits(scores.reshape(-1), self.options) + g).argmax())
-        return best if token_ids is None else int(token_ids[best])
+        return top_tokens(process_logits(scores.reshape(-1), self.options) + g, token_ids, count)
+
+
+def top_tokens(scores: torch.Tensor, token_ids: torch.Tensor | None, count: int) -> list[int]:
+    """The ids of the ``count`` highest ``scores`` (``token_ids[i]`` names row ``i`` where given), best first; the
+    first is ``torch.argmax``'s (first index on ties)."""
+    if count == 1:
+        best = [int(torch.argmax(scores))]
+    else:
+        best = torch.topk(scores, min(count, scores.shape[0])).indices.tolist()
+        first = int(torch.argmax(scores))
+        if best[0] != first:  # topk's order among equal scores is unspecified; argmax's is the contract
+            best = [first, *(b for b in best if b != first)][: len(best)]
+    return best if token_ids is None else token_ids[best].tolist()
 
 
 def make_sampler(options: SamplingOptions, vocab: int) -> GreedySampler | KeyedSampler:

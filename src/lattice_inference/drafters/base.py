@@ -29,6 +29,14 @@ class Plan(Protocol):
         ``drafted``: how many of a costly proposal's tokens are drafted already, their cost spent)."""
         ...
 
+    def choose_tree(
+        self, available: int, key: int = 0, *, drafted: int = 0, runners_up: int = 0
+    ) -> tuple[int, list[int]]:
+        """A costly proposal's draft length ``k`` (as `choose`) and how many of the ``runners_up`` next-best tokens
+        the drafter has at each of the ``k`` depths to verify beside it (a draft tree; none where the target cannot
+        verify trees)."""
+        ...
+
     def observe_drafter_seconds(self, seconds_per_token: float) -> None:
         """One measured drafting time per drafted token."""
         ...
@@ -37,12 +45,20 @@ class Plan(Protocol):
 @dataclass
 class PlannedDraft:
     """One round's draft under the planner: what was proposed, the part to verify, the key to learn under, and
-    free proposals passed over this round (``(tokens, key)``; the planner still learns from their first token)."""
+    free proposals passed over this round (``(tokens, key)``; the planner still learns from their first token).
+
+    A drafter that ranks its tokens (an MTP head) may also return, per drafted depth, its next-best tokens
+    (``runners_up``, all it computed: the planner learns how often they hold) and the leading ones of them to
+    verify beside the draft (``alternatives``, one list per verified depth): the target then verifies a tree whose
+    spine is ``verify`` with those alternatives as leaves, and one may stand in for a rejected draft token.
+    """
 
     proposal: list[int]
     verify: list[int]
     key: int = 0
     skipped: list[tuple[list[int], int]] = field(default_factory=list)
+    runners_up: list[list[int]] = field(default_factory=list)
+    alternatives: list[list[int]] = field(default_factory=list)
 
 
 @runtime_checkable

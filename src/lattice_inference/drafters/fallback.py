@@ -9,6 +9,7 @@ would be on its own; the output is still the target's, token for token.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -82,7 +83,7 @@ class FallbackDrafter(Drafter):
             if sub.verify:
                 self.proposals_by[i] += 1
                 self.proposal_key = key
-                return PlannedDraft(sub.proposal, sub.verify, key, skipped)
+                return replace(sub, key=key, skipped=skipped)
             if sub.proposal:
                 skipped.append((sub.proposal, key))
         return PlannedDraft([], [], self.proposal_key, skipped)
@@ -96,6 +97,11 @@ class _KeyOffset:
 
     def choose(self, available: int, key: int = 0, *, free: bool = True, drafted: int = 0) -> int:
         return self.plan.choose(available, key + self.offset, free=free, drafted=drafted)
+
+    def choose_tree(
+        self, available: int, key: int = 0, *, drafted: int = 0, runners_up: int = 0
+    ) -> tuple[int, list[int]]:
+        return self.plan.choose_tree(available, key + self.offset, drafted=drafted, runners_up=runners_up)
 
     def observe_drafter_seconds(self, seconds_per_token: float) -> None:
         self.plan.observe_drafter_seconds(seconds_per_token)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +33,27 @@ from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.mtp.config import MtpConfig
 from lattice_inference.mtp.layer import LayerTensors, Linear, gqa_attention, mtp_layer, rope_inv_freq, swiglu
 from lattice_inference.mtp.weights import MtpWeights
+from lattice_inference.sampling import top_tokens
 from lattice_inference.targets.packed_linear import pack_weight, packed_linear, packing_supported
 
 _INITIAL_CAPACITY = 256
 
 Tokens = Sequence[int] | torch.Tensor
+Rank = Callable[[torch.Tensor, int, "torch.Tensor | None", int], list[int]]
+"""``rank(scores, index, token_ids, count)``: the ``count`` best draft tokens for sequence index ``index`` from the
+head's scores over ``token_ids`` (None: the whole vocabulary), best first (`Sampler.rank_draft`)."""
+
+
+class DraftStep(NamedTuple):
+    """One step of the head's draft chain."""
+
+    token: int
+    """The drafted token (the one the chain continues from)."""
+    confidence: float
+    """The head's probability of its most likely token over the draft vocabulary (EAGLE-2's acceptance signal)."""
+    runners_up: tuple[int, ...] = ()
+    """The next-best tokens for the same index, best first (as many as asked for): a draft tree verifies them
+    beside ``token``."""
 
 
 def _is_int(value: object) -> bool:
@@ -256,10 +273,18 @@ class MtpHead:
         count = self.config.num_drafts if num_tokens is None else num_tokens
         if count < 1:
             raise ValueError(f"num_tokens must be >= 1, got {count}")
-        steps = self.draft_steps(next_token_id, position, hidden, catch_up=catch_up, choose=choose, limit=count)
+        rank: Rank | None = None
+        if choose is not None:
+            pick = choose
+
+            def rank(scores: torch.Tensor, index: int, ids: torch.Tensor | None, count: int) -> list[int]:
+                return [pick(scores, index, ids)]
+
+        steps = self.draft_steps(next_token_id, position, hidden, catch_up=catch_up, rank=rank, limit=count)
         eos = set(eos_token_ids)
         drafts: list[int] = []
-        for token, _ in steps:
+        for step in steps:
+            token = step.token
             drafts.append(token)
             if token in eos or len(drafts) == count:
                 break
@@ -273,15 +298,20 @@ class MtpHead:
         hidden: torch.Tensor | Sequence[float],
         *,
         catch_up: tuple[torch.Tensor, Tokens] | None = None,
-        choose: Callable[[torch.Tensor, int, torch.Tensor | None], int] | None = None,
+        rank: Rank | None = None,
+        runners_up: int = 0,
         limit: int | None = None,
-    ) -> Iterator[tuple[int, float]]:
-        """The draft chain of `draft_tokens`, one step per ``next``: ``(token, confidence)``, where confidence is
-        the head's probability of its most likely token (over the draft vocabulary), the signal EAGLE-2 uses to
-        predict acceptance. A caller that stops early pays only for the steps it took, so it can look at the first
-        draft's confidence before deciding to chain more. Arguments and checks as in `draft_tokens` (made when
-        called, before the first step); ``limit`` caps the steps (default: up to ``max_seq_len``).
+    ) -> Iterator[DraftStep]:
+        """The draft chain of `draft_tokens`, one `DraftStep` per ``next``: the token, the head's confidence (its
+        probability of its most likely token over the draft vocabulary, the signal EAGLE-2 uses to predict
+        acceptance) and ``runners_up`` next-best tokens. A caller that stops early pays only for the steps it took,
+        so it can look at the first draft's confidence before deciding to chain more. ``rank`` (default: by score)
+        orders the draft tokens; coupled sampling passes the keyed sampler's `rank_draft`. Other arguments and
+        checks as in `draft_tokens` (made when called, before the first step); ``limit`` caps the steps (default:
+        up to ``max_seq_len``).
         """
+        if not _is_int(runners_up) or runners_up < 0:
+            raise ValueError(f"runners_up must be a non-negative int, got {runners_up!r}")
         if not _is_int(next_token_id):
             raise TokenError(f"MTP token_id must be an int, got {next_token_id!r}")
         ids = self._check_tokens([next_token_id])
@@ -297,17 +327,12 @@ class MtpHead:
             raise ValueError(f"MTP {where} must equal cache_len {self._len}")
         if limit is not None and self.max_seq_len is not None and position + limit > self.max_seq_len:
             raise ValueError(f"drafting {limit} tokens from position {position} passes max_seq_len {self.max_seq_len}")
-        return self._chain(ids, position - m, hid, position, choose)
+        return self._chain(ids, position - m, hid, position, rank, 1 + runners_up)
 
     @torch.inference_mode()
     def _chain(
-        self,
-        ids: torch.Tensor,
-        pos: int,
-        hid: torch.Tensor,
-        position: int,
-        choose: Callable[[torch.Tensor, int, torch.Tensor | None], int] | None,
-    ) -> Iterator[tuple[int, float]]:
+        self, ids: torch.Tensor, pos: int, hid: torch.Tensor, position: int, rank: Rank | None, width: int
+    ) -> Iterator[DraftStep]:
         scorer = self._lm_head if self._draft_head is None else self._draft_head
         index = position + 2
         while self.max_seq_len is None or pos + int(ids.shape[0]) <= self.max_seq_len:
@@ -316,11 +341,14 @@ class MtpHead:
             scores = (F.linear if scorer is self._lm_head else self._linear)(hid, scorer)[0]
             best = int(torch.argmax(scores))
             confidence = float(torch.softmax(scores.float(), dim=0)[best])
-            if choose is None:
-                token = best if self._draft_ids is None else int(self._draft_ids[best])
+            if rank is None and width == 1:
+                ranked = [best if self._draft_ids is None else int(self._draft_ids[best])]
+            elif rank is None:
+                ranked = top_tokens(scores, self._draft_ids, width)
             else:
-                token = choose(scores, index, self._draft_ids)
-            yield token, confidence
+                ranked = rank(scores, index, self._draft_ids, width)
+            token = ranked[0]
+            yield DraftStep(token, confidence, tuple(ranked[1:]))
             pos += int(ids.shape[0])
             index += 1
             ids = torch.tensor([token], dtype=torch.long, device=self.device)

@@ -33,6 +33,10 @@ class Target(Protocol):
     fuses_prefill_and_draft: bool = False
     """Whether `prefill_with_draft` is offered (where rolling back into a prefill is cheap)."""
 
+    verifies_trees: bool = False
+    """Whether `forward_tree` is offered, and `keep_rows` keeps any path of it (attention caches whose rows can be
+    moved; not recurrent state)."""
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids the model accepts as input."""
@@ -66,3 +70,17 @@ class Target(Protocol):
     def rollback(self, length: int) -> None:
         """Discard every cached token at position ``>= length`` (``0 <= length <= self.length``)."""
         ...
+
+    def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Feed a draft tree after the cache: row ``i`` holds ``token_ids[i]`` at position ``length + depth(i)``
+        and attends to the cache and its ancestors only (``parents[i]``, the earlier row it follows; -1 for row 0,
+        the only root). Returns logits ``[n, vocab]``; `keep_rows` must follow. Only where ``verifies_trees``."""
+        raise NotImplementedError(f"{type(self).__name__} does not verify draft trees")
+
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        """After a forward (or `forward_tree`) that fed rows at ``start``, keep the rows ``rows`` (increasing,
+        a path from row 0) as positions ``start ..`` and drop the rest. A prefix of the fed rows is a rollback,
+        which every target does; other paths only where ``verifies_trees``."""
+        if list(rows) != list(range(len(rows))):
+            raise NotImplementedError(f"{type(self).__name__} keeps only a prefix of the rows it fed, got {list(rows)}")
+        self.rollback(start + len(rows))

@@ -72,6 +72,20 @@ class GrowableLayer(DynamicLayer):
         self._filled += tokens_to_remove
         self._expose()
 
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Keep rows ``start + rows[i]`` as positions ``start + i`` (``rows`` increasing) and drop every later one."""
+        if self._k is None:
+            return
+        end = start + len(rows)
+        if start + rows[-1] >= self._filled:
+            raise ValueError(f"cannot keep row {start + rows[-1]} of a cache of {self._filled}")
+        index = torch.tensor([start + r for r in rows], device=self._k.device)
+        with torch.inference_mode():  # the buffers were written under inference mode
+            self._k[..., start:end, :] = self._k[..., index, :]
+            self._v[..., start:end, :] = self._v[..., index, :]
+        self._filled = end
+        self._expose()
+
     def reset(self) -> None:
         super().reset()
         self._filled = 0

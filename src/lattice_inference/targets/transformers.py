@@ -12,15 +12,16 @@ cache holds recurrent state (Gated DeltaNet, Mamba) cannot be rolled back by cro
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 from lattice_inference.errors import TokenError, UnsupportedModelError
 from lattice_inference.targets.base import Target
-from lattice_inference.targets.kv_cache import use_growable_layers
+from lattice_inference.targets.kv_cache import GrowableLayer, use_growable_layers
 from lattice_inference.targets.packed_linear import pack_linears
 
 
@@ -125,16 +126,28 @@ class CausalLMTarget(Target):
         self._cache.activate_past_recording()
         self._length = 0
 
-    def _run(self, token_ids: Sequence[int], logits_to_keep: int) -> torch.Tensor:
-        """One model forward over ``token_ids`` at positions ``length..``; returns logits ``[kept, vocab]``."""
+    def _run(
+        self,
+        token_ids: Sequence[int],
+        logits_to_keep: int,
+        *,
+        offsets: Sequence[int] | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One model forward over ``token_ids`` written at cache rows ``length..``, at positions ``length + i`` (or
+        ``length + offsets[i]``, with a 4D ``attention_mask``: a draft tree); returns logits ``[kept, vocab]``."""
         assert self._cache is not None
         n = len(token_ids)
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        positions = torch.arange(self._length, self._length + n, device=self.device).unsqueeze(0)
+        if offsets is None:
+            positions = torch.arange(self._length, self._length + n, device=self.device).unsqueeze(0)
+        else:
+            positions = torch.tensor([[self._length + o for o in offsets]], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             out = self.model(
                 input_ids=ids,
                 position_ids=positions,
+                attention_mask=attention_mask,
                 cache=self._cache,
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
@@ -143,8 +156,43 @@ class CausalLMTarget(Target):
         return out.logits[0]
 
 
+TREE_ATTENTION = ("sdpa", "eager")
+"""Attention implementations that apply a custom 4D additive mask as given (what `forward_tree` passes)."""
+
+
+def tree_mask(parents: Sequence[int], cached: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive mask ``[1, 1, n, cached + n]`` of a draft tree: every row sees the ``cached`` positions, itself
+    and its ancestors (``parents[i]``, -1 for the root), and nothing else (``finfo.min`` elsewhere)."""
+    n = len(parents)
+    allowed = torch.zeros(n, cached + n, dtype=torch.bool)
+    allowed[:, :cached] = True
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            allowed[i] = allowed[parent]
+        allowed[i, cached + i] = True
+    mask = torch.zeros(n, cached + n, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.to(device)[None, None]
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Each row's distance from the root of a tree given by ``parents`` (checked: one root, row 0, and every other
+    row's parent an earlier row)."""
+    if not parents or parents[0] != -1:
+        raise ValueError(f"a draft tree's row 0 is its only root (parent -1), got parents {list(parents)}")
+    depths = [0]
+    for i, parent in enumerate(parents[1:], start=1):
+        if not 0 <= parent < i:
+            raise ValueError(f"row {i} of a draft tree must follow an earlier row, got parent {parent}")
+        depths.append(depths[parent] + 1)
+    return depths
+
+
 class TransformersTarget(CausalLMTarget):
-    """A `Target` over a transformers causal LM whose cache is attention KV only; rollback crops the cache."""
+    """A `Target` over a transformers causal LM whose cache is attention KV only; rollback crops the cache.
+
+    Where every cache layer is full attention (no sliding window) and attention applies custom masks (sdpa,
+    eager), it also verifies draft trees: a tree is one forward under a tree mask, and keeping a path moves that
+    path's keys and values into place (`GrowableLayer.keep`)."""
 
     fuses_prefill_and_draft = True
 
@@ -158,6 +206,9 @@ class TransformersTarget(CausalLMTarget):
                 "(Qwen3.5 / Qwen3-Next: use HybridTarget or make_target)"
             )
         super().__init__(model, packed_weights=packed_weights)
+        layers = DynamicCache(config=model.config).layers
+        attention = getattr(model.config, "_attn_implementation", None)
+        self.verifies_trees = attention in TREE_ATTENTION and all(type(layer) is DynamicLayer for layer in layers)
 
     def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
         self._check_prefill(token_ids)
@@ -189,3 +240,29 @@ class TransformersTarget(CausalLMTarget):
             return
         self._cache.crop(length - self._length)
         self._length = length
+
+    def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        if not self.verifies_trees:
+            return super().forward_tree(token_ids, parents)
+        self._check_forward(token_ids)
+        if len(parents) != len(token_ids):
+            raise ValueError(
+                f"a draft tree of {len(token_ids)} tokens needs {len(token_ids)} parents, got {len(parents)}"
+            )
+        depths = tree_depths(parents)
+        dtype = next(self.model.parameters()).dtype
+        mask = tree_mask(parents, self._length, dtype, self.device)
+        return self._run(token_ids, logits_to_keep=0, offsets=depths, attention_mask=mask)
+
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        rows = list(rows)
+        if rows == list(range(len(rows))) or not self.verifies_trees:
+            super().keep_rows(start, rows)
+            return
+        if rows[0] != 0 or any(b <= a for a, b in itertools.pairwise(rows)) or start + rows[-1] >= self._length:
+            raise ValueError(f"rows to keep must increase from 0 within the {self._length - start} fed, got {rows}")
+        assert self._cache is not None
+        for layer in self._cache.layers:
+            assert isinstance(layer, GrowableLayer)
+            layer.keep(start, rows)
+        self._length = start + len(rows)
