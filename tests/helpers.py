@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lattice_inference.drafters.base import Drafter
+from lattice_inference.drafters.base import Drafter, PlannedDraft
 from lattice_inference.targets.base import Target
 
 
@@ -179,3 +179,67 @@ def hf_sampled(model, prompt: Sequence[int], max_new: int, eos: int | None, opti
     """Plain keyed sampling by transformers' ``generate`` (its warpers + our keyed noise + greedy search), without
     the final EOS."""
     return hf_generate(model, prompt, max_new, eos, [*hf_warpers(options), KeyedNoiseProcessor(options.seed)])
+
+
+class TreeOracleDrafter(Drafter):
+    """Drafts a tree from the true continuation ``reference`` (prompt + plain decoding's output), ignoring the plan.
+
+    Each draft token is corrupted with chance ``corrupt``; where it is, the true token is among the ``width``
+    runners-up at that depth with chance ``rescue`` (at a random rank), otherwise they are all wrong. So rounds
+    accept the whole draft, stop at once, or step onto a leaf at any depth. A model-like drafter (not free), so
+    the loop asks it for planned drafts.
+    """
+
+    proposes_for_free = False
+
+    def __init__(
+        self,
+        reference: Sequence[int],
+        vocab: int,
+        *,
+        corrupt: float = 0.5,
+        rescue: float = 0.6,
+        width: int = 3,
+        seed: int = 0,
+    ) -> None:
+        self.reference, self.vocab = list(reference), vocab
+        self.corrupt, self.rescue, self.width = corrupt, rescue, width
+        self.rng = random.Random(seed)
+        self.history: list[int] = []
+
+    def reset(self, prompt_ids: Sequence[int]) -> None:
+        self.history = list(prompt_ids)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        self.history.extend(token_ids)
+
+    def _true(self, index: int) -> int:
+        return self.reference[index] if index < len(self.reference) else self.rng.randrange(self.vocab)
+
+    def _other(self, avoid: set[int]) -> int:
+        while True:
+            token = self.rng.randrange(self.vocab)
+            if token not in avoid:
+                return token
+
+    def propose(self, max_tokens: int) -> list[int]:
+        return self._tree(max_tokens)[0]
+
+    def _tree(self, max_tokens: int) -> tuple[list[int], list[list[int]]]:
+        n = len(self.history)
+        draft, alternatives = [], []
+        for i in range(self.rng.randint(1, max(1, max_tokens))):
+            true = self._true(n + i)
+            token = true if self.rng.random() >= self.corrupt else self._other({true})
+            leaves: list[int] = []
+            while len(leaves) < self.width:
+                leaves.append(self._other({token, true, *leaves}))
+            if token != true and self.rng.random() < self.rescue:
+                leaves[self.rng.randrange(self.width)] = true
+            draft.append(token)
+            alternatives.append(leaves)
+        return draft, alternatives
+
+    def propose_planned(self, max_tokens: int, plan) -> PlannedDraft:
+        draft, alternatives = self._tree(max_tokens)
+        return PlannedDraft(draft, draft, 1, runners_up=alternatives, alternatives=alternatives)

@@ -174,7 +174,7 @@ class SpeculativeDecoder:
                 draft = planned.verify
                 position = target.length
                 forward_start = time.perf_counter()
-                if planned.alternatives:  # a draft tree (only planned where the target verifies trees)
+                if planned.alternatives and target.verifies_trees:  # a draft tree: leaves beside the draft
                     tree = DraftTree(draft, planned.alternatives)
                     tokens, parents, depths = tree.rows(pending)
                     logits = target.forward_tree(tokens, parents)
