@@ -154,3 +154,40 @@ def test_shipped_mtp_head_drafts_losslessly(loaded, generators) -> None:
         out = gen.generate(prompt, max_new_tokens=24, chat=True)
         assert out.token_ids == reference.token_ids
         assert out.metrics.drafted_tokens > 0
+
+
+def test_shipped_head_drafts_trees_losslessly_and_its_hiddens_follow_the_kept_path(loaded, generators) -> None:
+    """With verification priced as free, the planner verifies the head's runners-up beside its drafts (a draft
+    tree) every round; output equals greedy's, leaves are accepted, and the hidden states the head was handed are
+    the target's own along the accepted path (a full forward of the output, to float32 noise)."""
+    from lattice_inference.api import mtp_head_for
+    from lattice_inference.targets.forward_cost import ForwardCosts
+    from lattice_inference.targets.transformers import final_norm
+
+    head = mtp_head_for(loaded, 3)
+    gen = Generator(
+        loaded.model, loaded.tokenizer, method="mtp", draft_length=3, mtp_head=head, eos_token_ids=loaded.eos_token_ids
+    )
+    gen.decoder.costs = ForwardCosts((1, 16), (1.0, 1.0))
+    on_leaf = 0
+    for prompt in ("Write two sentences about the sea.", "Give me three tips for sleeping well."):
+        ids = gen.encode(prompt, chat=True)
+        reference = generators["greedy"].generate(ids, max_new_tokens=BUDGET)
+        out = gen.generate(ids, max_new_tokens=BUDGET)
+        assert out.token_ids == reference.token_ids
+        assert out.metrics.leaves > 0
+        on_leaf += out.metrics.accepted_leaves
+        drafter = gen.decoder.drafter
+        seq = ids + out.token_ids
+        kept = []
+        hook = final_norm(loaded.model).register_forward_hook(lambda m, a, o: kept.append(o[0]))
+        try:
+            with torch.inference_mode():
+                loaded.model(torch.tensor([seq[:-1]]))
+        finally:
+            hook.remove()
+        rows = drafter._hidden
+        start = drafter._hidden_start
+        torch.testing.assert_close(rows, kept[0][start : start + rows.shape[0]], atol=2e-3, rtol=2e-3)
+        assert start + rows.shape[0] == len(seq) - 1
+    assert on_leaf > 0
