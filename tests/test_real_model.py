@@ -179,8 +179,8 @@ def test_shipped_head_drafts_trees_losslessly_and_its_hiddens_follow_the_kept_pa
         on_leaf += out.metrics.accepted_leaves
         drafter = gen.decoder.drafter
         seq = ids + out.token_ids
-        kept = []
-        hook = final_norm(loaded.model).register_forward_hook(lambda m, a, o: kept.append(o[0]))
+        kept: list[torch.Tensor] = []
+        hook = final_norm(loaded.model).register_forward_hook(lambda m, a, o, kept=kept: kept.append(o[0]))
         try:
             with torch.inference_mode():
                 loaded.model(torch.tensor([seq[:-1]]))

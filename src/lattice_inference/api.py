@@ -179,6 +179,7 @@ class Generator:
             max_draft=max_draft,
             eos_token_ids=self.eos_token_ids,
             adaptive=options.adaptive,
+            max_leaves=options.max_leaves,
         )
 
     @property

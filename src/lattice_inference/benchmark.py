@@ -163,6 +163,8 @@ class MethodStats:
         agg.drafted_tokens += m.drafted_tokens
         agg.accepted_tokens += m.accepted_tokens
         agg.drafter_forwards += m.drafter_forwards
+        agg.leaves += m.leaves
+        agg.accepted_leaves += m.accepted_leaves
         for i, (a, d) in enumerate(zip(m.accepted_per_position, m.drafted_per_position, strict=True)):
             if i >= len(agg.drafted_per_position):
                 agg.drafted_per_position.append(0)
@@ -222,6 +224,8 @@ class _Group:
                     "acceptance_per_position": s.metrics.acceptance_per_position,
                     "target_forwards": s.metrics.target_forwards,
                     "drafter_forwards": s.metrics.drafter_forwards,
+                    "leaves": s.metrics.leaves,
+                    "accepted_leaves": s.metrics.accepted_leaves,
                     "identical_share": s.identical / s.runs if s.runs else 0.0,
                     "new_tokens": s.new_tokens,
                 }
@@ -318,15 +322,17 @@ def run_bench(
 
 def _format_rows(rows: list[dict[str, Any]]) -> list[str]:
     head = (
-        f"{'method':<8} {'tok/s':>8} {'speed-up':>9} {'mean acc len':>13} {'acc rate':>9} {'identical':>10}"
-        "  acceptance per position"
+        f"{'method':<8} {'tok/s':>8} {'speed-up':>9} {'mean acc len':>13} {'acc rate':>9} {'tok/fwd':>8} "
+        f"{'identical':>10}  acceptance per position"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         per = " ".join(f"{x:.2f}" for x in r["acceptance_per_position"]) or "-"
+        per_forward = r["new_tokens"] / r["target_forwards"] if r["target_forwards"] else 0.0
         lines.append(
             f"{r['method']:<8} {r['tokens_per_s']:>8.1f} {r['speedup_vs_greedy']:>8.2f}x "
-            f"{r['mean_acceptance_length']:>13.2f} {r['acceptance_rate']:>9.1%} {r['identical_share']:>10.0%}  {per}"
+            f"{r['mean_acceptance_length']:>13.2f} {r['acceptance_rate']:>9.1%} {per_forward:>8.2f} "
+            f"{r['identical_share']:>10.0%}  {per}"
         )
     return lines
 

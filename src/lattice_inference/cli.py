@@ -14,6 +14,16 @@ from lattice_inference.options import METHODS, DecodeOptions, needs_mtp_head
 from lattice_inference.sampling import SamplingOptions
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -32,6 +42,10 @@ MODEL_HELP = (
 )
 MTP_HEAD_HELP = "mtp: a head written by `lattice train-mtp` (its .safetensors file or folder), for any model it fits"
 FIXED_DRAFT_HELP = "verify every drafted token (default: the planner picks 0..max-draft per round)"
+MAX_LEAVES_HELP = (
+    "mtp: most runners-up of the head verified beside its drafts in one round, a draft tree, where the planner "
+    "expects them to pay (attention models without sliding windows; default 4, 0: never)"
+)
 DRAFT_VOCAB_HELP = (
     "mtp: draft only among token ids 0..N-1, the frequent ones in BPE order (default: all, or a trained head's own)"
 )
@@ -49,6 +63,7 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
         "--draft-length", type=_positive_int, default=4, help="mtp: tokens per round counting the target's (2..8)"
     )
     parser.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
+    parser.add_argument("--max-leaves", type=_count, default=4, help=MAX_LEAVES_HELP)
     parser.add_argument("--mtp-head", help=MTP_HEAD_HELP)
     parser.add_argument(
         "--match", choices=("first", "recent"), default="first", help="which earlier occurrence to copy"
@@ -135,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--fixed-draft", action="store_true", help=FIXED_DRAFT_HELP)
     bench.add_argument("--draft-length", type=_positive_int, default=2, help="mtp: tokens per round (2..8)")
     bench.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
+    bench.add_argument("--max-leaves", type=_count, default=4, help=MAX_LEAVES_HELP)
     bench.add_argument("--mtp-head", help=MTP_HEAD_HELP)
     bench.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
     bench.add_argument("--per-kind", type=_positive_int, help="use only the first N prompts of each kind")
@@ -190,6 +206,7 @@ def _generate_options(args: argparse.Namespace) -> DecodeOptions:
         draft_vocab=args.draft_vocab,
         coupled_draft=not args.argmax_draft,
         adaptive=not args.fixed_draft,
+        max_leaves=args.max_leaves,
         sampling=sampling_options(args),
     )
 
@@ -254,6 +271,7 @@ def bench_options(args: argparse.Namespace) -> DecodeOptions:
         draft_vocab=args.draft_vocab,
         coupled_draft=not args.argmax_draft,
         adaptive=not args.fixed_draft,
+        max_leaves=args.max_leaves,
         sampling=sampling_options(args).seeded(),
     )
 

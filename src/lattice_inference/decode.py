@@ -42,8 +42,10 @@ class SpeculativeDecoder:
 
     ``max_draft`` caps the tokens proposed per round; ``adaptive`` lets a `DraftPlanner` choose fewer (the
     first generation then measures the target's forward costs, once; `Generator` turns it on by default, here
-    it is off so that every proposal is verified as drafted). ``costs`` gives the planner forward costs instead
-    of measuring them (they stand as given; measured ones are corrected by each generation's timed forwards).
+    it is off so that every proposal is verified as drafted), and, where the target verifies trees and the
+    drafter ranks its tokens, up to ``max_leaves`` runners-up beside them (a draft tree). ``costs`` gives the
+    planner forward costs instead of measuring them (they stand as given; measured ones are corrected by each
+    generation's timed forwards).
     The decoder holds no per-generation state: each call of `start` (or `stream`, `generate`) makes a new
     `Generation`; ``metrics`` and ``stop_reason`` are the most recent generation's. Generations run in turn:
     starting one ends any earlier one still being iterated.
@@ -58,6 +60,7 @@ class SpeculativeDecoder:
         eos_token_ids: Iterable[int] = (),
         adaptive: bool = False,
         costs: ForwardCosts | None = None,
+        max_leaves: int = MAX_LEAVES,
     ) -> None:
         if max_draft < 1:
             raise ConfigError(f"max_draft must be at least 1, got {max_draft}")
@@ -66,6 +69,7 @@ class SpeculativeDecoder:
         self.max_draft = max_draft
         self.adaptive = adaptive
         self.costs = costs
+        self.max_leaves = max_leaves
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.last: Generation | None = None
         wants_hidden = drafter is not None and drafter.uses_hidden_states
@@ -154,7 +158,7 @@ class SpeculativeDecoder:
             drafter.use_sampler(sampler)
             if self.adaptive:  # measuring resets the target's cache, so it comes before the prefill
                 start = time.perf_counter()
-                leaves = MAX_LEAVES if target.verifies_trees and not drafter.proposes_for_free else 0
+                leaves = self.max_leaves if target.verifies_trees and not drafter.proposes_for_free else 0
                 costs = self.costs or forward_costs(target, self.max_draft + 1 + leaves)
                 gen.planner = DraftPlanner(costs, max_leaves=leaves)
                 m.calibration_s = time.perf_counter() - start

@@ -136,4 +136,5 @@ class GenerationMetrics:
             f"prefill {self.prompt_tokens} tokens in {self.prefill_s:.2f}s, {self.target_forwards} target forwards, "
             f"acceptance {self.acceptance_rate:.1%} ({self.accepted_tokens}/{self.drafted_tokens}), "
             f"mean acceptance length {self.mean_acceptance_length:.2f}"
+            + (f", {self.leaves} tree leaves ({self.accepted_leaves} accepted)" if self.leaves else "")
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+from lattice_inference.draft_planner import MAX_LEAVES
 from lattice_inference.errors import ConfigError
 from lattice_inference.sampling import SamplingOptions
 
@@ -60,7 +61,9 @@ class DecodeOptions:
     ``draft_length`` counts the target's token as the reference does (2..8): each round drafts up to
     ``draft_length - 1`` tokens; ``draft_vocab=N`` drafts only among token ids ``0..N-1``;
     ``coupled_draft`` (default) makes the head draft with the same keyed noise the target samples with, so its
-    drafts follow the sampled text rather than its argmax (no effect at temperature 0).
+    drafts follow the sampled text rather than its argmax (no effect at temperature 0). ``max_leaves`` caps the
+    head's runners-up the planner may verify beside its drafts in one round (a draft tree, on attention models
+    without sliding windows; 0: never).
     """
 
     method: str = "ngram"
@@ -72,6 +75,7 @@ class DecodeOptions:
     draft_vocab: int | None = None
     coupled_draft: bool = True
     adaptive: bool = True
+    max_leaves: int = MAX_LEAVES
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
 
     def __post_init__(self) -> None:
@@ -85,6 +89,8 @@ class DecodeOptions:
             raise ConfigError(f"match must be one of {', '.join(MATCH_POLICIES)}, got {self.match!r}")
         check_draft_length(self.draft_length)
         check_draft_vocab(self.draft_vocab)
+        if isinstance(self.max_leaves, bool) or not isinstance(self.max_leaves, int) or not 0 <= self.max_leaves <= 16:
+            raise ConfigError(f"max_leaves must be an integer 0..16, got {self.max_leaves!r}")
         if not isinstance(self.sampling, SamplingOptions):
             raise ConfigError(f"sampling must be a SamplingOptions, got {type(self.sampling).__name__}")
 

@@ -61,7 +61,7 @@ def served_name(model: str | None) -> str:
 
 
 #: The ``lattice serve`` options that make up its default `DecodeOptions`.
-DRAFT_OPTIONS = ("method", "max_ngram", "min_ngram", "max_draft", "match", "draft_length", "draft_vocab")
+DRAFT_OPTIONS = ("method", "max_ngram", "min_ngram", "max_draft", "match", "draft_length", "draft_vocab", "max_leaves")
 
 
 def default_options(args: argparse.Namespace) -> DecodeOptions:
