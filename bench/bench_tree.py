@@ -1,6 +1,6 @@
 """Draft trees against chains, side by side: the same MTP head verifying its drafts alone or with runners-up.
 
-Runs greedy and, for each MTP method asked for, the method twice over the same loaded model and head: with
+Runs greedy, any other method asked for once, and each MTP method asked for twice over the same loaded model and head: with
 ``max_leaves 0`` (the draft chain only, ``<method>-chain``) and with ``--max-leaves`` (the planner may add the
 head's runners-up as leaves, ``<method>-tree``), on every prompt in every repetition, through `run_bench` (medians
 of per-repetition speed-ups over greedy of the same repetition; every output checked against greedy's). Prints
@@ -23,18 +23,22 @@ from lattice_inference import benchmark
 from lattice_inference.api import DecodeOptions, Generator, mtp_head_for
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.loading import load_model
+from lattice_inference.options import needs_mtp_head
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--prompts", required=True, help="JSONL prompt file (lattice bench's format)")
-    parser.add_argument("--methods", default="mtp", help="comma-separated MTP methods (mtp, ngram+mtp)")
+    parser.add_argument(
+        "--methods", default="mtp", help="comma-separated methods; the MTP ones (mtp, ngram+mtp) run as chain and tree"
+    )
     parser.add_argument("--draft-length", type=int, default=3)
     parser.add_argument("--max-leaves", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--limit", type=int)
+    parser.add_argument("--per-kind", type=int, help="only the first N prompts of each kind")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="also write the report here")
@@ -44,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_transformers()
     loaded = load_model(args.model, dtype=args.dtype)
     head = mtp_head_for(loaded, args.draft_length)
-    prompts = benchmark.load_prompts(args.prompts)[: args.limit]
+    prompts = benchmark.first_per_kind(benchmark.load_prompts(args.prompts), args.per_kind)[: args.limit]
     base = DecodeOptions(method="greedy", draft_length=args.draft_length)
 
     def generator(method: str, leaves: int) -> Generator:
@@ -53,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
     generators = {"greedy": generator("greedy", 0)}
     for method in args.methods.split(","):
-        generators[f"{method}-chain"] = generator(method, 0)
-        generators[f"{method}-tree"] = generator(method, args.max_leaves)
+        if needs_mtp_head(method):
+            generators[f"{method}-chain"] = generator(method, 0)
+            generators[f"{method}-tree"] = generator(method, args.max_leaves)
+        else:
+            generators[method] = generator(method, 0)
     report = benchmark.run_bench(
         generators, prompts, max_new_tokens=args.max_new_tokens, reps=args.reps, progress=benchmark.log
     )

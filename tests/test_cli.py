@@ -113,6 +113,25 @@ def test_non_positive_options_rejected(model_dir, capsys, flag, value):
     assert "must be at least 1" in capsys.readouterr().err
 
 
+def test_max_leaves_takes_zero_and_refuses_negatives(model_dir, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", model_dir, "--prompt", PROMPT, "--max-leaves", "-1"])
+    assert exc.value.code == 2
+    assert "must be at least 0, got -1" in capsys.readouterr().err
+    out = run_json(capsys, "--model", model_dir, "--prompt", PROMPT, "--max-new-tokens", "8", "--max-leaves", "0")
+    assert out["metrics"]["leaves"] == 0
+
+
+def test_max_leaves_option_is_checked_once():
+    from lattice_inference.errors import ConfigError
+    from lattice_inference.options import DecodeOptions
+
+    assert DecodeOptions(max_leaves=0).max_leaves == 0
+    for bad in (-1, 17, 2.5, True):
+        with pytest.raises(ConfigError, match=f"max_leaves must be an integer 0..16, got {bad!r}"):
+            DecodeOptions(max_leaves=bad)
+
+
 def test_console_script_no_traceback(model_dir):
     """The installed command exits non-zero with one line and no traceback on a bad directory."""
     proc = subprocess.run(

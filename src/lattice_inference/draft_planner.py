@@ -49,9 +49,10 @@ COST_PRIOR_WEIGHT = 4.0
 """How many timed forwards of a width the calibrated cost is worth (`DraftPlanner.observe_forward_seconds`)."""
 COST_DECAY = 0.99
 """Weight kept by older timed forwards at each new one (costs drift more slowly than acceptance)."""
-ALT_PRIOR = 0.1
-"""Chance assumed that a runner-up of any rank holds where the draft token failed, before anything is observed
-(the shipped SmolLM2 head's second choice, teacher-forced on chat: 0.19; third 0.11; fourth 0.06)."""
+ALT_PRIORS = (0.15, 0.08, 0.04)
+"""Chance assumed that the runner-up of each rank (the last for any later one) holds where the draft token failed,
+before anything is observed: less for each rank down (the shipped SmolLM2 head's second choice, teacher-forced on
+chat: 0.19; third 0.11; fourth 0.06)."""
 MAX_LEAVES = 4
 """Most runners-up verified beside a draft in one round (the planner's default cap on a tree's leaves)."""
 PROBE_EVERY = 16
@@ -137,8 +138,9 @@ class DraftPlanner:
     def alternative(self, depth: int, rank: int, key: int = 0) -> float:
         """Estimated chance that the runner-up of ``rank`` (0: the best after the draft token) at draft position
         ``depth`` (0-based) is the target's token, once the draft token there failed."""
+        prior = ALT_PRIORS[min(rank, len(ALT_PRIORS) - 1)]
         group = self._alt_groups.get((key // KEY_GROUP, depth))
-        base = ALT_PRIOR if group is None else group.rate(rank, ALT_PRIOR, PRIOR_WEIGHT)
+        base = prior if group is None else group.rate(rank, prior, PRIOR_WEIGHT)
         counts = self._alt_by_key.get((key, depth))
         return base if counts is None else counts.rate(rank, base, KEY_WEIGHT)
 

@@ -120,6 +120,8 @@ def summarise(results: dict[str, list[Run]], keep: set[int] | None = None, n_pro
 def _serve_args(args: argparse.Namespace, engine: str) -> list[str]:
     out = ["--engine", engine, "--method", args.sweep_method, "--dtype", args.dtype, "--log-level", "warning"]
     out += ["--max-draft", str(args.max_draft)] + (["--fixed-draft"] if args.fixed_draft else [])
+    if engine == "local":
+        out += ["--max-leaves", str(args.max_leaves)]
     if args.model:
         out += ["--model", args.model]
     if args.threads:
