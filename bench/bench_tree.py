@@ -1,10 +1,10 @@
 """Draft trees against chains, side by side: the same MTP head verifying its drafts alone or with runners-up.
 
-Runs greedy, any other method asked for once, and each MTP method asked for twice over the same loaded model and head: with
-``max_leaves 0`` (the draft chain only, ``<method>-chain``) and with ``--max-leaves`` (the planner may add the
-head's runners-up as leaves, ``<method>-tree``), on every prompt in every repetition, through `run_bench` (medians
-of per-repetition speed-ups over greedy of the same repetition; every output checked against greedy's). Prints
-the table and, per method, tokens per target forward, leaves verified and accepted.
+Runs greedy, any other method asked for once, and each MTP method asked for twice over the same loaded model and
+head: with ``max_leaves 0`` (the draft chain only, ``<method>-chain``) and with ``--max-leaves`` (the planner may
+add the head's runners-up as leaves, ``<method>-tree``), on every prompt in every repetition, through `run_bench`
+(medians of per-repetition speed-ups over greedy of the same repetition; every output checked against greedy's).
+Prints the table and, per method, tokens per target forward, leaves verified and accepted.
 
 Run (from the repository root, after `grep '"set": "chat"' src/lattice_inference/tasks/grounded.jsonl > chat.jsonl`):
 ``python bench/bench_tree.py --prompts chat.jsonl --methods mtp,ngram+mtp --reps 2 --threads 2``.
