@@ -181,7 +181,7 @@ def hf_sampled(model, prompt: Sequence[int], max_new: int, eos: int | None, opti
     return hf_generate(model, prompt, max_new, eos, [*hf_warpers(options), KeyedNoiseProcessor(options.seed)])
 
 
-class TreeOracleDrafter(Drafter):
+class TreeOracleDrafter(OracleDrafter):
     """Drafts a tree from the true continuation ``reference`` (prompt + plain decoding's output), ignoring the plan.
 
     Each draft token is corrupted with chance ``corrupt``; where it is, the true token is among the ``width``
@@ -202,16 +202,8 @@ class TreeOracleDrafter(Drafter):
         width: int = 3,
         seed: int = 0,
     ) -> None:
-        self.reference, self.vocab = list(reference), vocab
-        self.corrupt, self.rescue, self.width = corrupt, rescue, width
-        self.rng = random.Random(seed)
-        self.history: list[int] = []
-
-    def reset(self, prompt_ids: Sequence[int]) -> None:
-        self.history = list(prompt_ids)
-
-    def extend(self, token_ids: Sequence[int]) -> None:
-        self.history.extend(token_ids)
+        super().__init__(reference, vocab, corrupt, seed)
+        self.rescue, self.width = rescue, width
 
     def _true(self, index: int) -> int:
         return self.reference[index] if index < len(self.reference) else self.rng.randrange(self.vocab)

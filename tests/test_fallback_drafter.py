@@ -111,3 +111,19 @@ def test_adaptive_fallback_uses_the_model_drafter_where_lookups_fail():
     assert result.token_ids == model.greedy(prompt, 80)
     assert result.metrics.accepted_tokens > 30
     assert dec.drafter.proposals_by[1] > 2 * dec.drafter.proposals_by[0]
+
+
+def test_a_fallback_passes_the_model_drafters_tree_on_under_its_key():
+    """ngram+mtp with draft trees: when the lookup has nothing, the MTP side's runners-up and chosen leaves come
+    through with the round, under the fallback's key for that drafter."""
+    from helpers import TreeOracleDrafter
+
+    from lattice_inference.draft_planner import DraftPlanner
+    from lattice_inference.targets.forward_cost import ForwardCosts
+
+    tree = TreeOracleDrafter(list(range(40)), vocab=50, seed=4)
+    fb = FallbackDrafter([Scripted([[]]), tree])
+    fb.reset([0, 1])
+    planned = fb.propose_planned(3, DraftPlanner(ForwardCosts((1, 8), (1.0, 1.0)), max_leaves=4))
+    assert planned.key == 100 + 1 and fb.proposals_by == [0, 1]
+    assert planned.alternatives and planned.alternatives == planned.runners_up[: len(planned.verify)]

@@ -14,24 +14,23 @@ from lattice_inference.options import METHODS, DecodeOptions, needs_mtp_head
 from lattice_inference.sampling import SamplingOptions
 
 
-def _count(text: str) -> int:
+def _int_at_least(minimum: int, text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+        kind = "positive" if minimum == 1 else "non-negative"
+        raise argparse.ArgumentTypeError(f"expected a {kind} integer, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
     return value
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return _int_at_least(1, text)
+
+
+def _count(text: str) -> int:
+    return _int_at_least(0, text)
 
 
 DEFAULT_BENCH_METHODS = ("greedy", "ngram", "mtp", "ngram+mtp")
