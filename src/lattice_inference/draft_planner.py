@@ -130,19 +130,13 @@ class DraftPlanner:
 
     def acceptance(self, position: int, key: int = 0) -> float:
         """Estimated chance that draft position ``position`` (0-based) is accepted once the earlier ones were."""
-        group = self._groups.get(key // KEY_GROUP)
-        base = PRIOR if group is None else group.rate(position, PRIOR, PRIOR_WEIGHT)
-        counts = self._by_key.get(key)
-        return base if counts is None else counts.rate(position, base, KEY_WEIGHT)
+        return _blend(self._groups.get(key // KEY_GROUP), self._by_key.get(key), position, PRIOR)
 
     def alternative(self, depth: int, rank: int, key: int = 0) -> float:
         """Estimated chance that the runner-up of ``rank`` (0: the best after the draft token) at draft position
         ``depth`` (0-based) is the target's token, once the draft token there failed."""
         prior = ALT_PRIORS[min(rank, len(ALT_PRIORS) - 1)]
-        group = self._alt_groups.get((key // KEY_GROUP, depth))
-        base = prior if group is None else group.rate(rank, prior, PRIOR_WEIGHT)
-        counts = self._alt_by_key.get((key, depth))
-        return base if counts is None else counts.rate(rank, base, KEY_WEIGHT)
+        return _blend(self._alt_groups.get((key // KEY_GROUP, depth)), self._alt_by_key.get((key, depth)), rank, prior)
 
     def choose_tree(
         self, available: int, key: int = 0, *, drafted: int = 0, runners_up: int = 0
@@ -158,13 +152,13 @@ class DraftPlanner:
         best_k, best_leaves = k, [0] * k
         best_rate = self._yield(k, key) / (self.relative(k + 1) + max(0, k - drafted) * per_token)
         for depth_count in range(1, available + 1):
-            gains, reach = [], 1.0
+            gains, reach, expected = [], 1.0, 1.0
             for depth in range(depth_count):
                 p = self.acceptance(depth, key)
                 gains += [(reach * (1 - p) * self.alternative(depth, r, key), depth) for r in range(width)]
                 reach *= p
+                expected += reach
             gains.sort(reverse=True)
-            expected = self._yield(depth_count, key)
             leaves = [0] * depth_count
             drafting = max(0, depth_count - drafted) * per_token
             for n, (gain, depth) in enumerate(gains[: self.max_leaves], start=1):
@@ -238,3 +232,10 @@ class DraftPlanner:
         for rank, token in enumerate(runners_up[depth]):
             group.add(rank, token == target_token)
             counts.add(rank, token == target_token)
+
+
+def _blend(group: _Counts | None, counts: _Counts | None, position: int, prior: float) -> float:
+    """A key's estimate at ``position``: its own decayed counts, blended with its drafter-wide ``group`` estimate,
+    which is blended with ``prior``."""
+    base = prior if group is None else group.rate(position, prior, PRIOR_WEIGHT)
+    return base if counts is None else counts.rate(position, base, KEY_WEIGHT)
