@@ -11,10 +11,11 @@ from lattice_inference.targets.transformers import TransformersTarget
 __all__ = ["HybridTarget", "Target", "TransformersTarget", "make_target"]
 
 
-def make_target(model: PreTrainedModel, *, packed_weights: bool = True) -> Target:
+def make_target(model: PreTrainedModel, *, packed_weights: bool = True, decode_matched: bool = True) -> Target:
     """The right `Target` for ``model``: Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) get `HybridTarget`, whose
     rollback restores recurrent state exactly; attention-cache models get `TransformersTarget`; anything else
-    with recurrent state is refused with `UnsupportedModelError`. ``packed_weights``: see `CausalLMTarget`."""
+    with recurrent state is refused with `UnsupportedModelError`. ``packed_weights``, ``decode_matched``: see
+    `CausalLMTarget`."""
     if is_hybrid(model):
-        return HybridTarget(model, packed_weights=packed_weights)
-    return TransformersTarget(model, packed_weights=packed_weights)
+        return HybridTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)
+    return TransformersTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)

@@ -351,12 +351,14 @@ class HybridTarget(CausalLMTarget):
     """A `Target` over a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM, rolling back attention KV, conv *and*
     recurrent Gated DeltaNet state exactly.
 
-    ``kernel`` picks how forwards of 2..``max_recorded`` tokens run the GDN layers: ``"window"`` (default) is
-    the closed-form chunked delta rule over the window (`gated_delta_rule_window`), cheapest on CPU and equal to
-    the token-by-token recurrence to float32 rounding; ``"recurrent"`` is the token-by-token loop, op for op the
-    arithmetic transformers' one-token decode uses, keeping one fp32 ``[v_heads, d_k, d_v]`` state per position
-    and GDN layer (1 MiB at 16 heads of 128) in buffers reused across forwards. Forwards wider than
-    ``max_recorded`` use transformers' own chunked kernel and snapshot-and-replay. See the module docstring.
+    ``kernel`` picks how forwards of 2..``max_recorded`` tokens run the GDN layers: ``"recurrent"`` (the default
+    with ``decode_matched``) is the token-by-token loop, op for op the arithmetic of a one-token step, keeping one
+    fp32 ``[v_heads, d_k, d_v]`` state per position and GDN layer (1 MiB at 16 heads of 128) in buffers reused
+    across forwards; ``"window"`` (the default without it) is the closed-form chunked delta rule over the window
+    (`gated_delta_rule_window`), cheaper on CPU but equal to the recurrence only to float32 rounding. Without
+    ``decode_matched``, forwards wider than ``max_recorded`` use transformers' own chunked kernel and
+    snapshot-and-replay; with it, every forward after the prefill runs the recurrent loop (its buffers grow to the
+    widest forward). See the module docstring and `CausalLMTarget` for ``decode_matched``.
     """
 
     def __init__(
@@ -364,8 +366,9 @@ class HybridTarget(CausalLMTarget):
         model: PreTrainedModel,
         *,
         max_recorded: int = DEFAULT_MAX_RECORDED,
-        kernel: str = "window",
+        kernel: str | None = None,
         packed_weights: bool = True,
+        decode_matched: bool = True,
     ) -> None:
         types = _model_types(model)
         if not types & SUPPORTED_MODEL_TYPES:
@@ -385,9 +388,11 @@ class HybridTarget(CausalLMTarget):
                 )
         if max_recorded < 1:
             raise ConfigError(f"max_recorded must be at least 1, got {max_recorded}")
+        if kernel is None:
+            kernel = "recurrent" if decode_matched else "window"
         if kernel not in KERNELS:
             raise ConfigError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}")
-        super().__init__(model, packed_weights=packed_weights)
+        super().__init__(model, packed_weights=packed_weights, decode_matched=decode_matched)
         self.kernel = kernel
         self.max_recorded = max_recorded
         self._modules = sorted(modules, key=lambda m: m.__name__)
@@ -469,7 +474,7 @@ class HybridTarget(CausalLMTarget):
         start = self._length
         if start == 0:  # nothing cached (after rollback(0)): no state to record from; rollback re-prefills
             return self._run(token_ids, logits_to_keep=0)
-        if len(token_ids) > self.max_recorded:
+        if len(token_ids) > self.max_recorded and not self.decode_matched:
             with torch.inference_mode():
                 snapshot = {i: self._recurrent(i).clone() for i in self._linear_layers()}
             logits = self._run(token_ids, logits_to_keep=0)
@@ -479,7 +484,7 @@ class HybridTarget(CausalLMTarget):
         context = _ACTIVE_RECORDER.set(recorder)
         try:
             with _kernels_patched(self._modules):
-                logits = self._run(token_ids, logits_to_keep=0)
+                logits = self._run(token_ids, logits_to_keep=0, matched=True)
         finally:
             _ACTIVE_RECORDER.reset(context)
         if set(recorder.sources) != set(self._linear_layers()):

@@ -27,6 +27,8 @@ import functools
 import torch
 from torch import nn
 
+from lattice_inference.targets.decode_matched import linear_key, matched_product
+
 _PACKED = "_lattice_packed_weight"
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling projections (attribute names of one module) that read the same input, packed as one matrix."""
@@ -59,7 +61,8 @@ def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = getattr(module, _PACKED)
     if x.dtype != packed.dtype or x.device.type != "cpu":
         return nn.functional.linear(x, module.weight, module.bias)
-    return packed_linear(x, packed, module.bias)
+    kernel = functools.partial(packed_linear, packed=packed, bias=module.bias)
+    return matched_product(linear_key("packed", module.weight, module.bias), kernel, x)
 
 
 class _FusedGroup:
@@ -72,6 +75,8 @@ class _FusedGroup:
             self.packed = pack_weight(torch.cat([m.weight.detach() for m in members]))
             biases = [m.bias for m in members]
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # type: ignore[union-attr]
+        self.kernel = functools.partial(packed_linear, packed=self.packed, bias=self.bias)
+        self.key = ("packed", (sum(self.splits), members[0].in_features), self.bias is not None)
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._pending: set[int] = set()
@@ -82,7 +87,7 @@ class _FusedGroup:
             if x.dtype != self.packed.dtype or x.device.type != "cpu":
                 member = self.members[index]
                 return nn.functional.linear(x, member.weight, member.bias)
-            y = packed_linear(x, self.packed, self.bias)
+            y = matched_product(self.key, self.kernel, x)
             self._input, self._outputs = x, y.split(self.splits, dim=-1)
             self._pending = set(range(len(self.members)))
         self._pending.discard(index)

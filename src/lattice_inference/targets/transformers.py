@@ -12,6 +12,7 @@ cache holds recurrent state (Gated DeltaNet, Mamba) cannot be rolled back by cro
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 
@@ -20,6 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 from lattice_inference.errors import TokenError, UnsupportedModelError
+from lattice_inference.targets import decode_matched as decode_matched_module
 from lattice_inference.targets.base import Target
 from lattice_inference.targets.kv_cache import GrowableLayer, use_growable_layers
 from lattice_inference.targets.packed_linear import pack_linears
@@ -50,14 +52,23 @@ class CausalLMTarget(Target):
     ``packed_weights`` (default on) runs the model's linear layers over oneDNN-packed weights where this CPU
     supports their dtype (`pack_linears`: faster decode steps and much cheaper verification; it changes the
     model's ``nn.Linear`` forwards in place and keeps a packed copy of their weights; `unpack_linears` undoes it).
+
+    ``decode_matched`` (default on) computes every row of a `forward` of several tokens bit for bit as a 1-token
+    `forward` computes it (`lattice_inference.targets.decode_matched`: row-planned linear layers, per-row
+    attention), so verification scores drafted tokens exactly as plain decoding would, in every dtype. Off, a
+    forward runs the model's kernels over all its rows at once (faster where those kernels round differently).
     """
 
     provides_hidden_states = True
 
-    def __init__(self, model: PreTrainedModel, *, packed_weights: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, *, packed_weights: bool = True, decode_matched: bool = True) -> None:
         self.model = model.eval()
         if packed_weights:
             pack_linears(model)
+        self.decode_matched = decode_matched
+        if decode_matched:
+            decode_matched_module.match_dense_linears(model)
+            decode_matched_module.match_attention(model)
         self.device = next(model.parameters()).device
         self._vocab_size = int(model.get_input_embeddings().weight.shape[0])
         max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -133,9 +144,11 @@ class CausalLMTarget(Target):
         *,
         offsets: Sequence[int] | None = None,
         attention_mask: torch.Tensor | None = None,
+        matched: bool = False,
     ) -> torch.Tensor:
         """One model forward over ``token_ids`` written at cache rows ``length..``, at positions ``length + i`` (or
-        ``length + offsets[i]``, with a 4D ``attention_mask``: a draft tree); returns logits ``[kept, vocab]``."""
+        ``length + offsets[i]``, with a 4D ``attention_mask``: a draft tree); returns logits ``[kept, vocab]``.
+        ``matched``: decode-matched rows, where this target computes them (forwards after a prefill)."""
         assert self._cache is not None
         n = len(token_ids)
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
@@ -143,7 +156,8 @@ class CausalLMTarget(Target):
             positions = torch.arange(self._length, self._length + n, device=self.device).unsqueeze(0)
         else:
             positions = torch.tensor([[self._length + o for o in offsets]], dtype=torch.long, device=self.device)
-        with torch.inference_mode():
+        matching = decode_matched_module.matching() if matched and self.decode_matched else contextlib.nullcontext()
+        with torch.inference_mode(), matching:
             out = self.model(
                 input_ids=ids,
                 position_ids=positions,
@@ -156,7 +170,7 @@ class CausalLMTarget(Target):
         return out.logits[0]
 
 
-TREE_ATTENTION = ("sdpa", "eager")
+TREE_ATTENTION = ("sdpa", "eager", decode_matched_module.ATTENTION)
 """Attention implementations that apply a custom 4D additive mask as given (what `forward_tree` passes)."""
 
 
@@ -194,9 +208,7 @@ class TransformersTarget(CausalLMTarget):
     eager), it also verifies draft trees: a tree is one forward under a tree mask, and keeping a path moves that
     path's keys and values into place (`GrowableLayer.keep`)."""
 
-    fuses_prefill_and_draft = True
-
-    def __init__(self, model: PreTrainedModel, *, packed_weights: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, *, packed_weights: bool = True, decode_matched: bool = True) -> None:
         recurrent = recurrent_layer_count(model)
         if recurrent:
             raise UnsupportedModelError(
@@ -205,7 +217,9 @@ class TransformersTarget(CausalLMTarget):
                 "so speculative decoding would not be lossless on it with this target "
                 "(Qwen3.5 / Qwen3-Next: use HybridTarget or make_target)"
             )
-        super().__init__(model, packed_weights=packed_weights)
+        super().__init__(model, packed_weights=packed_weights, decode_matched=decode_matched)
+        # A draft verified inside the prefill forward would be scored as prompt rows are, not as decode steps.
+        self.fuses_prefill_and_draft = not decode_matched
         layers = DynamicCache(config=model.config).layers
         attention = getattr(model.config, "_attn_implementation", None)
         self.verifies_trees = attention in TREE_ATTENTION and all(type(layer) is DynamicLayer for layer in layers)
@@ -231,7 +245,7 @@ class TransformersTarget(CausalLMTarget):
 
     def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
         self._check_forward(token_ids)
-        return self._run(token_ids, logits_to_keep=0)
+        return self._run(token_ids, logits_to_keep=0, matched=True)
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self._length:
@@ -252,7 +266,7 @@ class TransformersTarget(CausalLMTarget):
         depths = tree_depths(parents)
         dtype = next(self.model.parameters()).dtype
         mask = tree_mask(parents, self._length, dtype, self.device)
-        return self._run(token_ids, logits_to_keep=0, offsets=depths, attention_mask=mask)
+        return self._run(token_ids, logits_to_keep=0, offsets=depths, attention_mask=mask, matched=True)
 
     def keep_rows(self, start: int, rows: Sequence[int]) -> None:
         rows = list(rows)

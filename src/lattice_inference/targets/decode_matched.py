@@ -1,0 +1,235 @@
+"""Decode-matched verification: every row of a k-token forward computed bit for bit as the 1-token step computes it.
+
+Why: speculative decoding is lossless only if the target's choice for a token is the same whether its row was
+scored alone (plain decoding) or beside drafted tokens (verification). Norms, rotary embeddings, activations and
+embeddings are row-wise, but a few kernels change their reduction order with the number of rows they get: on a
+CPU, oneDNN's 1-row product for ``K >= 1536`` (a split reduction) differs from its 2..16-row product, MKL's dense
+float32 ``F.linear`` differs at every width, and ``scaled_dot_product_attention`` over several query rows blocks
+its key and softmax reductions differently from a 1-row call over a shorter cache. In bfloat16 the differences
+are large enough to flip argmaxes; on GPUs, matrix kernels also change with the row count.
+
+How, while a target's ``forward`` runs inside `matching` (never during a prefill, which plain decoding runs the
+same way):
+
+* **Linear layers** run under a `RowPlan` calibrated once per kernel, weight shape, dtype and thread count: the
+  smallest row count ``base`` (1, 2, 4, 8, 16) such that for every width up to `CALIBRATED_ROWS` each output row
+  equals that row computed alone, padded with zero rows to ``base`` rows. A 1-row step is then padded to ``base``
+  rows too, so the step and every verification width use the same kernel class; wider inputs run in blocks of
+  `CALIBRATED_ROWS`. Where no base works, rows run one at a time (exact by construction, slower).
+* **Attention** (the ``lattice_sdpa`` implementation, transformers' ``sdpa`` everywhere else) scores each query
+  row with the very call a 1-token step makes: that row's query over the keys it may see (a slice of the cache
+  for a chain, the cache and its ancestors for a draft tree), no mask.
+
+`check` at load time compares a w-row forward with w 1-row forwards bitwise; nothing here is assumed exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION = "lattice_sdpa"
+"""The attention implementation name decode-matched targets switch ``sdpa`` models to."""
+
+CALIBRATED_ROWS = 16
+"""Widest product a `RowPlan` is checked at; wider inputs run in blocks of this many rows."""
+
+BASES = (1, 2, 4, 8, 16)
+"""Row counts a 1-row product may be padded to, smallest first."""
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _Forward:
+    """One decode-matched forward: memoised visible key columns per attention mask."""
+
+    columns: dict[int, list[slice | torch.Tensor]] = field(default_factory=dict)
+
+
+_ACTIVE: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("_DECODE_MATCHED", default=None)
+
+
+@contextlib.contextmanager
+def matching() -> Iterator[None]:
+    """Run the enclosed model forward decode-matched (see the module docstring)."""
+    token = _ACTIVE.set(_Forward())
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> bool:
+    """Whether a decode-matched forward is running in this context."""
+    return _ACTIVE.get() is not None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Linear layers
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How a product's rows are computed so that each equals the 1-row step's: pad to ``base`` rows below that
+    (``base`` 0: one row at a time), blocks of `CALIBRATED_ROWS` above it."""
+
+    base: int
+
+    def apply(self, kernel: Kernel, x: torch.Tensor) -> torch.Tensor:
+        """``kernel(x)`` with every row computed as planned (``x``: ``[..., rows, in]``)."""
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        if self.base == 0:
+            parts = [kernel(rows[i : i + 1]) for i in range(n)]
+        elif n < self.base:
+            parts = [kernel(_pad(rows, self.base))[:n]]
+        elif n <= CALIBRATED_ROWS:
+            parts = [kernel(rows)]
+        else:
+            parts = [self.apply(kernel, rows[i : i + CALIBRATED_ROWS]) for i in range(0, n, CALIBRATED_ROWS)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _pad(rows: torch.Tensor, count: int) -> torch.Tensor:
+    return torch.cat([rows, rows.new_zeros(count - rows.shape[0], rows.shape[1])])
+
+
+def calibrate(kernel: Kernel, in_features: int, dtype: torch.dtype, device: torch.device) -> RowPlan:
+    """The `RowPlan` of ``kernel`` (a product over ``in_features`` inputs): the smallest base whose padded 1-row
+    results every width up to `CALIBRATED_ROWS` reproduces bitwise, else one row at a time."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(CALIBRATED_ROWS, in_features, generator=generator).to(device=device, dtype=dtype)
+    with torch.inference_mode():
+        for base in BASES:
+            alone = torch.cat([kernel(_pad(x[i : i + 1], base))[:1] for i in range(CALIBRATED_ROWS)])
+            if all(
+                torch.equal(kernel(_pad(x[:m], base) if m < base else x[:m])[:m], alone[:m])
+                for m in range(1, CALIBRATED_ROWS + 1)
+            ):
+                return RowPlan(base)
+    return RowPlan(0)
+
+
+_PLANS: dict[tuple[object, ...], RowPlan] = {}
+
+
+def plan_for(key: tuple[object, ...], kernel: Kernel, x: torch.Tensor) -> RowPlan:
+    """The cached `RowPlan` of the kernel named by ``key`` (its kind and weight shape) at ``x``'s dtype and
+    device and the current thread count, calibrated on first use."""
+    full = (*key, x.dtype, x.device.type, torch.get_num_threads())
+    plan = _PLANS.get(full)
+    if plan is None:
+        plan = _PLANS[full] = calibrate(kernel, x.shape[-1], x.dtype, x.device)
+    return plan
+
+
+def matched_product(key: tuple[object, ...], kernel: Kernel, x: torch.Tensor) -> torch.Tensor:
+    """``kernel(x)``; inside a decode-matched forward, computed under the kernel's `RowPlan`."""
+    if _ACTIVE.get() is None:
+        return kernel(x)
+    return plan_for(key, kernel, x).apply(kernel, x)
+
+
+def linear_key(kind: str, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[object, ...]:
+    """The plan key of a product over ``weight`` (``[out, in]``) run by kernel ``kind``."""
+    return (kind, tuple(weight.shape), bias is not None)
+
+
+_MATCHED = "_lattice_decode_matched"
+
+
+def _dense_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    kernel = functools.partial(nn.functional.linear, weight=module.weight, bias=module.bias)
+    return matched_product(linear_key("dense", module.weight, module.bias), kernel, x)
+
+
+def match_dense_linears(model: nn.Module) -> int:
+    """Route every ``nn.Linear`` of ``model`` whose forward is still the class's own (not packed) through
+    `matched_product`; returns how many were routed (idempotent)."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and "forward" not in vars(module):
+            module.forward = functools.partial(_dense_forward, module)  # type: ignore[method-assign]
+            setattr(module, _MATCHED, True)
+            count += 1
+    return count
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention
+
+
+def _visible(mask: torch.Tensor | None, rows: int, keys: int) -> list[slice | torch.Tensor]:
+    """Per query row, the key columns it attends to: a slice where they are contiguous, else their indices."""
+    if mask is None:  # causal, the rows being the last ``rows`` of the ``keys`` positions
+        return [slice(0, keys - rows + i + 1) for i in range(rows)]
+    allowed = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
+    allowed = allowed.expand(rows, keys)
+    counts = allowed.sum(-1).tolist()
+    firsts = allowed.to(torch.int8).argmax(-1).tolist()
+    columns: list[slice | torch.Tensor] = []
+    for i, (first, count) in enumerate(zip(firsts, counts, strict=True)):
+        if bool(allowed[i, first : first + count].all()):
+            columns.append(slice(first, first + count))
+        else:
+            columns.append(allowed[i].nonzero().squeeze(-1))
+    return columns
+
+
+def decode_matched_sdpa(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa`` attention; inside a decode-matched forward, each query row of a multi-row call runs
+    as a 1-token step's call: its query over exactly the keys it may see, without a mask."""
+    forward = _ACTIVE.get()
+    rows = query.shape[2]
+    if forward is None or rows == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[arg-type]
+    memo = id(attention_mask)
+    columns = forward.columns.get(memo)
+    if columns is None:
+        columns = forward.columns[memo] = _visible(attention_mask, rows, key.shape[2])
+    outputs = []
+    for i, cols in enumerate(columns):
+        if isinstance(cols, slice):
+            k, v = key[:, :, cols], value[:, :, cols]
+        else:
+            k, v = key.index_select(2, cols), value.index_select(2, cols)
+        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], k, v, None, **kwargs)  # type: ignore[arg-type]
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
+
+
+AttentionInterface.register(ATTENTION, decode_matched_sdpa)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def match_attention(model: nn.Module) -> bool:
+    """Switch ``model`` from ``sdpa`` attention to `ATTENTION` (the same outside decode-matched forwards); returns
+    whether its attention is now decode-matched (models on other implementations are left as they are)."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
+    current = {getattr(c, "_attn_implementation", None) for c in configs} - {None}
+    if current and current <= {ATTENTION}:
+        return True
+    if current != {"sdpa"}:
+        return False
+    for config in configs:
+        if getattr(config, "_attn_implementation", None) == "sdpa":
+            config._attn_implementation = ATTENTION
+    return True
