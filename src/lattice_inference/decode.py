@@ -29,6 +29,7 @@ from lattice_inference.generation import Generation, GenerationResult
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets.base import Target
+from lattice_inference.targets.exactness import exactness
 from lattice_inference.targets.forward_cost import ForwardCosts, forward_costs
 from lattice_inference.verify import DraftTree, Verdict, verify_prefix
 
@@ -156,12 +157,18 @@ class SpeculativeDecoder:
             target.capture_hidden = True
         if drafter is not None:
             drafter.use_sampler(sampler)
+            widest = self.max_draft + 1 + (self.max_leaves if target.verifies_trees else 0)
+            if target.decode_matched:  # checking resets the target's cache, so it comes before the prefill
+                start = time.perf_counter()
+                check = exactness(target, widest)
+                m.exact, m.exactness = check.exact, check.line()
+                m.calibration_s += time.perf_counter() - start
             if self.adaptive:  # measuring resets the target's cache, so it comes before the prefill
                 start = time.perf_counter()
                 leaves = self.max_leaves if target.verifies_trees and not drafter.proposes_for_free else 0
                 costs = self.costs or forward_costs(target, self.max_draft + 1 + leaves)
                 gen.planner = DraftPlanner(costs, max_leaves=leaves)
-                m.calibration_s = time.perf_counter() - start
+                m.calibration_s += time.perf_counter() - start
         start = time.perf_counter()
         first, hidden = self._prefill(gen)
         m.prefill_s = time.perf_counter() - start

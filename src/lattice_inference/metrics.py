@@ -40,8 +40,13 @@ class GenerationMetrics:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     calibration_s: float = 0.0
-    """Time spent measuring the target's forward costs for the draft planner (first generation of a target only;
-    counted in neither prefill nor decode)."""
+    """Time spent measuring the target's forward costs for the draft planner and checking that its verification
+    is decode-matched (first generation of a target only; counted in neither prefill nor decode)."""
+    exact: bool | None = None
+    """Whether the target's self-check found every row of a k-token forward equal, bitwise, to the 1-token step
+    (None: not checked: no drafter, or a target that does not claim it)."""
+    exactness: str = ""
+    """The self-check's one-line report (which operation broke the identity, where one did)."""
 
     def record_round(
         self, drafted: int, accepted: int, *, in_prefill: bool = False, leaves: int = 0, on_leaf: bool = False
@@ -108,6 +113,8 @@ class GenerationMetrics:
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "calibration_s": self.calibration_s,
+            "exact": self.exact,
+            "exactness": self.exactness,
             "tokens_per_s": self.tokens_per_s,
         }
 

@@ -37,6 +37,11 @@ class Target(Protocol):
     """Whether `forward_tree` is offered, and `keep_rows` keeps any path of it (attention caches whose rows can be
     moved; not recurrent state)."""
 
+    decode_matched: bool = False
+    """Whether every row of a `forward` (or `forward_tree`) of several tokens is meant to equal, bitwise, the
+    1-token `forward` at that position (`lattice_inference.targets.exactness` checks it before the first drafted
+    generation), so that verification is lossless in any dtype."""
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids the model accepts as input."""

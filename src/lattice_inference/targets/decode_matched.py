@@ -166,6 +166,36 @@ def match_dense_linears(model: nn.Module) -> int:
     return count
 
 
+ROW_WISE_SUFFIXES = ("Experts", "TopKRouter")
+"""Class-name endings of modules whose products run over a varying number of rows in plain tensors (mixture-of-
+experts layers in transformers 5: a router's ``F.linear``, each expert's products over the tokens routed to it);
+inside a decode-matched forward they run one token at a time, as in a 1-token step."""
+
+
+def _row_wise_forward(module: nn.Module, original: Callable[..., object], *args: object) -> object:
+    first = args[0]
+    if _ACTIVE.get() is None or not isinstance(first, torch.Tensor) or first.shape[0] < 2:
+        return original(*args)
+    rows = [
+        original(*(a[i : i + 1] if isinstance(a, torch.Tensor) else a for a in args)) for i in range(first.shape[0])
+    ]
+    if isinstance(rows[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*rows, strict=True))
+    return torch.cat(rows)  # type: ignore[arg-type]
+
+
+def match_row_wise_modules(model: nn.Module) -> int:
+    """Route the mixture-of-experts modules of ``model`` (`ROW_WISE_SUFFIXES`) one token at a time inside
+    decode-matched forwards; returns how many (idempotent)."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__.endswith(ROW_WISE_SUFFIXES) and not hasattr(module, _MATCHED):
+            module.forward = functools.partial(_row_wise_forward, module, module.forward)  # type: ignore[method-assign]
+            setattr(module, _MATCHED, True)
+            count += 1
+    return count
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Attention
 
@@ -205,13 +235,17 @@ def decode_matched_sdpa(
     columns = forward.columns.get(memo)
     if columns is None:
         columns = forward.columns[memo] = _visible(attention_mask, rows, key.shape[2])
+    window = kwargs.get("sliding_window")
     outputs = []
     for i, cols in enumerate(columns):
         if isinstance(cols, slice):
             k, v = key[:, :, cols], value[:, :, cols]
         else:
             k, v = key.index_select(2, cols), value.index_select(2, cols)
-        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], k, v, None, **kwargs)  # type: ignore[arg-type]
+        # A 1-token step gets no mask, except over a full sliding window (transformers' sdpa_mask keeps it there).
+        seen = k.shape[2]
+        mask = None if window is None or seen < window else key.new_ones((1, 1, 1, seen), dtype=torch.bool)
+        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], k, v, mask, **kwargs)  # type: ignore[arg-type]
         outputs.append(out)
     return torch.cat(outputs, dim=1), None
 

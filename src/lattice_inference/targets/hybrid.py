@@ -44,6 +44,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from lattice_inference.errors import ConfigError, UnsupportedModelError
+from lattice_inference.targets import decode_matched
 from lattice_inference.targets.transformers import CausalLMTarget
 
 SUPPORTED_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
@@ -56,6 +57,8 @@ KERNELS = ("window", "recurrent")
 """GDN kernels `HybridTarget` can run in ``forward``: closed form over the window, or token by token."""
 
 _KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+_CONV_NAME = "causal_conv1d_fn"
+"""The GDN layers' short causal convolution, run per new token inside decode-matched forwards."""
 
 
 def _model_types(model: PreTrainedModel) -> set[str]:
@@ -249,7 +252,11 @@ class _Recorder:
     ``buffers`` (per layer, owned by the target and reused across forwards) receive the recurrent path's states.
     """
 
-    def __init__(self, layer_of_state: dict[int, int], buffers: dict[int, torch.Tensor], kernel: str) -> None:
+    def __init__(
+        self, layer_of_state: dict[int, int], buffers: dict[int, torch.Tensor], kernel: str, width: int = 1
+    ) -> None:
+        self.width = width
+        """Tokens fed by this forward (the new columns of each conv input)."""
         self.layer_of_state = layer_of_state
         self.buffers = buffers
         self.kernel = kernel
@@ -273,6 +280,10 @@ class _Recorder:
             use_qk_l2norm_in_kernel=bool(kwargs.get("use_qk_l2norm_in_kernel", False)),
         )
         length = args[1].shape[1]
+        # The model hands q/k/v as strided views whose layout depends on the token count; reductions over them
+        # round by layout, so a dense copy makes each token's arithmetic that of a one-token step.
+        args = tuple(a.contiguous() for a in args)
+        common["g"], common["beta"] = common["g"].contiguous(), common["beta"].contiguous()
         source: StateSource
         if self.kernel == "window" and length > 1:
             out, final, source = gated_delta_rule_window(*args, **common)
@@ -285,6 +296,25 @@ class _Recorder:
             source = _KeptStates(states)
         self.sources[layer] = source
         return out, (final if kwargs.get("output_final_state", False) else None)
+
+
+def _make_conv_dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A stand-in for the GDN conv: inside a decode-matched recording forward of several tokens, each new column
+    is computed by the call a one-token step makes (its conv history and itself, contiguous), so that the conv's
+    reduction does not depend on how many tokens the forward feeds."""
+
+    @functools.wraps(original)
+    def conv(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        recorder = _ACTIVE_RECORDER.get()
+        if recorder is None or recorder.width == 1 or not decode_matched.active():
+            return original(x, *args, **kwargs)
+        history = x.shape[-1] - recorder.width
+        columns = [
+            original(x[..., t : t + history + 1].contiguous(), *args, **kwargs)[..., -1:] for t in range(recorder.width)
+        ]
+        return torch.cat([x.new_zeros((*x.shape[:-1], history)), *columns], dim=-1)
+
+    return conv
 
 
 _ACTIVE_RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("_ACTIVE_RECORDER", default=None)
@@ -313,10 +343,11 @@ def _kernels_patched(modules: Sequence[ModuleType]) -> Iterator[None]:
         for module in modules:
             count = _PATCH_COUNT.get(module.__name__, 0)
             if count == 0:
-                for name in _KERNEL_NAMES:
+                for name in (*_KERNEL_NAMES, _CONV_NAME):
                     original = getattr(module, name)
                     _ORIGINALS[module.__name__, name] = original
-                    setattr(module, name, _make_dispatcher(original))
+                    make = _make_conv_dispatcher if name == _CONV_NAME else _make_dispatcher
+                    setattr(module, name, make(original))
             _PATCH_COUNT[module.__name__] = count + 1
     try:
         yield
@@ -326,7 +357,7 @@ def _kernels_patched(modules: Sequence[ModuleType]) -> Iterator[None]:
                 count = _PATCH_COUNT[module.__name__] - 1
                 _PATCH_COUNT[module.__name__] = count
                 if count == 0:
-                    for name in _KERNEL_NAMES:
+                    for name in (*_KERNEL_NAMES, _CONV_NAME):
                         setattr(module, name, _ORIGINALS.pop((module.__name__, name)))
 
 
@@ -381,7 +412,7 @@ class HybridTarget(CausalLMTarget):
             raise UnsupportedModelError(f"model type {sorted(types)} has no Gated DeltaNet layers")
         modules = {sys.modules[type(m).__module__] for m in gdn}
         for module in modules:
-            missing = [name for name in _KERNEL_NAMES if not callable(getattr(module, name, None))]
+            missing = [name for name in (*_KERNEL_NAMES, _CONV_NAME) if not callable(getattr(module, name, None))]
             if missing:
                 raise UnsupportedModelError(
                     f"{module.__name__} does not define {missing}; this transformers version is not supported"
@@ -480,7 +511,7 @@ class HybridTarget(CausalLMTarget):
             logits = self._run(token_ids, logits_to_keep=0)
             self._window = _Window(start=start, snapshot=snapshot)
             return logits
-        recorder = _Recorder(self._layer_of_state(), self._buffers, self.kernel)
+        recorder = _Recorder(self._layer_of_state(), self._buffers, self.kernel, len(token_ids))
         context = _ACTIVE_RECORDER.set(recorder)
         try:
             with _kernels_patched(self._modules):

@@ -68,6 +68,7 @@ class CausalLMTarget(Target):
         self.decode_matched = decode_matched
         if decode_matched:
             decode_matched_module.match_dense_linears(model)
+            decode_matched_module.match_row_wise_modules(model)
             decode_matched_module.match_attention(model)
         self.device = next(model.parameters()).device
         self._vocab_size = int(model.get_input_embeddings().weight.shape[0])

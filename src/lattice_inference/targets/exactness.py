@@ -1,0 +1,160 @@
+"""The self-check of decode-matched verification: is a w-token forward's every row the 1-token step's, bitwise?
+
+A decode-matched target (`Target.decode_matched`) is built so that it should be (see
+`lattice_inference.targets.decode_matched`), but kernels differ between CPUs, GPUs and library versions, so the
+identity is checked on this machine, not assumed: over a scratch context, the logits of one forward of ``w``
+tokens are compared with those of ``w`` one-token forwards for every width the planner may use (and one draft
+tree where the target verifies trees). Where a width differs, `locate` names the first module whose output rows
+differ, so the report says which operation broke the identity; generation still runs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from lattice_inference.targets.base import Target
+
+CHECK_CONTEXT = 48
+"""Tokens of scratch context the check runs after."""
+
+
+@dataclass(frozen=True)
+class Exactness:
+    """The outcome of the self-check: ``exact`` when every checked width matched, else ``failures`` say where."""
+
+    exact: bool
+    widths: tuple[int, ...]
+    trees: bool = False
+    """Whether a draft tree was checked too."""
+    failures: tuple[str, ...] = field(default_factory=tuple)
+
+    def line(self) -> str:
+        """One line for a report."""
+        span = f"widths {self.widths[0]}-{self.widths[-1]}" if self.widths else "no widths"
+        checked = span + (" and a draft tree" if self.trees else "")
+        if self.exact:
+            return (
+                f"decode-matched verification: exact (each row of a k-token forward equals the 1-token step, {checked})"
+            )
+        return f"decode-matched verification: NOT exact ({'; '.join(self.failures)}); outputs may differ from plain decoding"
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready fields."""
+        return {"exact": self.exact, "widths": list(self.widths), "trees": self.trees, "failures": list(self.failures)}
+
+
+def _tokens(count: int, vocab: int, salt: int) -> list[int]:
+    return [(salt * 7919 + 104729 * i + 13) % vocab for i in range(count)]
+
+
+def _first_difference(wide: torch.Tensor, rows: list[torch.Tensor]) -> tuple[int, float] | None:
+    for i, row in enumerate(rows):
+        if not torch.equal(wide[i], row):
+            return i, float((wide[i].float() - row.float()).abs().max())
+    return None
+
+
+def check_exactness(target: Target, max_width: int) -> Exactness:
+    """Compare forwards of widths ``2..max_width`` (and one draft tree, where offered) with one-token forwards of
+    the same tokens after a scratch context. This resets the target's cache."""
+    vocab = target.vocab_size
+    context = _tokens(CHECK_CONTEXT, vocab, 1)
+    sequence = _tokens(max_width, vocab, 2)
+    target.prefill(context)
+    alone = []
+    for token in sequence:
+        alone.append(target.forward([token])[-1].clone())
+    target.rollback(CHECK_CONTEXT)
+    failures = []
+    widths = tuple(range(2, max_width + 1))
+    for w in widths:
+        wide = target.forward(sequence[:w])
+        target.rollback(CHECK_CONTEXT)
+        diff = _first_difference(wide, alone[:w])
+        if diff is not None:
+            failures.append(f"width {w}, row {diff[0]}: max |diff| {diff[1]:.3g} in {locate(target, sequence[:w])}")
+            target.rollback(CHECK_CONTEXT)
+            break
+    trees = bool(target.verifies_trees) and max_width >= 3 and not failures
+    if trees:
+        failures += _check_tree(target, sequence[: max_width // 2 + 1], alone, vocab)
+    return Exactness(not failures, widths, trees, tuple(failures))
+
+
+def _check_tree(target: Target, chain: list[int], alone: list[torch.Tensor], vocab: int) -> list[str]:
+    """One tree: the chain, and one leaf beside each of its drafted tokens (at depth ``d``, path ``chain[:d] +
+    [leaf]``), against one-token forwards along each leaf's path."""
+    leaves = [(t + 1) % vocab for t in chain[1:]]
+    tokens = [*chain, *leaves]
+    parents = [-1, *range(len(chain) - 1), *range(len(leaves))]
+    wide = target.forward_tree(tokens, parents)
+    target.rollback(CHECK_CONTEXT)
+    rows = list(alone[: len(chain)])
+    for depth, leaf in enumerate(leaves):
+        target.forward(chain[: depth + 1])
+        rows.append(target.forward([leaf])[-1].clone())
+        target.rollback(CHECK_CONTEXT)
+    diff = _first_difference(wide, rows)
+    if diff is None:
+        return []
+    return [f"draft tree of {len(tokens)} rows, row {diff[0]}: max |diff| {diff[1]:.3g}"]
+
+
+def locate(target: Target, tokens: list[int]) -> str:
+    """The first module (in execution order) whose output rows in a forward of ``tokens`` differ from those of
+    one-token forwards: names the operation that breaks decode matching. Rolls back to where it started."""
+    model = getattr(target, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        return "the target's forward"
+    start = target.length
+    names = {module: name for name, module in model.named_modules()}
+    calls: list[tuple[str, torch.Tensor]] = []
+
+    def keep(module: torch.nn.Module, args: object, output: object) -> None:
+        out = output[0] if isinstance(output, tuple) and output else output
+        if isinstance(out, torch.Tensor) and out.dim() >= 2 and out.shape[0] == 1:
+            calls.append((names[module], out.detach().clone()))
+
+    handles = [m.register_forward_hook(keep) for m in names if m is not model]
+    try:
+        target.forward(tokens)
+        wide, calls[:] = list(calls), []
+        target.rollback(start)
+        singles = []
+        for token in tokens:
+            target.forward([token])
+            singles.append(list(calls))
+            calls.clear()
+    finally:
+        for handle in handles:
+            handle.remove()
+        target.rollback(start)
+    previous = "the embedding"
+    for index, (name, out) in enumerate(wide):
+        if out.shape[1] != len(tokens):
+            continue
+        for row, single in enumerate(singles):
+            if (
+                index < len(single)
+                and single[index][0] == name
+                and not torch.equal(out[:, row], single[index][1][:, 0])
+            ):
+                return f"{type(model.get_submodule(name)).__name__} ({name}) or an operation between it and {previous}"
+        previous = name
+    return "an operation outside the model's modules"
+
+
+_CHECKED: weakref.WeakKeyDictionary[Target, Exactness] = weakref.WeakKeyDictionary()
+
+
+def exactness(target: Target, max_width: int) -> Exactness:
+    """`check_exactness` up to ``max_width``, once per target (kept while it lives)."""
+    known = _CHECKED.get(target)
+    if known is not None and (not known.widths or known.widths[-1] >= max_width or not known.exact):
+        return known
+    result = check_exactness(target, max_width)
+    _CHECKED[target] = result
+    return result
