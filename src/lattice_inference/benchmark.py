@@ -276,8 +276,10 @@ def run_bench(
     sampling = greedy.options.sampling
     if seed is None and not sampling.greedy:
         seed = sampling.seeded().seed
-    for gen in generators.values():  # warm-up
-        gen.generate(encoded[0], max_new_tokens=min(16, max_new_tokens))
+    exactness = ""
+    for gen in generators.values():  # warm-up (a drafted method's first generation runs its target's self-check)
+        result = gen.generate(encoded[0], max_new_tokens=min(16, max_new_tokens))
+        exactness = exactness or result.metrics.exactness
     for rep in range(reps):
         for g in (overall, *groups.values()):
             g.start_rep()
@@ -313,6 +315,7 @@ def run_bench(
     return {
         **overall.report(),
         "reps": reps,
+        "exactness": exactness,
         "max_new_tokens": max_new_tokens,
         "sampling": {**sampling.to_dict(), "seed": seed},
         "groups": {k: g.report() for k, g in groups.items()},
@@ -357,6 +360,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(_quality_line(g))
         lines.append("")
     lines.append(f"{report['reps']} timed reps after a warm-up, {report['max_new_tokens']} new tokens per prompt")
+    if report.get("exactness"):
+        lines.append(report["exactness"])
     sampling = report.get("sampling") or {}
     if sampling.get("temperature"):
         knobs = ", ".join(f"{k} {sampling[k]}" for k in ("temperature", "top_k", "top_p", "min_p"))

@@ -45,6 +45,10 @@ MAX_LEAVES_HELP = (
     "mtp: most runners-up of the head verified beside its drafts in one round, a draft tree, where the planner "
     "expects them to pay (attention models without sliding windows; default 4, 0: never)"
 )
+BATCHED_VERIFY_HELP = (
+    "verify drafts with the model's kernels over all rows at once instead of decode-matched rows: faster where "
+    "kernels round differently by row count, but the output may then differ from plain decoding"
+)
 DRAFT_VOCAB_HELP = (
     "mtp: draft only among token ids 0..N-1, the frequent ones in BPE order (default: all, or a trained head's own)"
 )
@@ -58,6 +62,7 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
         "--max-draft", type=_positive_int, default=10, help="most draft tokens verified per round (default 10)"
     )
     parser.add_argument("--fixed-draft", action="store_true", help=FIXED_DRAFT_HELP)
+    parser.add_argument("--batched-verify", action="store_true", help=BATCHED_VERIFY_HELP)
     parser.add_argument(
         "--draft-length", type=_positive_int, default=4, help="mtp: tokens per round counting the target's (2..8)"
     )
@@ -147,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens per prompt (default 128)")
     bench.add_argument("--max-draft", type=_positive_int, default=10, help="most draft tokens per round (default 10)")
     bench.add_argument("--fixed-draft", action="store_true", help=FIXED_DRAFT_HELP)
+    bench.add_argument("--batched-verify", action="store_true", help=BATCHED_VERIFY_HELP)
     bench.add_argument("--draft-length", type=_positive_int, default=2, help="mtp: tokens per round (2..8)")
     bench.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
     bench.add_argument("--max-leaves", type=_count, default=4, help=MAX_LEAVES_HELP)
@@ -206,6 +212,7 @@ def _generate_options(args: argparse.Namespace) -> DecodeOptions:
         coupled_draft=not args.argmax_draft,
         adaptive=not args.fixed_draft,
         max_leaves=args.max_leaves,
+        batched_verify=args.batched_verify,
         sampling=sampling_options(args),
     )
 
@@ -271,6 +278,7 @@ def bench_options(args: argparse.Namespace) -> DecodeOptions:
         coupled_draft=not args.argmax_draft,
         adaptive=not args.fixed_draft,
         max_leaves=args.max_leaves,
+        batched_verify=args.batched_verify,
         sampling=sampling_options(args).seeded(),
     )
 

@@ -63,7 +63,10 @@ class DecodeOptions:
     ``coupled_draft`` (default) makes the head draft with the same keyed noise the target samples with, so its
     drafts follow the sampled text rather than its argmax (no effect at temperature 0). ``max_leaves`` caps the
     head's runners-up the planner may verify beside its drafts in one round (a draft tree, on attention models
-    without sliding windows; 0: never).
+    without sliding windows; 0: never). ``batched_verify`` runs each verification forward over all its rows at
+    once with the model's own kernels instead of decode-matched (each row bit for bit the 1-token step's): faster
+    where those kernels change their rounding with the row count, but then not guaranteed identical to plain
+    decoding (see `lattice_inference.targets.decode_matched`).
     """
 
     method: str = "ngram"
@@ -76,6 +79,7 @@ class DecodeOptions:
     coupled_draft: bool = True
     adaptive: bool = True
     max_leaves: int = MAX_LEAVES
+    batched_verify: bool = False
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
 
     def __post_init__(self) -> None:

@@ -61,7 +61,17 @@ def served_name(model: str | None) -> str:
 
 
 #: The ``lattice serve`` options that make up its default `DecodeOptions`.
-DRAFT_OPTIONS = ("method", "max_ngram", "min_ngram", "max_draft", "match", "draft_length", "draft_vocab", "max_leaves")
+DRAFT_OPTIONS = (
+    "method",
+    "max_ngram",
+    "min_ngram",
+    "max_draft",
+    "match",
+    "draft_length",
+    "draft_vocab",
+    "max_leaves",
+    "batched_verify",
+)
 
 
 def default_options(args: argparse.Namespace) -> DecodeOptions:

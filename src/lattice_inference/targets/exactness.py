@@ -36,10 +36,9 @@ class Exactness:
         span = f"widths {self.widths[0]}-{self.widths[-1]}" if self.widths else "no widths"
         checked = span + (" and a draft tree" if self.trees else "")
         if self.exact:
-            return (
-                f"decode-matched verification: exact (each row of a k-token forward equals the 1-token step, {checked})"
-            )
-        return f"decode-matched verification: NOT exact ({'; '.join(self.failures)}); outputs may differ from plain decoding"
+            return f"decode-matched verification: exact (k-token rows equal 1-token steps bitwise, {checked})"
+        failures = "; ".join(self.failures)
+        return f"decode-matched verification: NOT exact ({failures}); outputs may differ from plain decoding"
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready fields."""

@@ -309,9 +309,12 @@ def _make_conv_dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
         if recorder is None or recorder.width == 1 or not decode_matched.active():
             return original(x, *args, **kwargs)
         history = x.shape[-1] - recorder.width
-        columns = [
-            original(x[..., t : t + history + 1].contiguous(), *args, **kwargs)[..., -1:] for t in range(recorder.width)
-        ]
+        kept = max(history, args[0].shape[-1])  # the conv state a one-token step sees grows to the kernel width
+        columns = []
+        for t in range(recorder.width):
+            seen = min(history + t, kept)
+            window = x[..., history + t - seen : history + t + 1].contiguous()
+            columns.append(original(window, *args, **kwargs)[..., -1:])
         return torch.cat([x.new_zeros((*x.shape[:-1], history)), *columns], dim=-1)
 
     return conv
