@@ -1,15 +1,18 @@
-"""Where one decode step of the real model spends its time, before and after packed weights.
+"""Where one decode step of the real model spends its time, and what verifying k tokens costs, per configuration.
 
-For each configuration (``dense``: the model's own ``F.linear``; ``packed``: our target's default, oneDNN-packed
-weights with fused q/k/v and gate/up, see ``targets/packed_linear.py``) it prints:
-- the wall time of a forward of 1, 2, 3, 4, 6, 8, 11 and 16 tokens through our target after a grounded prompt
-  (median of ``--reps``), and its ratio to the 1-token step: the cost of verifying a draft;
+Configurations: ``dense``: the model's own ``F.linear`` and attention over all rows at once; ``packed``: oneDNN-
+packed weights with fused q/k/v and gate/up (``targets/packed_linear.py``), rows at once (``--batched-verify``);
+``matched``: our target's default, packed and decode-matched (``targets/decode_matched.py``: every row of a
+k-token forward computed bit for bit as the 1-token step computes it). For each it prints:
+- the wall time of a forward of 1..16 tokens through our target after a grounded prompt (median of ``--reps``),
+  and its ratio to the 1-token step: the cost of verifying a draft;
+- whether each row of those forwards equals the 1-token step's (the target's self-check, widths 2..16);
 - a breakdown of one 1-token step from ``torch.profiler``: matrix products (the linear layers and the LM head),
   attention, every other op (norms, rotary embedding, activations, cache writes, views), and the rest of the
   unprofiled step time (Python, module dispatch: the 1-token wall time above minus the ops' own time; the
   profiler's own overhead inflates op times a little, so this share is a lower bound).
 
-    python bench/profile_step.py --dtype float32 --threads 2
+    python bench/profile_step.py --dtype bfloat16 --threads 2
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from lattice_inference.benchmark import GROUNDED_TASKS, load_prompts
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.loading import LoadedModel, load_model
 from lattice_inference.targets import TransformersTarget
+from lattice_inference.targets.exactness import check_exactness
 
-WIDTHS = (1, 2, 3, 4, 6, 8, 11, 16)
+WIDTHS = tuple(range(1, 17))
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"}
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"}
 
@@ -69,7 +73,7 @@ def breakdown(target: TransformersTarget, steps: int, wall: float) -> dict[str, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--steps", type=int, default=10, help="profiled 1-token steps")
@@ -80,10 +84,13 @@ def main() -> None:
     prompt = encode_prompt_ids(loaded)
     print("command: python " + " ".join(sys.argv))
     print(f"model {loaded.source} ({args.dtype}), {args.threads} threads, context {len(prompt)} tokens")
+    packed_model = load_model(args.model, dtype=args.dtype).model  # its own copy, packed
     targets = {
-        "dense": TransformersTarget(loaded.model, packed_weights=False),
-        "packed": TransformersTarget(load_model(args.model, dtype=args.dtype).model),  # its own copy, packed
+        "dense": TransformersTarget(loaded.model, packed_weights=False, decode_matched=False),
+        "packed": TransformersTarget(packed_model, decode_matched=False),
+        "matched": TransformersTarget(packed_model),
     }
+    exact = {name: check_exactness(target, WIDTHS[-1]) for name, target in targets.items()}
     for target in targets.values():
         target.prefill(prompt)
     all_times = step_times(targets, args.reps)
@@ -95,6 +102,11 @@ def main() -> None:
     for name, (times, _) in rows.items():
         print(f"{name:<26}" + "".join(f"{times[w] * 1e3:>8.1f}" for w in WIDTHS))
         print(f"{'  in 1-token steps':<26}" + "".join(f"{times[w] / times[1]:>8.2f}" for w in WIDTHS))
+    matched, packed = rows["matched"][0], rows["packed"][0]
+    print(f"{'matched / packed':<26}" + "".join(f"{matched[w] / packed[w]:>8.2f}" for w in WIDTHS))
+    print()
+    for name, report in exact.items():
+        print(f"{name:<10} {report.line()}")
     print(f"\n{'one 1-token step (ms)':<26}" + "".join(f"{name:>10}" for name in rows))
     for category in rows["dense"][1]:
         print(f"{category:<26}" + "".join(f"{rows[name][1][category]:>10.1f}" for name in rows))

@@ -17,7 +17,9 @@ computes the fused product and the others return their slice of it when called w
 the dense ones stay, for the embedding tie, ``state_dict`` and MTP heads) and routes the module's ``forward``
 through it; `unpack_linears` undoes it. Only CPU modules whose dtype oneDNN can pack on this CPU are touched
 (float32 everywhere; bfloat16 only with AVX512-BF16/AMX-class support). The results equal ``F.linear``'s up to
-float rounding (a different summation order), as any other kernel choice would.
+float rounding (a different summation order), as any other kernel choice would. Inside a decode-matched forward
+each product runs under its row plan (`lattice_inference.targets.decode_matched`), so that its rows do not depend
+on how many there are.
 """
 
 from __future__ import annotations
