@@ -209,3 +209,19 @@ def test_low_precision_speculation_equals_plain_decoding(arch, dtype):
         assert got.token_ids == sampled, (arch, i, "sampled")
     assert eos_stops > 0 and accepted > 0 and rejected > 0
     assert arch == "mistral" or leaves > 0
+
+
+def test_prepare_takes_the_check_and_calibration_off_the_first_generation():
+    model = toy_model(toy_config("qwen3", **WIDE), init_std=0.3, seed=2).to(torch.bfloat16)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    lazy = SpeculativeDecoder(make_target(model), NgramDrafter(min_ngram=1), max_draft=6, adaptive=True)
+    first = lazy.generate(prompt, 16)
+    assert first.metrics.calibration_s > 0 and first.metrics.exact is True
+    eager = SpeculativeDecoder(make_target(model), NgramDrafter(min_ngram=1), max_draft=6, adaptive=True)
+    assert eager.exactness is None
+    assert eager.prepare() > 0 and eager.exactness is not None and eager.exactness.widths == tuple(range(2, 8))
+    got = eager.generate(prompt, 16)
+    assert got.metrics.calibration_s < first.metrics.calibration_s / 10 and got.metrics.exact is True
+    assert got.token_ids == first.token_ids
+    assert eager.prepare() < first.metrics.calibration_s / 10  # kept per target
+    assert "exact" in got.metrics.to_dict() and got.metrics.to_dict()["exact"] is True

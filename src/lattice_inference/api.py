@@ -221,6 +221,11 @@ class Generator:
             eos_token_ids=loaded.eos_token_ids if eos is None else eos,  # type: ignore[arg-type]
         )
 
+    def prepare(self) -> float:
+        """Check the target's decode matching and measure its forward costs now (at load), so that the first
+        request does not pay for them; returns the seconds spent (see `SpeculativeDecoder.prepare`)."""
+        return self.decoder.prepare()
+
     @property
     def has_chat_template(self) -> bool:
         """Whether the tokenizer defines a chat template (instruct models do)."""

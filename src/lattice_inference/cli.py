@@ -240,6 +240,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = Generator.from_pretrained(args.model, dtype=args.dtype, options=options, mtp_head=args.mtp_head)
+    gen.prepare()  # the self-check and cost calibration belong to loading, not to the request's timings
     prompt_ids = gen.encode(text, chat=gen.has_chat_template if args.chat is None else args.chat)
     if args.json:
         out = gen.generate(prompt_ids, args.max_new_tokens)

@@ -29,7 +29,7 @@ from lattice_inference.generation import Generation, GenerationResult
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets.base import Target
-from lattice_inference.targets.exactness import exactness
+from lattice_inference.targets.exactness import Exactness, exactness
 from lattice_inference.targets.forward_cost import ForwardCosts, forward_costs
 from lattice_inference.verify import DraftTree, Verdict, verify_prefix
 
@@ -73,6 +73,8 @@ class SpeculativeDecoder:
         self.max_leaves = max_leaves
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.last: Generation | None = None
+        self.exactness: Exactness | None = None
+        """The target's self-check (`prepare`, or the first drafted generation); None before, or not claimed."""
         wants_hidden = drafter is not None and drafter.uses_hidden_states
         if wants_hidden and not target.provides_hidden_states:
             name = type(target).__name__
@@ -157,18 +159,14 @@ class SpeculativeDecoder:
             target.capture_hidden = True
         if drafter is not None:
             drafter.use_sampler(sampler)
-            widest = self.max_draft + 1 + (self.max_leaves if target.verifies_trees else 0)
-            if target.decode_matched:  # checking resets the target's cache, so it comes before the prefill
-                start = time.perf_counter()
-                check = exactness(target, widest)
-                m.exact, m.exactness = check.exact, check.line()
-                m.calibration_s += time.perf_counter() - start
-            if self.adaptive:  # measuring resets the target's cache, so it comes before the prefill
-                start = time.perf_counter()
-                leaves = self.max_leaves if target.verifies_trees and not drafter.proposes_for_free else 0
-                costs = self.costs or forward_costs(target, self.max_draft + 1 + leaves)
-                gen.planner = DraftPlanner(costs, max_leaves=leaves)
-                m.calibration_s += time.perf_counter() - start
+            start = time.perf_counter()  # each runs once per target (at load where `prepare` was called)
+            if target.decode_matched:
+                self.exactness = exactness(target, self._widest())
+                m.exact, m.exactness = self.exactness.exact, self.exactness.line()
+            if self.adaptive:
+                costs = self.costs or forward_costs(target, self._widest())
+                gen.planner = DraftPlanner(costs, max_leaves=self._leaves())
+            m.calibration_s = time.perf_counter() - start
         start = time.perf_counter()
         first, hidden = self._prefill(gen)
         m.prefill_s = time.perf_counter() - start
@@ -208,6 +206,31 @@ class SpeculativeDecoder:
         finally:
             m.decode_s = time.perf_counter() - start
             m.drafter_forwards = drafter.forward_count if drafter is not None else 0
+
+    def prepare(self) -> float:
+        """Run now what the first drafted generation would otherwise run before its prefill: the target's
+        exactness self-check (where it is decode-matched) and, when adaptive, the measurement of its forward costs
+        (unless given). Both are kept per target, so calling this at load takes them off the first request.
+        Returns the seconds spent (next to nothing when already done). Measuring resets the target's cache, so no
+        generation may be running.
+        """
+        if self.drafter is None:
+            return 0.0
+        start = time.perf_counter()
+        if self.target.decode_matched:
+            self.exactness = exactness(self.target, self._widest())
+        if self.adaptive and self.costs is None:
+            forward_costs(self.target, self._widest())
+        return time.perf_counter() - start
+
+    def _leaves(self) -> int:
+        """Most tree leaves a round may verify (0 where the target or the drafter cannot use them)."""
+        free = self.drafter is None or self.drafter.proposes_for_free
+        return self.max_leaves if self.target.verifies_trees and not free else 0
+
+    def _widest(self) -> int:
+        """The widest forward a round may run: the pending token, ``max_draft`` drafted tokens and the leaves."""
+        return self.max_draft + 1 + self._leaves()
 
     def _draft(self, gen: Generation, room: int) -> PlannedDraft:
         """This round's draft (at most ``room`` tokens fit the budget): without a planner the whole proposal is

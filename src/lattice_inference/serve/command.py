@@ -116,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = build_engine(args)
+    decoder = engine.generator(engine.defaults).decoder
+    seconds = decoder.prepare()  # off the first request
+    if decoder.exactness is not None:
+        print(f"lattice serve: {decoder.exactness.line()} ({seconds:.1f}s at start)", flush=True)
     api_key = args.api_key or os.environ.get("LATTICE_API_KEY") or None
     app = create_app(engine, api_key=api_key, max_queue=args.max_queue, max_body=args.max_body)
     print(f"lattice serve: {engine.name} ({args.method}) on http://{args.host}:{args.port}/v1", flush=True)
