@@ -18,8 +18,11 @@ from test_hybrid_methods import tiny_config
 from transformers import AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from lattice_inference import Generator
+from lattice_inference.api import mtp_head_for
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.drafters.ngram import NgramDrafter
+from lattice_inference.loading import load_model
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets import make_target
 from lattice_inference.targets.decode_matched import (
@@ -225,3 +228,27 @@ def test_prepare_takes_the_check_and_calibration_off_the_first_generation():
     assert got.token_ids == first.token_ids
     assert eager.prepare() < first.metrics.calibration_s / 10  # kept per target
     assert "exact" in got.metrics.to_dict() and got.metrics.to_dict()["exact"] is True
+
+
+def test_bundled_hybrid_mtp_sampling_in_bfloat16_is_the_same_text_at_any_draft_width():
+    """The bundled Qwen3.5-hybrid demonstration model and its MTP head in bfloat16: seeded sampling and greedy give
+    plain decoding's tokens whether the planner picks the widths (which depend on timings, as a server's streamed
+    and whole requests did) or every round verifies the whole draft."""
+    loaded = load_model("bundled", dtype="bfloat16")
+    plain = Generator(loaded.model, loaded.tokenizer, method="greedy", eos_token_ids=loaded.eos_token_ids)
+    common = dict(mtp_head=mtp_head_for(loaded, 4), draft_length=4, eos_token_ids=loaded.eos_token_ids)
+    planned = Generator(plain.model, plain.tokenizer, method="mtp", **common)
+    fixed = Generator(plain.model, plain.tokenizer, method="mtp", adaptive=False, **common)
+    accepted = 0
+    for i, text in enumerate(
+        ["def fib(n):\n    if n < 2:\n        return n\n", "The history of the city", "x = [1, 2, 3]\n"]
+    ):
+        ids = plain.encode(text)
+        for sampling in ({}, {"temperature": 0.9, "top_p": 0.95, "seed": 7 + i}):
+            want = plain.generate(ids, 40, **sampling).token_ids
+            for gen in (planned, fixed):
+                got = gen.generate(ids, 40, **sampling)
+                assert got.token_ids == want, (text, sampling, gen.options.adaptive)
+                assert got.metrics.exact is True
+                accepted += got.metrics.accepted_tokens
+    assert accepted > 0
