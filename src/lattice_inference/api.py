@@ -174,7 +174,7 @@ class Generator:
         elif drafters:
             drafter = FallbackDrafter(drafters)
         self.decoder = SpeculativeDecoder(
-            make_target(model, decode_matched=not options.batched_verify),
+            make_target(model, decode_matched=not options.batched_verify, forward=options.forward),
             drafter,
             max_draft=max_draft,
             eos_token_ids=self.eos_token_ids,

@@ -12,6 +12,7 @@ from lattice_inference.engines import add_engine_arguments, parse_engines
 from lattice_inference.errors import ConfigError, LatticeError
 from lattice_inference.options import METHODS, DecodeOptions, needs_mtp_head
 from lattice_inference.sampling import SamplingOptions
+from lattice_inference.targets.lean import FORWARDS
 
 
 def _int_at_least(minimum: int, text: str) -> int:
@@ -49,6 +50,10 @@ BATCHED_VERIFY_HELP = (
     "verify drafts with the model's kernels over all rows at once instead of decode-matched rows: faster where "
     "kernels round differently by row count, but the output may then differ from plain decoding"
 )
+FORWARD_HELP = (
+    "lean: our decoder loop over the model's own modules (Llama, Qwen2, Qwen3; same logits, less overhead); "
+    "transformers: the model's forward; auto (default): lean where it applies"
+)
 DRAFT_VOCAB_HELP = (
     "mtp: draft only among token ids 0..N-1, the frequent ones in BPE order (default: all, or a trained head's own)"
 )
@@ -63,6 +68,7 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fixed-draft", action="store_true", help=FIXED_DRAFT_HELP)
     parser.add_argument("--batched-verify", action="store_true", help=BATCHED_VERIFY_HELP)
+    parser.add_argument("--forward", choices=FORWARDS, default="auto", help=FORWARD_HELP)
     parser.add_argument(
         "--draft-length", type=_positive_int, default=4, help="mtp: tokens per round counting the target's (2..8)"
     )
@@ -153,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-draft", type=_positive_int, default=10, help="most draft tokens per round (default 10)")
     bench.add_argument("--fixed-draft", action="store_true", help=FIXED_DRAFT_HELP)
     bench.add_argument("--batched-verify", action="store_true", help=BATCHED_VERIFY_HELP)
+    bench.add_argument("--forward", choices=FORWARDS, default="auto", help=FORWARD_HELP)
     bench.add_argument("--draft-length", type=_positive_int, default=2, help="mtp: tokens per round (2..8)")
     bench.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
     bench.add_argument("--max-leaves", type=_count, default=4, help=MAX_LEAVES_HELP)
@@ -213,6 +220,7 @@ def _generate_options(args: argparse.Namespace) -> DecodeOptions:
         adaptive=not args.fixed_draft,
         max_leaves=args.max_leaves,
         batched_verify=args.batched_verify,
+        forward=args.forward,
         sampling=sampling_options(args),
     )
 
@@ -280,6 +288,7 @@ def bench_options(args: argparse.Namespace) -> DecodeOptions:
         adaptive=not args.fixed_draft,
         max_leaves=args.max_leaves,
         batched_verify=args.batched_verify,
+        forward=args.forward,
         sampling=sampling_options(args).seeded(),
     )
 

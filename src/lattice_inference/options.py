@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from lattice_inference.draft_planner import MAX_LEAVES
 from lattice_inference.errors import ConfigError
 from lattice_inference.sampling import SamplingOptions
+from lattice_inference.targets.lean import FORWARDS
 
 #: Each method and the drafters it asks, in order of preference.
 METHOD_DRAFTERS: dict[str, tuple[str, ...]] = {
@@ -20,6 +21,7 @@ METHOD_DRAFTERS: dict[str, tuple[str, ...]] = {
     "ngram+mtp": ("ngram", "mtp"),
 }
 METHODS = tuple(METHOD_DRAFTERS)
+
 MATCH_POLICIES = ("first", "recent")
 
 
@@ -66,7 +68,9 @@ class DecodeOptions:
     without sliding windows; 0: never). ``batched_verify`` runs each verification forward over all its rows at
     once with the model's own kernels instead of decode-matched (each row bit for bit the 1-token step's): faster
     where those kernels change their rounding with the row count, but then not guaranteed identical to plain
-    decoding (see `lattice_inference.targets.decode_matched`).
+    decoding (see `lattice_inference.targets.decode_matched`). ``forward``: ``lean`` runs the decoder loop from the
+    model's own modules without transformers' per-call plumbing (Llama, Qwen2, Qwen3; same logits, bit for bit),
+    ``transformers`` the model's own forward, ``auto`` (default) lean where it applies.
     """
 
     method: str = "ngram"
@@ -80,6 +84,7 @@ class DecodeOptions:
     adaptive: bool = True
     max_leaves: int = MAX_LEAVES
     batched_verify: bool = False
+    forward: str = "auto"
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
 
     def __post_init__(self) -> None:
@@ -95,6 +100,8 @@ class DecodeOptions:
         check_draft_vocab(self.draft_vocab)
         if isinstance(self.max_leaves, bool) or not isinstance(self.max_leaves, int) or not 0 <= self.max_leaves <= 16:
             raise ConfigError(f"max_leaves must be an integer 0..16, got {self.max_leaves!r}")
+        if self.forward not in FORWARDS:
+            raise ConfigError(f"forward must be one of {', '.join(FORWARDS)}, got {self.forward!r}")
         if not isinstance(self.sampling, SamplingOptions):
             raise ConfigError(f"sampling must be a SamplingOptions, got {type(self.sampling).__name__}")
 

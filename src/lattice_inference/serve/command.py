@@ -71,6 +71,7 @@ DRAFT_OPTIONS = (
     "draft_vocab",
     "max_leaves",
     "batched_verify",
+    "forward",
 )
 
 

@@ -4,18 +4,31 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel
 
+from lattice_inference.errors import ConfigError
 from lattice_inference.targets.base import Target
 from lattice_inference.targets.hybrid import HybridTarget, is_hybrid
+from lattice_inference.targets.lean import FORWARDS, LeanTarget, lean_supported
 from lattice_inference.targets.transformers import TransformersTarget
 
-__all__ = ["HybridTarget", "Target", "TransformersTarget", "make_target"]
+__all__ = ["FORWARDS", "HybridTarget", "LeanTarget", "Target", "TransformersTarget", "make_target"]
 
 
-def make_target(model: PreTrainedModel, *, packed_weights: bool = True, decode_matched: bool = True) -> Target:
+def make_target(
+    model: PreTrainedModel, *, packed_weights: bool = True, decode_matched: bool = True, forward: str = "auto"
+) -> Target:
     """The right `Target` for ``model``: Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) get `HybridTarget`, whose
     rollback restores recurrent state exactly; attention-cache models get `TransformersTarget`; anything else
     with recurrent state is refused with `UnsupportedModelError`. ``packed_weights``, ``decode_matched``: see
-    `CausalLMTarget`."""
+    `CausalLMTarget`; ``forward``: one of `FORWARDS` (``lean`` for a model it does not run is a `ConfigError`)."""
+    if forward not in FORWARDS:
+        raise ConfigError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
     if is_hybrid(model):
+        if forward == "lean":
+            raise ConfigError("the lean forward runs Llama, Qwen2 and Qwen3 models, not Gated DeltaNet hybrids")
         return HybridTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)
+    reason = lean_supported(model)
+    if forward == "lean" and reason is not None:
+        raise ConfigError(f"the lean forward cannot run this model: {reason}")
+    if forward != "transformers" and reason is None:
+        return LeanTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)
     return TransformersTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)

@@ -1,0 +1,86 @@
+"""The lean forward (`LeanTarget`): the same logits as the model's own forward, bit for bit, on every path.
+
+Llama, Qwen2 and Qwen3 toys (a 1536-wide MLP, float32 and bfloat16): prefill, 1-token steps, chains with and
+without decode matching, draft trees and kept paths, rollback to every position, hidden states for MTP; greedy
+and sampled decoding through it equal transformers' ``generate``; `make_target` picks it where it applies and
+says why not where asked for it elsewhere.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import hf_generate, hf_sampled
+
+from lattice_inference import Generator
+from lattice_inference.errors import ConfigError
+from lattice_inference.options import DecodeOptions
+from lattice_inference.sampling import SamplingOptions
+from lattice_inference.targets import LeanTarget, TransformersTarget, make_target
+from lattice_inference.toy import byte_tokenizer, toy_config, toy_model
+
+LEAN_ARCHES = ["llama", "qwen2", "qwen3"]
+SHAPES = dict(hidden_size=128, intermediate_size=1536, head_dim=32)
+
+
+def _model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 1):
+    return toy_model(toy_config(arch, **SHAPES), init_std=0.3, seed=seed).to(dtype)
+
+
+@pytest.mark.parametrize("matched", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", LEAN_ARCHES)
+def test_every_path_gives_the_models_own_logits(arch, dtype, matched):
+    model = _model(arch, dtype)
+    lean, plain = LeanTarget(model, decode_matched=matched), TransformersTarget(model, decode_matched=matched)
+    lean.capture_hidden = plain.capture_hidden = True
+    rng = random.Random(arch)
+    context = [rng.randrange(256) for _ in range(60)]
+    assert torch.equal(lean.prefill(context), plain.prefill(context))
+    assert torch.equal(lean.last_hidden, plain.last_hidden)
+    for tokens in ([5], [6, 7, 8], [9] * 6, [10]):
+        assert torch.equal(lean.forward(tokens), plain.forward(tokens)), tokens
+        assert torch.equal(lean.last_hidden, plain.last_hidden)
+    for length in range(len(context) + 11, len(context) - 1, -3):  # rollback to many positions, then continue
+        lean.rollback(length)
+        plain.rollback(length)
+        assert torch.equal(lean.forward([3, 4]), plain.forward([3, 4])), length
+    start = lean.length
+    tokens, parents = [1, 2, 3, 4, 5, 6], [-1, 0, 1, 0, 3, 1]
+    assert torch.equal(lean.forward_tree(tokens, parents), plain.forward_tree(tokens, parents))
+    lean.keep_rows(start, [0, 3, 4])
+    plain.keep_rows(start, [0, 3, 4])
+    assert torch.equal(lean.forward([7, 8]), plain.forward([7, 8]))
+    fused_lean, fused_plain = LeanTarget(model, decode_matched=False), TransformersTarget(model, decode_matched=False)
+    assert torch.equal(
+        fused_lean.prefill_with_draft(context, [1, 2, 3]), fused_plain.prefill_with_draft(context, [1, 2, 3])
+    )
+
+
+@pytest.mark.parametrize("arch", LEAN_ARCHES)
+def test_greedy_and_sampling_through_it_equal_transformers_generate(arch):
+    model = _model(arch, seed=4)
+    tokenizer = byte_tokenizer()
+    rng = random.Random(len(arch))
+    for method in ("greedy", "ngram"):
+        gen = Generator(model, tokenizer, method=method, min_ngram=1, eos_token_ids=[256])
+        assert isinstance(gen.decoder.target, LeanTarget)
+        for i in range(3):
+            span = [rng.randrange(256) for _ in range(8)]
+            prompt = [rng.randrange(256) for _ in range(20)] + span + span[:3]
+            assert gen.generate(prompt, 24).token_ids == hf_generate(model, prompt, 24, 256), (method, i)
+            options = SamplingOptions(temperature=0.8, top_k=40, seed=i)
+            want = hf_sampled(model, prompt, 24, 256, options)
+            assert gen.generate(prompt, 24, **options.to_dict()).token_ids == want, (method, i, "sampled")
+
+
+def test_make_target_picks_the_lean_forward_where_it_applies():
+    assert isinstance(make_target(_model("llama")), LeanTarget)
+    assert type(make_target(_model("llama"), forward="transformers")) is TransformersTarget
+    assert type(make_target(toy_model(toy_config("mistral")))) is TransformersTarget  # sliding windows
+    with pytest.raises(ConfigError, match="lean forward cannot run this model: model type 'gemma'"):
+        make_target(toy_model(toy_config("gemma")), forward="lean")
+    with pytest.raises(ConfigError, match="forward must be one of auto, lean, transformers"):
+        DecodeOptions(forward="fast")
