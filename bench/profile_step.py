@@ -2,8 +2,9 @@
 
 Configurations: ``dense``: the model's own ``F.linear`` and attention over all rows at once; ``packed``: oneDNN-
 packed weights with fused q/k/v and gate/up (``targets/packed_linear.py``), rows at once (``--batched-verify``);
-``matched``: our target's default, packed and decode-matched (``targets/decode_matched.py``: every row of a
-k-token forward computed bit for bit as the 1-token step computes it). For each it prints:
+``matched``: packed and decode-matched (``targets/decode_matched.py``: every row of a k-token forward computed bit
+for bit as the 1-token step computes it) through transformers' forward (``--forward transformers``); ``lean``: the
+default, the same through the lean decoder loop (``targets/lean.py``). For each it prints:
 - the wall time of a forward of 1..16 tokens through our target after a grounded prompt (median of ``--reps``),
   and its ratio to the 1-token step: the cost of verifying a draft;
 - whether each row of those forwards equals the 1-token step's (the target's self-check, widths 2..16);
@@ -28,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 from lattice_inference.benchmark import GROUNDED_TASKS, load_prompts
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.loading import LoadedModel, load_model
-from lattice_inference.targets import TransformersTarget
+from lattice_inference.targets import LeanTarget, TransformersTarget
 from lattice_inference.targets.exactness import check_exactness
 
 WIDTHS = tuple(range(1, 17))
@@ -89,6 +90,7 @@ def main() -> None:
         "dense": TransformersTarget(loaded.model, packed_weights=False, decode_matched=False),
         "packed": TransformersTarget(packed_model, decode_matched=False),
         "matched": TransformersTarget(packed_model),
+        "lean": LeanTarget(packed_model),
     }
     exact = {name: check_exactness(target, WIDTHS[-1]) for name, target in targets.items()}
     for target in targets.values():
@@ -102,8 +104,9 @@ def main() -> None:
     for name, (times, _) in rows.items():
         print(f"{name:<26}" + "".join(f"{times[w] * 1e3:>8.1f}" for w in WIDTHS))
         print(f"{'  in 1-token steps':<26}" + "".join(f"{times[w] / times[1]:>8.2f}" for w in WIDTHS))
-    matched, packed = rows["matched"][0], rows["packed"][0]
-    print(f"{'matched / packed':<26}" + "".join(f"{matched[w] / packed[w]:>8.2f}" for w in WIDTHS))
+    for name in ("matched", "lean"):
+        mine, packed = rows[name][0], rows["packed"][0]
+        print(f"{name + ' / packed':<26}" + "".join(f"{mine[w] / packed[w]:>8.2f}" for w in WIDTHS))
     print()
     for name, report in exact.items():
         print(f"{name:<10} {report.line()}")

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from lattice_inference.targets import decode_matched
+from lattice_inference.targets.packed_linear import Product, products
 from lattice_inference.targets.transformers import TransformersTarget
 
 FORWARDS = ("auto", "lean", "transformers")
@@ -58,6 +60,7 @@ class LeanTarget(TransformersTarget):
             raise ValueError(f"the lean forward cannot run this model: {reason}")
         super().__init__(model, packed_weights=packed_weights, decode_matched=decode_matched)
         self._rotary = sys.modules[type(model).__module__].apply_rotary_pos_emb
+        self._layers = [_Layer.of(layer) for layer in model.model.layers]
         text = model.config
         self._head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
@@ -95,20 +98,60 @@ class LeanTarget(TransformersTarget):
         n, head_dim = ids.shape[1], self._head_dim
         attend = decode_matched.decode_matched_sdpa if decode_matched.active() else sdpa_attention_forward
         assert self._cache is not None
-        for layer, cache in zip(decoder.layers, self._cache.layers, strict=True):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(1, n, -1, head_dim)
-            k = attn.k_proj(h).view(1, n, -1, head_dim)
-            v = attn.v_proj(h).view(1, n, -1, head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
+        for layer, cache in zip(self._layers, self._cache.layers, strict=True):
+            attn = layer.attn
+            h = layer.input_norm(x)
+            q, k, v = _run_products(layer.qkv, h)
+            q, k, v = q.view(1, n, -1, head_dim), k.view(1, n, -1, head_dim), v.view(1, n, -1, head_dim)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
             q, k = self._rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            keys, values = cache.update(k, v)
-            out, _ = attend(
-                attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling,
-                sliding_window=getattr(attn, "sliding_window", None),
-            )  # fmt: skip
-            x = x + attn.o_proj(out.reshape(1, n, -1).contiguous())
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            keys, values = cache.update(k, v.transpose(1, 2))
+            out, _ = attend(attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling, sliding_window=None)
+            x = x + _run_products(layer.o, out.reshape(1, n, -1).contiguous())[0]
+            gate, up = _run_products(layer.gate_up, layer.post_norm(x))
+            x = x + _run_products(layer.down, layer.act(gate) * up)[0]
         return decoder.norm(x)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer as the lean loop runs it: its attention module (for the attention call's settings), its
+    norms' forwards, and its products (`packed_linear.products`)."""
+
+    attn: torch.nn.Module
+    input_norm: Callable[[torch.Tensor], torch.Tensor]
+    post_norm: Callable[[torch.Tensor], torch.Tensor]
+    q_norm: Callable[[torch.Tensor], torch.Tensor] | None
+    k_norm: Callable[[torch.Tensor], torch.Tensor] | None
+    act: Callable[[torch.Tensor], torch.Tensor]
+    qkv: list[Product]
+    o: list[Product]
+    gate_up: list[Product]
+    down: list[Product]
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_norm = getattr(attn, "q_norm", None)
+        return cls(
+            attn=attn,
+            input_norm=layer.input_layernorm.forward,
+            post_norm=layer.post_attention_layernorm.forward,
+            q_norm=None if q_norm is None else q_norm.forward,
+            k_norm=None if q_norm is None else attn.k_norm.forward,
+            act=mlp.act_fn,
+            qkv=products([attn.q_proj, attn.k_proj, attn.v_proj]),
+            o=products([attn.o_proj]),
+            gate_up=products([mlp.gate_proj, mlp.up_proj]),
+            down=products([mlp.down_proj]),
+        )
+
+
+def _run_products(group: list[Product], x: torch.Tensor) -> list[torch.Tensor]:
+    """Every projection of ``group`` applied to ``x`` (decode-matched where a matched forward runs)."""
+    outputs: list[torch.Tensor] = []
+    for key, kernel, splits in group:
+        y = decode_matched.matched_product(key, kernel, x)
+        outputs.extend(y.split(splits, dim=-1) if len(splits) > 1 else (y,))
+    return outputs

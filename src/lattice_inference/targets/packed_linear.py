@@ -25,6 +25,7 @@ on how many there are.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -97,6 +98,30 @@ class _FusedGroup:
         if not self._pending:  # every member has its slice: let go of the input and the product
             self._input, self._outputs = None, ()
         return out
+
+
+Product = tuple[tuple[object, ...], Callable[[torch.Tensor], torch.Tensor], list[int]]
+"""A product as a caller may run it directly: its plan key (`decode_matched.linear_key`), its kernel, and how its
+output splits among the projections it computes."""
+
+
+def products(members: Sequence[nn.Linear]) -> list[Product]:
+    """The products that compute ``members`` (sibling projections of one input): one, split, where `pack_linears`
+    packed them as a group; else one per member, over its packed or dense weight. Running them through
+    `decode_matched.matched_product` gives what calling each member gives, bit for bit."""
+    group = getattr(members[0], _PACKED, None)
+    if isinstance(group, _FusedGroup) and group.members == list(members):
+        return [(group.key, group.kernel, group.splits)]
+    out: list[Product] = []
+    for m in members:
+        packed = getattr(m, _PACKED, None)
+        if isinstance(packed, torch.Tensor):
+            kernel = functools.partial(packed_linear, packed=packed, bias=m.bias)
+            out.append((linear_key("packed", m.weight, m.bias), kernel, [m.out_features]))
+        else:
+            kernel = functools.partial(nn.functional.linear, weight=m.weight, bias=m.bias)
+            out.append((linear_key("dense", m.weight, m.bias), kernel, [m.out_features]))
+    return out
 
 
 def _fusable(members: list[object]) -> bool:
