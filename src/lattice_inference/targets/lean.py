@@ -12,9 +12,8 @@ rollback, draft trees, hidden states for MTP, decode-matched verification) is `T
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,30 +63,16 @@ class LeanTarget(TransformersTarget):
         text = model.config
         self._head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
-    def _run(
-        self,
-        token_ids: Sequence[int],
-        logits_to_keep: int,
-        *,
-        offsets: Sequence[int] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        matched: bool = False,
+    def _logits(
+        self, ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: int
     ) -> torch.Tensor:
-        assert self._cache is not None
-        n, start = len(token_ids), self._length
-        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        steps = range(n) if offsets is None else offsets
-        positions = torch.tensor([[start + o for o in steps]], dtype=torch.long, device=self.device)
+        n, start = ids.shape[1], self._length
         mask = attention_mask
-        if mask is None and 1 < n and start > 0 and not (matched and self.decode_matched):
+        if mask is None and 1 < n and start > 0 and not decode_matched.active():
             # rows at once over a cache: the causal mask transformers' sdpa_mask builds for this case
             mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)[None, None]
-        matching = decode_matched.matching() if matched and self.decode_matched else contextlib.nullcontext()
-        with torch.inference_mode(), matching:
-            hidden = self._decoder(ids, positions, mask)
-            logits = self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
-        self._length += n
-        return logits[0]
+        hidden = self._decoder(ids, positions, mask)
+        return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
     def _decoder(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The decoder's hidden states after its final norm, ``[1, n, hidden]``, writing each layer's keys and

@@ -159,16 +159,24 @@ class CausalLMTarget(Target):
             positions = torch.tensor([[self._length + o for o in offsets]], dtype=torch.long, device=self.device)
         matching = decode_matched_module.matching() if matched and self.decode_matched else contextlib.nullcontext()
         with torch.inference_mode(), matching:
-            out = self.model(
-                input_ids=ids,
-                position_ids=positions,
-                attention_mask=attention_mask,
-                cache=self._cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            )
+            logits = self._logits(ids, positions, attention_mask, logits_to_keep)
         self._length += n
-        return out.logits[0]
+        return logits[0]
+
+    def _logits(
+        self, ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: int
+    ) -> torch.Tensor:
+        """The model's logits ``[1, kept, vocab]`` for ``ids`` at ``positions`` over the cache (the forward itself,
+        which subclasses may run their own way)."""
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=attention_mask,
+            cache=self._cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        return out.logits
 
 
 TREE_ATTENTION = ("sdpa", "eager", decode_matched_module.ATTENTION)
