@@ -32,7 +32,7 @@ from lattice_inference.targets.decode_matched import (
     matched_product,
     matching,
 )
-from lattice_inference.targets.exactness import check_exactness
+from lattice_inference.targets.exactness import check_exactness, exactness
 from lattice_inference.targets.forward_cost import ForwardCosts
 from lattice_inference.targets.packed_linear import pack_weight, packed_linear, packing_supported
 from lattice_inference.toy import TOY_VOCAB, toy_config, toy_model
@@ -252,3 +252,10 @@ def test_bundled_hybrid_mtp_sampling_in_bfloat16_is_the_same_text_at_any_draft_w
                 assert got.metrics.exact is True
                 accepted += got.metrics.accepted_tokens
     assert accepted > 0
+
+
+def test_the_self_check_is_kept_per_target_and_widened_when_asked():
+    target = make_target(toy_model(toy_config("llama"), init_std=0.3, seed=9))
+    assert exactness(target, 1).widths == ()
+    assert exactness(target, 4).widths == (2, 3, 4)
+    assert exactness(target, 3) is exactness(target, 4)  # covered: not run again

@@ -152,7 +152,7 @@ _CHECKED: weakref.WeakKeyDictionary[Target, Exactness] = weakref.WeakKeyDictiona
 def exactness(target: Target, max_width: int) -> Exactness:
     """`check_exactness` up to ``max_width``, once per target (kept while it lives)."""
     known = _CHECKED.get(target)
-    if known is not None and (not known.widths or known.widths[-1] >= max_width or not known.exact):
+    if known is not None and (not known.exact or (known.widths[-1] if known.widths else 1) >= max_width):
         return known
     result = check_exactness(target, max_width)
     _CHECKED[target] = result
