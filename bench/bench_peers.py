@@ -6,15 +6,16 @@ Engines (each request timed whole, prompt processing included, batch 1, greedy):
   ``--max-draft 4``, and ``ngram`` with ``--fixed-draft`` (every proposed token verified, up to 10: the loop
   without the planner); ours runs on its own copy of the model (our target packs its linear weights, see
   ``targets/packed_linear.py``), transformers on an untouched one;
-- llama.cpp through ``llama-cpp-python`` (plain and ``LlamaPromptLookupDecoding`` 10 / 4), where it is built
-  in ``/work/peers-venv`` (see ``peer_llamacpp.py``), on a GGUF of the same weights in the same precision given
+- llama.cpp through ``llama-cpp-python`` (plain and ``LlamaPromptLookupDecoding`` 10 / 4), run by the Python of
+  a venv that has it (``--peers-python`` or ``$LATTICE_PEERS_PYTHON``; ``peer_llamacpp.py`` says how to build
+  one), on a GGUF of the same weights in the same precision given
   with ``--llamacpp-gguf``; skipped with a message otherwise.
 
 Reported per prompt set (grounded, chat) and for all prompts: aggregate tokens/s (median over reps), speed-up
 over transformers' greedy (median over reps of the ratio within one rep), and the share of outputs identical to
 transformers' greedy output. The order of engines rotates between prompts so drifts hit all alike.
 
-    python bench/bench_peers.py --dtype float32 --reps 3 --max-new-tokens 128 [--llamacpp-gguf FILE]
+    python bench/bench_peers.py --dtype float32 --reps 3 --max-new-tokens 128 [--llamacpp-gguf FILE --peers-python PY]
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from lattice_inference.cli import quiet_transformers
 from lattice_inference.loading import load_model
 
 HERE = Path(__file__).parent
-PEERS_PYTHON = Path("/work/peers-venv/bin/python")
+sys.path.insert(0, str(HERE))
+from peer_llamacpp import llamacpp_available, peers_python  # noqa: E402  (a bench-only sibling module)
+
 Runner = Callable[[list[int]], list[int]]
 
 
@@ -65,14 +68,14 @@ def ours_runner(gen: Generator, max_new: int) -> Runner:
     return lambda ids: gen.generate(ids, max_new_tokens=max_new).token_ids
 
 
-def run_llamacpp(gguf: str, prompts: list[list[int]], max_new: int, reps: int) -> dict[str, list[dict]]:
+def run_llamacpp(python: Path, gguf: str, prompts: list[list[int]], max_new: int, reps: int) -> dict[str, list[dict]]:
     """Run the llama.cpp engines in the peers venv (a subprocess); their results keyed by engine name."""
     with tempfile.TemporaryDirectory() as tmp:
         req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
         methods = {"llama.cpp": None, "llama.cpp lookup 10": 10, "llama.cpp lookup 4": 4}
         req.write_text(json.dumps({"max_new_tokens": max_new, "methods": methods, "prompts": prompts}))
         cmd = [
-            str(PEERS_PYTHON),
+            str(python),
             str(HERE / "peer_llamacpp.py"),
             "--gguf",
             gguf,
@@ -129,6 +132,7 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, help="first N prompts of each kind only")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llamacpp-gguf", help="GGUF of the same weights in the same precision, for llama.cpp")
+    ap.add_argument("--peers-python", help="Python of the venv with llama-cpp-python (default: $LATTICE_PEERS_PYTHON)")
     ap.add_argument("--json", help="write the full report here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -168,10 +172,12 @@ def main() -> None:
                 )
             print(f"[peers] rep {rep + 1}/{args.reps} prompt {i + 1}/{len(encoded)}", file=sys.stderr, flush=True)
     if args.llamacpp_gguf:
-        if not PEERS_PYTHON.is_file():
-            print(f"[peers] llama.cpp skipped: {PEERS_PYTHON} not found (see bench/peer_llamacpp.py)", file=sys.stderr)
+        python = peers_python(args.peers_python)
+        missing = llamacpp_available(python)
+        if missing or python is None:
+            print(f"[peers] llama.cpp skipped: {missing}", file=sys.stderr)
         else:
-            results.update(run_llamacpp(args.llamacpp_gguf, encoded, n, args.reps))
+            results.update(run_llamacpp(python, args.llamacpp_gguf, encoded, n, args.reps))
     else:
         print("[peers] llama.cpp skipped: no --llamacpp-gguf given", file=sys.stderr)
     table = summarise(results, prompts, "transformers greedy")

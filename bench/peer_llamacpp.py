@@ -1,9 +1,10 @@
 """llama.cpp (through ``llama-cpp-python`` 0.3.36) as a bench peer: a subprocess worker for the peers venv.
 
-It runs in its own venv (``/work/peers-venv``, no torch) so that llama.cpp's OpenMP and ours never share a
-process; ``bench_peers.py`` calls it as
+It runs in a venv of its own (no torch; its Python given to ``bench_peers.py`` with ``--peers-python`` or the
+``LATTICE_PEERS_PYTHON`` environment variable) so that llama.cpp's OpenMP and ours never share a process;
+``bench_peers.py`` calls it as
 
-    /work/peers-venv/bin/python bench/peer_llamacpp.py --gguf FILE --requests REQ.json --out OUT.json \
+    $LATTICE_PEERS_PYTHON bench/peer_llamacpp.py --gguf FILE --requests REQ.json --out OUT.json \
         [--reps N] [--threads 2]
 
 ``REQ.json``: ``{"max_new_tokens": N, "methods": {"llama.cpp": null, "llama.cpp lookup 10": 10, ...},
@@ -19,7 +20,8 @@ runs before timing, and the state is reset before every request, so each one eva
 prefix reuse between requests). With a draft model ``logits_all=True`` is required: without it 0.3.36 crashes
 once the context passes 512 positions.
 
-``llamacpp_available()`` works from any venv (it imports nothing from llama_cpp) and says how to build it.
+``peers_python()`` finds that interpreter and ``llamacpp_available()`` checks it from any venv (it imports nothing
+from llama_cpp), saying how to build it where it is missing.
 """
 
 from __future__ import annotations
@@ -27,23 +29,35 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-PEERS_PYTHON = Path("/work/peers-venv/bin/python")
+PEERS_PYTHON_ENV = "LATTICE_PEERS_PYTHON"
+"""Environment variable naming the peers venv's Python (``--peers-python`` takes precedence)."""
 BUILD_COMMANDS = """\
-python3 -m venv /work/peers-venv
-/work/peers-venv/bin/pip install scikit-build-core cmake ninja numpy typing-extensions diskcache jinja2
-PATH=/work/peers-venv/bin:$PATH CMAKE_BUILD_PARALLEL_LEVEL=2 \\
-  CMAKE_ARGS="-DPython_EXECUTABLE=/work/peers-venv/bin/python" \\
-  /work/peers-venv/bin/pip install --no-build-isolation llama-cpp-python==0.3.36   # ~5 min on 2 cores"""
+python3 -m venv ~/.venvs/peers
+~/.venvs/peers/bin/pip install scikit-build-core cmake ninja numpy typing-extensions diskcache jinja2
+PATH=~/.venvs/peers/bin:$PATH CMAKE_BUILD_PARALLEL_LEVEL=2 \\
+  CMAKE_ARGS="-DPython_EXECUTABLE=$HOME/.venvs/peers/bin/python" \\
+  ~/.venvs/peers/bin/pip install --no-build-isolation llama-cpp-python==0.3.36   # ~5 min on 2 cores
+export LATTICE_PEERS_PYTHON=~/.venvs/peers/bin/python   # or pass --peers-python"""
 DEFAULT_EOS = (2,)
 
 
-def llamacpp_available(python: Path = PEERS_PYTHON) -> str | None:
+def peers_python(given: str | None = None) -> Path | None:
+    """The peers venv's Python: ``given`` (``--peers-python``), else ``$LATTICE_PEERS_PYTHON``, else None."""
+    path = given or os.environ.get(PEERS_PYTHON_ENV)
+    return Path(path).expanduser() if path else None
+
+
+def llamacpp_available(python: Path | None) -> str | None:
     """None if ``python`` (the peers venv) can import ``llama_cpp``, else a message with the build commands."""
+    if python is None:
+        why = f"no --peers-python or ${PEERS_PYTHON_ENV} given"
+        return f"llama.cpp peer unavailable: {why}. Build it with:\n{BUILD_COMMANDS}"
     if not python.exists():
         return f"llama.cpp peer unavailable: {python} not found. Build it with:\n{BUILD_COMMANDS}"
     try:

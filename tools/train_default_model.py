@@ -23,8 +23,8 @@ same stream). Stages (``--stage all`` runs them in order, skipping finished ones
 
 Run on this 2-core CPU (background, low priority)::
 
-    nohup nice -n 19 .venv/bin/python tools/train_default_model.py --workdir /work/train/run \
-        --export-dir src/lattice_inference/default_model > /work/train/log.txt 2>&1 &
+    nohup nice -n 19 .venv/bin/python tools/train_default_model.py --workdir train-run \
+        --export-dir src/lattice_inference/default_model > train-run.log 2>&1 &
 
 Add ``--resume`` to continue after an interruption. With a GPU, ``--device cuda`` and larger ``--hidden`` /
 ``--layers`` train a bigger model with the same recipe.
@@ -803,7 +803,7 @@ def export(args, tok, trunk: dict, mtp: dict, prompts: list[dict], corpus: Corpu
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workdir", default="/work/train/run")
+    ap.add_argument("--workdir", default="train-run")
     ap.add_argument(
         "--export-dir", default=str(Path(__file__).resolve().parents[1] / "src/lattice_inference/default_model")
     )
