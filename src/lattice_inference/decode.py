@@ -159,14 +159,13 @@ class SpeculativeDecoder:
             target.capture_hidden = True
         if drafter is not None:
             drafter.use_sampler(sampler)
-            start = time.perf_counter()  # each runs once per target (at load where `prepare` was called)
-            if target.decode_matched:
-                self.exactness = exactness(target, self._widest())
-                m.exact, m.exactness = self.exactness.exact, self.exactness.line()
-            if self.adaptive:
-                costs = self.costs or forward_costs(target, self._widest())
-                gen.planner = DraftPlanner(costs, max_leaves=self._leaves())
+            start = time.perf_counter()
+            costs = self._calibrate()  # once per target: a no-op here where `prepare` ran at load
             m.calibration_s = time.perf_counter() - start
+            if self.exactness is not None:
+                m.exact, m.exactness = self.exactness.exact, self.exactness.line()
+            if costs is not None:
+                gen.planner = DraftPlanner(costs, max_leaves=self._leaves())
         start = time.perf_counter()
         first, hidden = self._prefill(gen)
         m.prefill_s = time.perf_counter() - start
@@ -217,11 +216,17 @@ class SpeculativeDecoder:
         if self.drafter is None:
             return 0.0
         start = time.perf_counter()
+        self._calibrate()
+        return time.perf_counter() - start
+
+    def _calibrate(self) -> ForwardCosts | None:
+        """The target's self-check (kept in `exactness`, where it is decode-matched) and, when adaptive, the
+        forward costs the planner weighs; each measured once per target, before any prefill."""
         if self.target.decode_matched:
             self.exactness = exactness(self.target, self._widest())
-        if self.adaptive and self.costs is None:
-            forward_costs(self.target, self._widest())
-        return time.perf_counter() - start
+        if not self.adaptive:
+            return None
+        return self.costs or forward_costs(self.target, self._widest())
 
     def _leaves(self) -> int:
         """Most tree leaves a round may verify (0 where the target or the drafter cannot use them)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from lattice_inference.draft_planner import MAX_LEAVES
 from lattice_inference.errors import ConfigError
 from lattice_inference.sampling import SamplingOptions
-from lattice_inference.targets.lean import FORWARDS
+from lattice_inference.targets.lean import check_forward
 
 #: Each method and the drafters it asks, in order of preference.
 METHOD_DRAFTERS: dict[str, tuple[str, ...]] = {
@@ -100,8 +100,7 @@ class DecodeOptions:
         check_draft_vocab(self.draft_vocab)
         if isinstance(self.max_leaves, bool) or not isinstance(self.max_leaves, int) or not 0 <= self.max_leaves <= 16:
             raise ConfigError(f"max_leaves must be an integer 0..16, got {self.max_leaves!r}")
-        if self.forward not in FORWARDS:
-            raise ConfigError(f"forward must be one of {', '.join(FORWARDS)}, got {self.forward!r}")
+        check_forward(self.forward)
         if not isinstance(self.sampling, SamplingOptions):
             raise ConfigError(f"sampling must be a SamplingOptions, got {type(self.sampling).__name__}")
 

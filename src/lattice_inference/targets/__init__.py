@@ -7,7 +7,7 @@ from transformers import PreTrainedModel
 from lattice_inference.errors import ConfigError
 from lattice_inference.targets.base import Target
 from lattice_inference.targets.hybrid import HybridTarget, is_hybrid
-from lattice_inference.targets.lean import FORWARDS, LeanTarget, lean_supported
+from lattice_inference.targets.lean import FORWARDS, LeanTarget, check_forward, lean_supported
 from lattice_inference.targets.transformers import TransformersTarget
 
 __all__ = ["FORWARDS", "HybridTarget", "LeanTarget", "Target", "TransformersTarget", "make_target"]
@@ -20,15 +20,11 @@ def make_target(
     rollback restores recurrent state exactly; attention-cache models get `TransformersTarget`; anything else
     with recurrent state is refused with `UnsupportedModelError`. ``packed_weights``, ``decode_matched``: see
     `CausalLMTarget`; ``forward``: one of `FORWARDS` (``lean`` for a model it does not run is a `ConfigError`)."""
-    if forward not in FORWARDS:
-        raise ConfigError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
+    check_forward(forward)
     if is_hybrid(model):
         if forward == "lean":
             raise ConfigError("the lean forward runs Llama, Qwen2 and Qwen3 models, not Gated DeltaNet hybrids")
         return HybridTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)
-    reason = lean_supported(model)
-    if forward == "lean" and reason is not None:
-        raise ConfigError(f"the lean forward cannot run this model: {reason}")
-    if forward != "transformers" and reason is None:
-        return LeanTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)
+    if forward == "lean" or (forward == "auto" and lean_supported(model) is None):
+        return LeanTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)  # says why not
     return TransformersTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)

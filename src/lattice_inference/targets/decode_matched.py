@@ -146,12 +146,30 @@ def linear_key(kind: str, weight: torch.Tensor, bias: torch.Tensor | None) -> tu
     return (kind, tuple(weight.shape), bias is not None)
 
 
+Product = tuple[tuple[object, ...], Kernel, list[int]]
+"""A product as a caller may run it: its plan key (`linear_key`), its kernel, and how its output splits among
+the projections it computes."""
+
+PRODUCT = "_lattice_product"
+"""Attribute of an ``nn.Linear`` holding its `Product` (set where its weight is packed, else on first use)."""
+
 _MATCHED = "_lattice_decode_matched"
 
 
+def module_product(module: nn.Linear) -> Product:
+    """``module``'s `Product`: the one set where its weight was packed, else ``F.linear`` over its dense weight
+    (built once, kept on the module)."""
+    product = getattr(module, PRODUCT, None)
+    if product is None:
+        kernel = functools.partial(nn.functional.linear, weight=module.weight, bias=module.bias)
+        product = (linear_key("dense", module.weight, module.bias), kernel, [module.out_features])
+        setattr(module, PRODUCT, product)
+    return product
+
+
 def _dense_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    kernel = functools.partial(nn.functional.linear, weight=module.weight, bias=module.bias)
-    return matched_product(linear_key("dense", module.weight, module.bias), kernel, x)
+    key, kernel, _ = module_product(module)
+    return matched_product(key, kernel, x)
 
 
 def match_dense_linears(model: nn.Module) -> int:

@@ -20,13 +20,22 @@ import torch
 from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from lattice_inference.errors import ConfigError
 from lattice_inference.targets import decode_matched
-from lattice_inference.targets.packed_linear import Product, products
+from lattice_inference.targets.decode_matched import Product
+from lattice_inference.targets.packed_linear import products
 from lattice_inference.targets.transformers import TransformersTarget
 
 FORWARDS = ("auto", "lean", "transformers")
 """How a target runs the model: ``lean`` (`LeanTarget`), ``transformers`` (the model's own forward), ``auto`` (lean
 where `lean_supported`)."""
+
+
+def check_forward(forward: str) -> None:
+    """``forward`` must be one of `FORWARDS`."""
+    if forward not in FORWARDS:
+        raise ConfigError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
+
 
 LEAN_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 """``model_type`` values whose decoder `LeanTarget` runs (full attention only, rotary positions, RMSNorm)."""
@@ -56,7 +65,7 @@ class LeanTarget(TransformersTarget):
     def __init__(self, model: PreTrainedModel, *, packed_weights: bool = True, decode_matched: bool = True) -> None:
         reason = lean_supported(model)
         if reason is not None:
-            raise ValueError(f"the lean forward cannot run this model: {reason}")
+            raise ConfigError(f"the lean forward cannot run this model: {reason}")
         super().__init__(model, packed_weights=packed_weights, decode_matched=decode_matched)
         self._rotary = sys.modules[type(model).__module__].apply_rotary_pos_emb
         self._layers = [_Layer.of(layer) for layer in model.model.layers]

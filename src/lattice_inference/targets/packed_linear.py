@@ -25,12 +25,12 @@ on how many there are.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from lattice_inference.targets.decode_matched import linear_key, matched_product
+from lattice_inference.targets.decode_matched import PRODUCT, Product, linear_key, matched_product, module_product
 
 _PACKED = "_lattice_packed_weight"
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -64,8 +64,8 @@ def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = getattr(module, _PACKED)
     if x.dtype != packed.dtype or x.device.type != "cpu":
         return nn.functional.linear(x, module.weight, module.bias)
-    kernel = functools.partial(packed_linear, packed=packed, bias=module.bias)
-    return matched_product(linear_key("packed", module.weight, module.bias), kernel, x)
+    key, kernel, _ = getattr(module, PRODUCT)
+    return matched_product(key, kernel, x)
 
 
 class _FusedGroup:
@@ -100,28 +100,14 @@ class _FusedGroup:
         return out
 
 
-Product = tuple[tuple[object, ...], Callable[[torch.Tensor], torch.Tensor], list[int]]
-"""A product as a caller may run it directly: its plan key (`decode_matched.linear_key`), its kernel, and how its
-output splits among the projections it computes."""
-
-
 def products(members: Sequence[nn.Linear]) -> list[Product]:
     """The products that compute ``members`` (sibling projections of one input): one, split, where `pack_linears`
-    packed them as a group; else one per member, over its packed or dense weight. Running them through
+    packed them as a group; else each member's own (`module_product`). Running them through
     `decode_matched.matched_product` gives what calling each member gives, bit for bit."""
     group = getattr(members[0], _PACKED, None)
     if isinstance(group, _FusedGroup) and group.members == list(members):
         return [(group.key, group.kernel, group.splits)]
-    out: list[Product] = []
-    for m in members:
-        packed = getattr(m, _PACKED, None)
-        if isinstance(packed, torch.Tensor):
-            kernel = functools.partial(packed_linear, packed=packed, bias=m.bias)
-            out.append((linear_key("packed", m.weight, m.bias), kernel, [m.out_features]))
-        else:
-            kernel = functools.partial(nn.functional.linear, weight=m.weight, bias=m.bias)
-            out.append((linear_key("dense", m.weight, m.bias), kernel, [m.out_features]))
-    return out
+    return [module_product(m) for m in members]
 
 
 def _fusable(members: list[object]) -> bool:
@@ -165,7 +151,10 @@ def pack_linears(model: nn.Module) -> int:
         weight = module.weight
         if weight.device.type != "cpu" or not packing_supported(weight.dtype):
             continue
-        setattr(module, _PACKED, pack_weight(weight))
+        packed = pack_weight(weight)
+        setattr(module, _PACKED, packed)
+        kernel = functools.partial(packed_linear, packed=packed, bias=module.bias)
+        setattr(module, PRODUCT, (linear_key("packed", weight, module.bias), kernel, [module.out_features]))
         module.forward = functools.partial(_packed_forward, module)  # type: ignore[method-assign]
         count += 1
     return count
@@ -176,4 +165,6 @@ def unpack_linears(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, _PACKED):
             delattr(module, _PACKED)
+            if hasattr(module, PRODUCT):
+                delattr(module, PRODUCT)
             del module.forward
