@@ -6,16 +6,22 @@ Engines (each request timed whole, prompt processing included, batch 1, greedy):
   ``--max-draft 4``, and ``ngram`` with ``--fixed-draft`` (every proposed token verified, up to 10: the loop
   without the planner); ours runs on its own copy of the model (our target packs its linear weights, see
   ``targets/packed_linear.py``), transformers on an untouched one;
+- ours ``mtp`` with the head shipped for the model (SmolLM2), where there is one;
 - llama.cpp through ``llama-cpp-python`` (plain and ``LlamaPromptLookupDecoding`` 10 / 4), run by the Python of
   a venv that has it (``--peers-python`` or ``$LATTICE_PEERS_PYTHON``; ``peer_llamacpp.py`` says how to build
   one), on a GGUF of the same weights in the same precision given
-  with ``--llamacpp-gguf``; skipped with a message otherwise.
+  with ``--llamacpp-gguf``; skipped with a message otherwise;
+- vLLM's engine (plain, and ``ngram`` with 10 and 4 speculative tokens, its engine in one process) through this
+  package's vLLM engine (`lattice_inference.engines.vllm`), run by the Python of a venv that has vLLM
+  (``--vllm-python`` or ``$LATTICE_VLLM_PYTHON``); skipped with the command that installs it otherwise. Each of
+  its engines starts once (70-90 s on 2 cores) and then serves every prompt and rep one request at a time.
 
 Reported per prompt set (grounded, chat) and for all prompts: aggregate tokens/s (median over reps), speed-up
-over transformers' greedy (median over reps of the ratio within one rep), and the share of outputs identical to
-transformers' greedy output. The order of engines rotates between prompts so drifts hit all alike.
+over transformers' greedy (median over reps of the ratio within one rep), and two identical-output shares: to the
+same engine's plain greedy output (is its speculation lossless?) and to transformers' greedy output. The order of
+engines rotates between prompts so drifts hit all alike. ``--plot FILE`` draws tokens/s per engine and set.
 
-    python bench/bench_peers.py --dtype float32 --reps 3 --max-new-tokens 128 [--llamacpp-gguf FILE --peers-python PY]
+    python bench/bench_peers.py --dtype bfloat16 --reps 3 --max-new-tokens 128 [--llamacpp-gguf FILE] [--plot peers.png]
 """
 
 from __future__ import annotations
@@ -33,9 +39,12 @@ from pathlib import Path
 import torch
 
 from lattice_inference import Generator
+from lattice_inference.api import mtp_head_for
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, first_per_kind, load_prompts
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.loading import load_model
+from lattice_inference.mtp.head_file import shipped_head
+from lattice_inference.options import DecodeOptions
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -68,6 +77,37 @@ def ours_runner(gen: Generator, max_new: int) -> Runner:
     return lambda ids: gen.generate(ids, max_new_tokens=max_new).token_ids
 
 
+def run_vllm(python: str | None, args: argparse.Namespace, prompts: list[list[int]], eos: list[int]) -> dict:
+    """vLLM's plain and ngram engines over every prompt and rep (batch 1), keyed by engine name; empty with a
+    message where no interpreter has vLLM."""
+    from lattice_inference.engines.vllm.batch import VllmRequest, VllmRun, run_batch
+    from lattice_inference.engines.vllm.runtime import find_runtime, vllm_model
+    from lattice_inference.errors import ConfigError
+
+    try:
+        runtime = find_runtime(python)
+    except ConfigError as exc:
+        print(f"[peers] vLLM skipped: {exc}", file=sys.stderr)
+        return {}
+    model = vllm_model(args.model, args.dtype)
+    order = [(rep, i) for rep in range(args.reps) for i in range(len(prompts))]
+    requests = [VllmRequest(prompts[i], args.max_new_tokens) for _, i in order]
+    engines = {
+        "vllm greedy": DecodeOptions(method="greedy"),
+        "vllm ngram 10": DecodeOptions(method="ngram", max_draft=10),
+        "vllm ngram 4": DecodeOptions(method="ngram", max_draft=4),
+    }
+    runs = [VllmRun(options, requests, warmup=True) for options in engines.values()]
+    done = run_batch(runtime, model, runs, eos, threads=torch.get_num_threads())
+    return {
+        name: [
+            {"prompt": i, "rep": rep, "token_ids": out.token_ids, "seconds": out.seconds}
+            for (rep, i), out in zip(order, outputs, strict=True)
+        ]
+        for name, outputs in zip(engines, done, strict=True)
+    }
+
+
 def run_llamacpp(python: Path, gguf: str, prompts: list[list[int]], max_new: int, reps: int) -> dict[str, list[dict]]:
     """Run the llama.cpp engines in the peers venv (a subprocess); their results keyed by engine name."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,12 +132,23 @@ def run_llamacpp(python: Path, gguf: str, prompts: list[list[int]], max_new: int
         return json.loads(out.read_text())
 
 
+PLAIN = {"transformers": "transformers greedy", "ours": "ours greedy", "llama.cpp": "llama.cpp", "vllm": "vllm greedy"}
+"""Each engine family's plain greedy decoding, the output its speculative methods must reproduce."""
+
+
+def plain_of(engine: str) -> str:
+    """The plain engine of ``engine``'s family (`PLAIN`)."""
+    return PLAIN[next(family for family in PLAIN if engine.startswith(family))]
+
+
 def summarise(results: dict[str, list[dict]], prompts: list, reference: str) -> dict[str, dict]:
-    """Per set: tokens/s, speed-up over ``reference`` and identical share, per engine."""
+    """Per set: tokens/s, speed-up over ``reference``, identical shares (to the engine's own plain output and to
+    ``reference``'s), per engine."""
     sets = {"all": list(range(len(prompts)))}
     for i, p in enumerate(prompts):
         sets.setdefault(p.set or p.kind, []).append(i)
-    ref_ids = {r["prompt"]: r["token_ids"] for r in results[reference] if r["rep"] == 0}
+    first = {engine: {r["prompt"]: r["token_ids"] for r in runs if r["rep"] == 0} for engine, runs in results.items()}
+    ref_ids = first[reference]
 
     def rep_tps(runs: list[dict], rep: int, wanted: set[int]) -> float:
         mine = [r for r in runs if r["rep"] == rep and r["prompt"] in wanted]
@@ -111,11 +162,14 @@ def summarise(results: dict[str, list[dict]], prompts: list, reference: str) -> 
             reps = sorted({r["rep"] for r in runs})
             tps = [rep_tps(runs, rep, wanted) for rep in reps]
             ref = [rep_tps(results[reference], rep, wanted) for rep in reps]
+            own = first.get(plain_of(engine), {})
             same = [r["token_ids"] == ref_ids[r["prompt"]] for r in runs if r["rep"] == 0 and r["prompt"] in wanted]
+            lossless = [r["token_ids"] == own.get(r["prompt"]) for r in runs if r["rep"] == 0 and r["prompt"] in wanted]
             rows[engine] = {
                 "tokens_per_s": statistics.median(tps),
                 "speedup": statistics.median(a / b for a, b in zip(tps, ref, strict=True)),
                 "identical": sum(same) / len(same),
+                "identical_to_own_plain": sum(lossless) / len(lossless),
             }
         table[name] = {"prompts": len(idx), "engines": rows}
     return table
@@ -133,7 +187,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llamacpp-gguf", help="GGUF of the same weights in the same precision, for llama.cpp")
     ap.add_argument("--peers-python", help="Python of the venv with llama-cpp-python (default: $LATTICE_PEERS_PYTHON)")
+    ap.add_argument("--vllm-python", help="Python of the venv with vLLM (default: $LATTICE_VLLM_PYTHON)")
+    ap.add_argument("--no-vllm", action="store_true", help="skip vLLM (its engines take minutes to start)")
     ap.add_argument("--json", help="write the full report here")
+    ap.add_argument("--plot", help="write a PNG of tokens/s per engine and prompt set here (needs matplotlib)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     quiet_transformers()
@@ -157,6 +214,9 @@ def main() -> None:
         "ours ngram max-draft 4": ours_runner(ours(method="ngram", max_draft=4), n),
         "ours ngram fixed": ours_runner(ours(method="ngram", adaptive=False), n),
     }
+    if shipped_head(loaded.source) is not None:
+        head = mtp_head_for(loaded, DecodeOptions(method="mtp").draft_length)
+        runners["ours mtp"] = ours_runner(ours(method="mtp", mtp_head=head), n)
     names = list(runners)
     for run in runners.values():  # warm-up
         run(encoded[0][:64])
@@ -180,16 +240,52 @@ def main() -> None:
             results.update(run_llamacpp(python, args.llamacpp_gguf, encoded, n, args.reps))
     else:
         print("[peers] llama.cpp skipped: no --llamacpp-gguf given", file=sys.stderr)
+    if not args.no_vllm:
+        results.update(run_vllm(args.vllm_python, args, encoded, loaded.eos_token_ids))
     table = summarise(results, prompts, "transformers greedy")
     print("command: python " + " ".join(sys.argv))
     print(f"model {loaded.source} ({args.dtype}), {n} new tokens, {args.reps} reps, {torch.get_num_threads()} threads")
     for name, group in table.items():
         print(f"\n== {name}: {group['prompts']} prompts ==")
-        print(f"{'engine':<26} {'tok/s':>7} {'vs transformers greedy':>23} {'identical':>10}")
+        print(f"{'engine':<26} {'tok/s':>7} {'vs transformers greedy':>23} {'= own plain':>12} {'= transformers':>15}")
         for engine, r in group["engines"].items():
-            print(f"{engine:<26} {r['tokens_per_s']:>7.1f} {r['speedup']:>22.2f}x {r['identical']:>10.0%}")
+            print(
+                f"{engine:<26} {r['tokens_per_s']:>7.1f} {r['speedup']:>22.2f}x {r['identical_to_own_plain']:>12.0%}"
+                f" {r['identical']:>15.0%}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "table": table, "results": results}))
+    if args.plot:
+        plot(table, args.plot, f"{Path(str(loaded.source)).name}, {args.dtype}, {torch.get_num_threads()} threads")
+
+
+def plot(table: dict[str, dict], path: str, title: str) -> None:
+    """Tokens/s per engine (bars) for each prompt set, to a PNG at ``path``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[peers] --plot needs matplotlib: pip install 'lattice-inference[plot]'", file=sys.stderr)
+        return
+    sets = list(table)
+    fig, axes = plt.subplots(1, len(sets), figsize=(5 * len(sets), 5), squeeze=False)
+    for ax, name in zip(axes[0], sets, strict=True):
+        engines = table[name]["engines"]
+        names = list(engines)
+        speeds = [engines[e]["tokens_per_s"] for e in names]
+        colors = ["tab:blue" if e.startswith("ours") else "tab:gray" for e in names]
+        ax.barh(names, speeds, color=colors)
+        for y, (e, v) in enumerate(zip(names, speeds, strict=True)):
+            ax.text(v, y, f" {v:.0f} ({engines[e]['speedup']:.2f}x)", va="center", fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("tokens/s (whole requests, batch 1)")
+        ax.set_title(f"{name}: {table[name]['prompts']} prompts")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"[peers] plot written to {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,11 @@ KEY_GROUP = 100
 """Keys that share a hundred share the estimate their own counts are blended with: a drafter's keys lie in one
 hundred (`FallbackDrafter` offsets each place in its order by 100), so an MTP head's misses never lower the
 estimates of n-gram matches, nor the reverse."""
-GAIN_MARGIN = 1.02
-"""A longer draft must promise this much more throughput to be preferred (ties go to less work)."""
+GAIN_MARGIN = 0.25
+"""A longer draft must promise more throughput by this fraction of its added cost to be preferred: one costing 8 %
+more to verify and draft needs 2 % more tokens per second. Where verification is flat (a wider forward costs
+what a narrower one does) any gain is taken, so the planner drafts as far as fixed drafts would; ties go to less
+work."""
 COST_PRIOR_WEIGHT = 4.0
 """How many timed forwards of a width the calibrated cost is worth (`DraftPlanner.observe_forward_seconds`)."""
 COST_DECAY = 0.99
@@ -150,7 +153,8 @@ class DraftPlanner:
             return k, [0] * k
         per_token = self.drafter_cost
         best_k, best_leaves = k, [0] * k
-        best_rate = self._yield(k, key) / (self.relative(k + 1) + max(0, k - drafted) * per_token)
+        best_cost = self.relative(k + 1) + max(0, k - drafted) * per_token
+        best_rate = self._yield(k, key) / best_cost
         for depth_count in range(1, available + 1):
             gains, reach, expected = [], 1.0, 1.0
             for depth in range(depth_count):
@@ -164,9 +168,9 @@ class DraftPlanner:
             for n, (gain, depth) in enumerate(gains[: self.max_leaves], start=1):
                 expected += gain
                 leaves[depth] += 1
-                rate = expected / (self.relative(depth_count + 1 + n) + drafting)
-                if rate > best_rate * GAIN_MARGIN:
-                    best_k, best_leaves, best_rate = depth_count, list(leaves), rate
+                cost = self.relative(depth_count + 1 + n) + drafting
+                if _better(expected / cost, cost, best_rate, best_cost):
+                    best_k, best_leaves, best_rate, best_cost = depth_count, list(leaves), expected / cost, cost
         if best_k and not k:
             self._plain_rounds = 0
         return best_k, best_leaves
@@ -185,15 +189,15 @@ class DraftPlanner:
         many of a costly proposal's tokens are drafted already (an MTP head's first draft, drafted to read its
         confidence): their cost is spent whatever the choice, and a declined one is learned from like a free
         proposal, so it needs no probe."""
-        best_k, best_rate = 0, 1.0
+        best_k, best_rate, best_cost = 0, 1.0, 1.0
         expected, reach = 1.0, 1.0
         per_token = 0.0 if free else self.drafter_cost  # a free proposal's tokens cost nothing to draft
         for k in range(1, available + 1):
             reach *= self.acceptance(k - 1, key)
             expected += reach
-            rate = expected / (self.relative(k + 1) + max(0, k - drafted) * per_token)
-            if rate > best_rate * GAIN_MARGIN:
-                best_k, best_rate = k, rate
+            cost = self.relative(k + 1) + max(0, k - drafted) * per_token
+            if _better(expected / cost, cost, best_rate, best_cost):
+                best_k, best_rate, best_cost = k, expected / cost, cost
         if best_k or not available:
             self._plain_rounds = 0
             return best_k
@@ -232,6 +236,12 @@ class DraftPlanner:
         for rank, token in enumerate(runners_up[depth]):
             group.add(rank, token == target_token)
             counts.add(rank, token == target_token)
+
+
+def _better(rate: float, cost: float, best_rate: float, best_cost: float) -> bool:
+    """Whether a plan with ``rate`` (tokens per one-token forward) at ``cost`` beats the best so far (see
+    `GAIN_MARGIN`)."""
+    return rate > best_rate * (1.0 + GAIN_MARGIN * max(0.0, cost / best_cost - 1.0)) * (1.0 + 1e-9)
 
 
 def _blend(group: _Counts | None, counts: _Counts | None, position: int, prior: float) -> float:

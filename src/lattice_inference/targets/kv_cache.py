@@ -30,8 +30,9 @@ class GrowableLayer(DynamicLayer):
         if needed <= capacity:
             return
         size = max(needed, 2 * capacity, MIN_CAPACITY)
-        new_k = keys.new_empty((*keys.shape[:-2], size, keys.shape[-1]))
-        new_v = values.new_empty((*values.shape[:-2], size, values.shape[-1]))
+        # zeroed, not empty: `block_attention` reads past the length (masked, so only finiteness matters)
+        new_k = keys.new_zeros((*keys.shape[:-2], size, keys.shape[-1]))
+        new_v = values.new_zeros((*values.shape[:-2], size, values.shape[-1]))
         if self._filled:
             assert self._k is not None and self._v is not None
             new_k[..., : self._filled, :] = self._k[..., : self._filled, :]
@@ -57,6 +58,14 @@ class GrowableLayer(DynamicLayer):
         self._filled = end
         self._expose()
         return self.keys, self.values
+
+    def buffers(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the first ``length`` rows of the key and value buffers (grown as needed), past the cache's
+        length too: those rows hold zeros or stale, finite values."""
+        assert self._k is not None and self._v is not None
+        self._reserve(length, self._k, self._v)
+        self._expose()
+        return self._k[..., :length, :], self._v[..., :length, :]
 
     def get_seq_length(self) -> int:
         return self._filled

@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from lattice_inference.errors import ConfigError
 from lattice_inference.targets import decode_matched
+from lattice_inference.targets.block_attention import Block, block_attention, plan_blocks
 from lattice_inference.targets.decode_matched import Product
 from lattice_inference.targets.packed_linear import products
 from lattice_inference.targets.transformers import TransformersTarget
@@ -71,26 +72,34 @@ class LeanTarget(TransformersTarget):
         self._layers = [_Layer.of(layer) for layer in model.model.layers]
         text = model.config
         self._head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self._groups = text.num_attention_heads // text.num_key_value_heads
 
     def _logits(
         self, ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: int
     ) -> torch.Tensor:
         n, start = ids.shape[1], self._length
         mask = attention_mask
-        if mask is None and 1 < n and start > 0 and not decode_matched.active():
+        blocks = None
+        if decode_matched.active():
+            visible = None if mask is None else [row.nonzero().squeeze(-1).tolist() for row in mask[0, 0] == 0]
+            blocks = plan_blocks(start, n, visible, self._groups, self.device)
+        elif mask is None and 1 < n and start > 0:
             # rows at once over a cache: the causal mask transformers' sdpa_mask builds for this case
             mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)[None, None]
-        hidden = self._decoder(ids, positions, mask)
+        hidden = self._decoder(ids, positions, mask, blocks)
         return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
-    def _decoder(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _decoder(
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, blocks: list[Block] | None
+    ) -> torch.Tensor:
         """The decoder's hidden states after its final norm, ``[1, n, hidden]``, writing each layer's keys and
-        values at the cache's current length."""
+        values at the cache's current length; attention by ``blocks`` (`block_attention`) where given, else
+        transformers' ``sdpa`` call under ``mask``."""
         decoder = self.model.model
         x = decoder.embed_tokens(ids)
         cos, sin = decoder.rotary_emb(x, positions)
         n, head_dim = ids.shape[1], self._head_dim
-        attend = decode_matched.decode_matched_sdpa if decode_matched.active() else sdpa_attention_forward
+        span = 0 if blocks is None else max(block.reach for block in blocks)
         assert self._cache is not None
         for layer, cache in zip(self._layers, self._cache.layers, strict=True):
             attn = layer.attn
@@ -101,7 +110,12 @@ class LeanTarget(TransformersTarget):
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q, k = self._rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             keys, values = cache.update(k, v.transpose(1, 2))
-            out, _ = attend(attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling, sliding_window=None)
+            if blocks is not None:
+                out = block_attention(q, *cache.buffers(span), blocks, attn.scaling)
+            else:
+                out, _ = sdpa_attention_forward(
+                    attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling, sliding_window=None
+                )
             x = x + _run_products(layer.o, out.reshape(1, n, -1).contiguous())[0]
             gate, up = _run_products(layer.gate_up, layer.post_norm(x))
             x = x + _run_products(layer.down, layer.act(gate) * up)[0]
