@@ -3,11 +3,18 @@
 transformers' forward of a decoder wraps every step in machinery a decode step does not need: output-capturing
 decorators, keyword routing, a mask built per call, a cache object's generic update path, per-layer wrappers.
 On SmolLM2-135M that is several milliseconds of Python per step. `LeanTarget` runs the same computation from the
-loaded model's own modules, in the same order and dtypes (embedding, rotary tables from the model's rotary
-module, each layer's norms, projections (packed, decode-matched), q/k norms, ``apply_rotary_pos_emb``, the
-cache write, transformers' ``sdpa`` attention call, the MLP, the final norm and the LM head), so its logits are
-bit for bit those of ``model(...)``, and plain greedy decoding equals transformers' own. Everything else (cache,
-rollback, draft trees, hidden states for MTP, decode-matched verification) is `TransformersTarget`'s.
+loaded model's own modules and weights (no copy beyond the packed weights `packed_linear` keeps): embedding,
+rotary tables from the model's rotary module, each layer's norms, projections (packed, fused, decode-matched),
+q/k norms, ``apply_rotary_pos_emb``, the cache write (a position-indexed buffer: `kv_cache.GrowableLayer`,
+rollback = set the length), attention, the MLP, the final norm and the LM head.
+
+Attention: a prefill, and every forward without decode matching, makes transformers' own ``sdpa`` call, so those
+logits are the model forward's bit for bit. With decode matching (the default), every forward after the prefill,
+the 1-token step included, runs `block_attention`: fixed-shape float32 blocks in which each row is computed the
+same way at any width, so a 16-token verification costs one or a few attention calls per layer instead of 16,
+and its rows equal the 1-token steps bitwise (`check_exactness` confirms it at load). Its logits then agree with
+the model forward's to float32 rounding of the attention (plain greedy decoding in float32 equals transformers'
+on the real model and the toys). Cache, rollback, draft trees and hidden states for MTP are `TransformersTarget`'s.
 """
 
 from __future__ import annotations
