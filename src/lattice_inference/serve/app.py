@@ -84,6 +84,21 @@ class Server:
         if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise APIError(401, "incorrect API key", code="invalid_api_key")
 
+    @staticmethod
+    def check_json(request: Request) -> None:
+        """415 for a body declared as anything but JSON (``application/json`` or ``application/*+json``, any
+        parameters); a request without a ``Content-Type`` is read as JSON."""
+        declared = request.headers.get("content-type")
+        if declared is None:
+            return
+        media = declared.partition(";")[0].strip().lower()
+        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            raise APIError(
+                415,
+                f"the request body must be JSON (Content-Type: application/json), got Content-Type {declared!r}",
+                code="unsupported_media_type",
+            )
+
     async def read_body(self, request: Request) -> bytes:
         """The request body, or 413 as soon as it is known to exceed the limit."""
         declared = request.headers.get("content-length", "")
@@ -134,6 +149,7 @@ class Server:
         """Validate a (chat) completion request, queue its generation, and answer whole or streamed."""
         arrived = time.perf_counter()
         self.authorize(request)
+        self.check_json(request)
         raw = await self.read_body(request)
         engine = self.engine
         body: ChatCompletionRequest | CompletionRequest

@@ -224,12 +224,16 @@ class Engine:
         text, stops = TextStream(self.tokenizer), StopMatcher(job.stops)
         state = gen.start(job.prompt_ids, job.max_tokens, **asdict(job.sampling))
         reason = "cancelled"
+        released: list[str] = []
         try:
             for chunk in state:
-                yield Delta(stops.push(text.push(chunk)), len(chunk))
+                released.append(stops.push(text.push(chunk)))
+                yield Delta(released[-1], len(chunk))
                 if stops.stopped:
                     break
-            if not stops.stopped:
+            if stops.stopped:  # count what the client got, not the tokens the last round ran past the stop
+                state.metrics.new_tokens = text.tokens_covering("".join(released))
+            else:
                 tail = stops.push(text.flush())
                 tail += stops.flush()
                 if tail:

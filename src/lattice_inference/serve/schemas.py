@@ -27,12 +27,25 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
     "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
 }
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def is_off(value: object, off: object) -> bool:
+    """Whether ``value`` is the "off" value ``off``: numbers by value (``0``, ``0.0`` and ``-0.0`` alike, as
+    clients serialise them differently), anything else by value and type (``false`` is not ``0``)."""
+    if _is_number(off):
+        return _is_number(value) and value == off
+    return value == off and type(value) is type(off)
 
 
 class _Strict(BaseModel):
@@ -89,8 +102,8 @@ class _Generation(_Strict):
         if isinstance(data, dict):
             for name, accepted in UNSUPPORTED.items():
                 value = data.get(name)
-                if not any(value == ok and type(value) is type(ok) for ok in accepted):
-                    raise ValueError(f"'{name}' is not supported by this server")
+                if not any(is_off(value, ok) for ok in accepted):
+                    raise ValueError(f"'{name}' is not supported by this server (only its neutral value)")
         return data
 
     @field_validator("n")
