@@ -128,7 +128,10 @@ def test_a_body_that_is_not_json_is_415(server, content_type):
         assert error["type"] == "invalid_request_error" and content_type in error["message"]
 
 
-@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "APPLICATION/JSON", "application/vnd+json"])
+JSON_TYPES = ["application/json; charset=utf-8", "APPLICATION/JSON", "application/vnd+json"]
+
+
+@pytest.mark.parametrize("content_type", JSON_TYPES)
 def test_json_media_types_are_accepted(server, content_type):
     body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}
     response = request(server, "POST", "/v1/completions", body, headers={"content-type": content_type})
