@@ -207,6 +207,8 @@ def test_api_key(loaded):
         ["--min-ngram", "4", "--max-ngram", "2"],
         ["--max-queue", "-1"],
         ["--port", "70000"],
+        ["--shutdown-timeout", "-1"],
+        ["--shutdown-timeout", "inf"],
         ["--model", "/nonexistent/model"],
     ],
 )

@@ -2,6 +2,10 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``. With an API key, every route but ``/health`` needs ``Authorization: Bearer KEY``.
+
+Shutdown (`Server.begin_shutdown`, called by `lattice_inference.serve.shutdown.GracefulServer` on SIGTERM/SIGINT):
+new generations get 503, running and queued ones may finish until ``shutdown_timeout``; then each is ended, a
+stream with an error chunk saying so and ``[DONE]``, a whole response with a 503.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from lattice_inference.options import SHUTDOWN_TIMEOUT
 from lattice_inference.serve.engine import Delta, Engine, Finish, GenerationJob
 from lattice_inference.serve.errors import APIError
 from lattice_inference.serve.metrics import ServerMetrics
@@ -61,15 +66,51 @@ class CountRequests:
 
 
 class Server:
-    """The routes' shared state: the engine, its queue, the metrics, the key and the body limit."""
+    """The routes' shared state: the engine, its queue, the metrics, the key, the body limit and the shutdown."""
 
-    def __init__(self, engine: Engine, *, api_key: str | None, max_queue: int, max_body: int) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        api_key: str | None,
+        max_queue: int,
+        max_body: int,
+        shutdown_timeout: float = SHUTDOWN_TIMEOUT,
+    ) -> None:
         self.engine = engine
         self.api_key = api_key or None
         self.max_body = max_body
         self.metrics = ServerMetrics()
         self.queue = GenerationQueue(max_queue, on_depth=self.metrics.set_depth)
         self.started = int(time.time())
+        self.shutdown_timeout = shutdown_timeout
+        self.closing = False
+        """Shutdown has begun: no new generations."""
+        self.expired = False
+        """The shutdown timeout has passed: the generations still running were ended."""
+        self._jobs: set[Job] = set()
+
+    # -- shutdown ------------------------------------------------------------------------------------------------
+
+    def begin_shutdown(self) -> None:
+        """Refuse new generations from now on and end those still running after ``shutdown_timeout`` seconds
+        (call on the event loop; a second call changes nothing)."""
+        if self.closing:
+            return
+        self.closing = True
+        asyncio.get_running_loop().call_later(self.shutdown_timeout, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        for job in list(self._jobs):
+            job.cancel()
+
+    def _shutdown_error(self) -> APIError:
+        return APIError(
+            503,
+            f"the server shut down before this generation finished (--shutdown-timeout {self.shutdown_timeout:g}s)",
+            code="server_shutdown",
+        )
 
     # -- request checks ------------------------------------------------------------------------------------------
 
@@ -150,6 +191,8 @@ class Server:
         arrived = time.perf_counter()
         self.authorize(request)
         self.check_json(request)
+        if self.closing:
+            raise APIError(503, "the server is shutting down; retry on another server", code="server_shutdown")
         raw = await self.read_body(request)
         engine = self.engine
         body: ChatCompletionRequest | CompletionRequest
@@ -177,6 +220,7 @@ class Server:
             raise APIError(
                 429, f"the server is busy: {exc}; retry later", code="queue_full", headers={"Retry-After": "1"}
             ) from None
+        self._jobs.add(queued)
         fmt = CompletionFormat(chat, engine.name)
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
         if body.stream:
@@ -188,6 +232,9 @@ class Server:
         finally:
             watcher.cancel()
             queued.cancel()  # a no-op after the end; stops the generation if this handler was cancelled
+            self._jobs.discard(queued)
+        if finish is None and self.expired:
+            return self._shutdown_error().response()
         if finish is None:  # the client went away; nobody reads this
             return APIError(499, "the client closed the request").response()
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - arrived)
@@ -214,7 +261,7 @@ class Server:
         first = fmt.first_chunk()
         if first is not None:
             yield sse(first)
-        got_token = False
+        got_token = finished = False
         try:
             async for item in queued.results():
                 if isinstance(item, Delta):
@@ -224,15 +271,19 @@ class Server:
                     if item.text:
                         yield sse(fmt.text_chunk(item.text))
                 elif isinstance(item, Finish):
+                    finished = True
                     yield sse(fmt.finish_chunk(item))
                     if include_usage:
                         yield sse(fmt.usage_chunk(item))
                     self.metrics.latency.labels(endpoint).observe(time.perf_counter() - arrived)
+            if not finished and self.expired:
+                yield sse(self._shutdown_error().body())
         except Exception as exc:
             error = APIError(500, f"generation failed: {type(exc).__name__}: {exc}")
             yield sse(error.body())
         finally:
             queued.cancel()
+            self._jobs.discard(queued)
         yield sse("[DONE]")
 
 
@@ -262,10 +313,15 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(
-    engine: Engine, *, api_key: str | None = None, max_queue: int = 16, max_body: int = DEFAULT_MAX_BODY
+    engine: Engine,
+    *,
+    api_key: str | None = None,
+    max_queue: int = 16,
+    max_body: int = DEFAULT_MAX_BODY,
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT,
 ) -> Starlette:
-    """The server's ASGI app over ``engine``; ``app.state.server`` holds its queue and metrics."""
-    server = Server(engine, api_key=api_key, max_queue=max_queue, max_body=max_body)
+    """The server's ASGI app over ``engine``; ``app.state.server`` holds its queue, metrics and shutdown."""
+    server = Server(engine, api_key=api_key, max_queue=max_queue, max_body=max_body, shutdown_timeout=shutdown_timeout)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncGenerator[None, None]:
