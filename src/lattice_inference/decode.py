@@ -155,8 +155,8 @@ class SpeculativeDecoder:
             gen.stop_reason = "length"
             return
         target, drafter, sampler = self.target, self.drafter, gen.sampler
-        if self._wants_hidden:
-            target.capture_hidden = True
+        if target.capture_hidden != self._wants_hidden:  # a target shared with another decoder may have it on
+            target.capture_hidden = self._wants_hidden
         if drafter is not None:
             drafter.use_sampler(sampler)
             start = time.perf_counter()

@@ -1,12 +1,15 @@
 """The loaded model behind the server: prompt encoding, per-request generators, and one generation as events.
 
 The weights and tokenizer are loaded once. Each distinct `DecodeOptions` (speculation settings) gets its own `Generator`
-over them (a drafter and a target with its own cache, cheap to build), kept in a small LRU cache; only one
-generation runs at a time (`GenerationQueue`), so they can share the model.
+over them (a drafter, cheap to build), kept in a small LRU cache; they all verify with one shared target (one KV
+cache, reused by each generation, so memory does not grow with the settings seen). Only one generation runs at a
+time (`GenerationQueue`), so they can share the model and the target.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,6 +29,8 @@ from lattice_inference.serve.errors import bad_request
 from lattice_inference.serve.schemas import Message, Speculative
 from lattice_inference.serve.stops import StopMatcher
 from lattice_inference.streaming import TextStream
+from lattice_inference.targets import make_target
+from lattice_inference.targets.base import Target
 
 
 @dataclass
@@ -57,6 +62,28 @@ class Finish:
     metrics: dict[str, Any]
 
 
+def _load_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _load_trim()
+
+
+def return_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
+
+    A generation's forwards allocate and free tensors of many sizes (the cache, activations of every draft
+    width); glibc keeps what was freed in its arenas, so without this the server's RSS creeps up with each
+    new mix of settings and lengths even though no tensor outlives its generation (measured by
+    ``bench/bench_serve_memory.py``). It costs about a millisecond, once per generation.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def _check_text(text: str, param: str) -> None:
     """400 for text that is not valid Unicode (JSON can carry lone surrogates; tokenizers refuse them)."""
     try:
@@ -85,6 +112,7 @@ class Engine:
         self.name = name or Path(loaded.source).name
         self.cache_size = cache_size
         self._generators: OrderedDict[DecodeOptions, Generator] = OrderedDict()
+        self._targets: dict[tuple[bool, str], Target] = {}
         self._heads: dict[int, MtpHead] = {}
         self.mtp_error: str | None = None
         try:
@@ -198,13 +226,29 @@ class Engine:
             )
         return self._heads[draft_length]
 
+    def _target(self, settings: DecodeOptions) -> Target:
+        """The target for ``settings``, one per kind of verification (``batched_verify``, ``forward``), shared
+        by every generator: one cache, reused by each generation (they run one at a time), and one packing of the
+        weights, self-check and cost measurement, rather than one per speculation setting."""
+        key = (settings.batched_verify, settings.forward)
+        if key not in self._targets:
+            self._targets[key] = make_target(
+                self.loaded.model, decode_matched=not settings.batched_verify, forward=settings.forward
+            )
+        return self._targets[key]
+
     def generator(self, settings: DecodeOptions) -> Generator:
-        """A generator for ``settings`` over the loaded model (built once, then reused)."""
+        """A generator for ``settings`` over the loaded model and the shared target (built once, then reused)."""
         gen = self._generators.get(settings)
         if gen is None:
             head = self._head(settings.draft_length) if settings.needs_mtp_head else None
             gen = Generator(
-                self.loaded.model, self.tokenizer, settings, mtp_head=head, eos_token_ids=self.loaded.eos_token_ids
+                self.loaded.model,
+                self.tokenizer,
+                settings,
+                mtp_head=head,
+                eos_token_ids=self.loaded.eos_token_ids,
+                target=self._target(settings),
             )
             self._generators[settings] = gen
             while len(self._generators) > self.cache_size:
@@ -244,6 +288,7 @@ class Engine:
             metrics = state.metrics
             if on_done is not None:
                 on_done(job.settings.method, metrics, reason)
+            return_free_memory()
         details = {"method": job.settings.method, **metrics.to_dict()}
         if state.seed is not None:
             details["seed"] = state.seed
