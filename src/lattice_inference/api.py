@@ -279,16 +279,18 @@ class Generator:
         prompt: str | Sequence[int],
         max_new_tokens: int = 256,
         chat: bool = False,
+        logprobs: int | None = None,
         **sampling: Unpack[SamplingArgs],
     ) -> Generation:
         """Validate and start one generation; iterate over it for token-id chunks (``.seed``, ``.metrics``,
-        ``.stop_reason``, ``.result()``).
+        ``.stop_reason``, ``.result()``). ``logprobs=N`` records each token's log-probability under the model
+        and the ``N`` most likely tokens at its index (``.logprobs``; see `TokenLogprob`).
 
         Sampling keywords: ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` (1: off), ``min_p``
         (0: off), ``seed`` (None: drawn at random when sampling, reported as ``.seed``); those not given take the
         generator's defaults (`DecodeOptions.sampling`, greedy unless set)."""
         options = self.sampling(**sampling)
-        return self.decoder.start(self.encode(prompt, chat), max_new_tokens, options)
+        return self.decoder.start(self.encode(prompt, chat), max_new_tokens, options, logprobs)
 
     def stream_tokens(
         self,
@@ -326,10 +328,12 @@ class Generator:
         prompt: str | Sequence[int],
         max_new_tokens: int = 256,
         chat: bool = False,
+        logprobs: int | None = None,
         **sampling: Unpack[SamplingArgs],
     ) -> GenerationResult:
-        """Generate to the end; return text, token ids, stop reason, metrics and the seed (sampling as `start`)."""
-        result = self.start(prompt, max_new_tokens, chat, **sampling).result()
+        """Generate to the end; return text, token ids, stop reason, metrics, the seed and, with ``logprobs=N``,
+        each token's `TokenLogprob` (sampling as `start`)."""
+        result = self.start(prompt, max_new_tokens, chat, logprobs, **sampling).result()
         result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return result
 

@@ -52,6 +52,20 @@ class TextStream:
             count -= 1
         return count
 
+    def tokens_within(self, released: str, start: int = 0) -> int:
+        """The most leading tokens (at least ``start``) whose whole text lies within ``released``: those whose
+        log-probabilities can go out with it (a token completing a character split across tokens counts only
+        once the character does)."""
+        within = start
+        for count in range(start + 1, len(self.token_ids) + 1):
+            if released.startswith(self._decode(self.token_ids[:count])):
+                within = count
+        return within
+
+    def offset_of(self, index: int) -> int:
+        """Where token ``index``'s text starts in the decoded text: the length of the text before it."""
+        return len(self._decode(self.token_ids[:index]).removesuffix("\ufffd"))
+
     @property
     def text(self) -> str:
         """All text decoded so far."""

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lattice_inference.options import SHUTDOWN_TIMEOUT
-from lattice_inference.serve.engine import Delta, Engine, Finish, GenerationJob
+from lattice_inference.serve.engine import Delta, Engine, Finish, GenerationJob, LogprobEntry
 from lattice_inference.serve.errors import APIError
 from lattice_inference.serve.metrics import ServerMetrics
 from lattice_inference.serve.queue import GenerationQueue, Job, QueueFull
@@ -213,6 +213,7 @@ class Server:
             settings=engine.settings_for(body.speculative),
             sampling=engine.sampling_for(body.temperature, body.top_p, body.seed, body.top_k, body.min_p),
             stops=body.stops,
+            logprobs=body.top_logprobs_count,
         )
         try:
             queued = self.queue.submit(lambda: engine.generate(job, self.metrics.observe_generation))
@@ -221,14 +222,14 @@ class Server:
                 429, f"the server is busy: {exc}; retry later", code="queue_full", headers={"Retry-After": "1"}
             ) from None
         self._jobs.add(queued)
-        fmt = CompletionFormat(chat, engine.name)
+        fmt = CompletionFormat(chat, engine.name, logprobs=job.logprobs is not None)
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
         if body.stream:
             events = self._stream(queued, fmt, body.include_usage, endpoint, arrived)
             return EventStreamResponse(events, on_disconnect=queued.cancel)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, queued))
         try:
-            text, finish = await self._collect(queued, endpoint, arrived)
+            text, entries, finish = await self._collect(queued, endpoint, arrived)
         finally:
             watcher.cancel()
             queued.cancel()  # a no-op after the end; stops the generation if this handler was cancelled
@@ -238,10 +239,13 @@ class Server:
         if finish is None:  # the client went away; nobody reads this
             return APIError(499, "the client closed the request").response()
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - arrived)
-        return JSONResponse(fmt.whole(text, finish))
+        return JSONResponse(fmt.whole(text, finish, entries))
 
-    async def _collect(self, queued: Job, endpoint: str, arrived: float) -> tuple[str, Finish | None]:
+    async def _collect(
+        self, queued: Job, endpoint: str, arrived: float
+    ) -> tuple[str, list[LogprobEntry], Finish | None]:
         pieces: list[str] = []
+        entries: list[LogprobEntry] = []
         finish: Finish | None = None
         try:
             async for item in queued.results():
@@ -249,11 +253,12 @@ class Server:
                     if not pieces:
                         self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - arrived)
                     pieces.append(item.text)
+                    entries += item.logprobs
                 else:
                     finish = item
         except Exception as exc:
             raise APIError(500, f"generation failed: {type(exc).__name__}: {exc}") from exc
-        return "".join(pieces), finish
+        return "".join(pieces), entries, finish
 
     async def _stream(
         self, queued: Job, fmt: CompletionFormat, include_usage: bool, endpoint: str, arrived: float
@@ -268,8 +273,8 @@ class Server:
                     if not got_token:
                         got_token = True
                         self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - arrived)
-                    if item.text:
-                        yield sse(fmt.text_chunk(item.text))
+                    if item.text or item.logprobs:
+                        yield sse(fmt.text_chunk(item.text, item.logprobs))
                 elif isinstance(item, Finish):
                     finished = True
                     yield sse(fmt.finish_chunk(item))
