@@ -33,7 +33,6 @@ from lattice_inference.streaming import TextStream
 from lattice_inference.targets import make_target
 from lattice_inference.targets.base import Target
 
-
 #: Speculation settings whose generators the engine keeps. A generator is a drafter over the shared model and
 #: target (tens of kilobytes), so keeping many is cheap, while rebuilding evicted ones churns the C heap: cycling
 #: 12 settings through a cache of 8 grew RSS by about 100 MB over 360 requests, through one of 32 by under 25 MB.
@@ -100,7 +99,7 @@ def return_free_memory() -> None:
     A generation's forwards allocate and free tensors of many sizes (the cache, activations of every draft
     width); glibc keeps what was freed in its arenas, so without this the server's RSS creeps up with each
     new mix of settings and lengths even though no tensor outlives its generation (measured by
-    ``bench/bench_serve_memory.py``). It costs about a millisecond, once per generation.
+    ``bench/bench_serve_memory.py``). It costs well under a millisecond, once per generation.
     """
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
