@@ -141,7 +141,7 @@ BAD_BODIES = [
     ({**OK_CHAT, "n": 2}, 400, "n"),
     ({**OK_CHAT, "stop": [""]}, 400, "stop"),
     ({**OK_CHAT, "stop": "x" * 1001}, 400, "stop"),
-    ({**OK_CHAT, "logprobs": True}, 400, None),
+    ({**OK_CHAT, "top_logprobs": 3}, 400, None),
     ({**OK_CHAT, "speculative": {"method": "medusa"}}, 400, "speculative.method"),
     ({**OK_CHAT, "speculative": {"max_draft": 0}}, 400, "speculative.max_draft"),
     ({**OK_CHAT, "speculative": {"min_ngram": 4, "max_ngram": 2}}, 400, "speculative.min_ngram"),
@@ -207,6 +207,8 @@ def test_api_key(loaded):
         ["--min-ngram", "4", "--max-ngram", "2"],
         ["--max-queue", "-1"],
         ["--port", "70000"],
+        ["--shutdown-timeout", "-1"],
+        ["--shutdown-timeout", "inf"],
         ["--model", "/nonexistent/model"],
     ],
 )

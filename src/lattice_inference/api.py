@@ -44,6 +44,7 @@ from lattice_inference.options import (
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.streaming import TextStream
 from lattice_inference.targets import make_target
+from lattice_inference.targets.base import Target
 
 __all__ = [
     "METHODS",
@@ -126,6 +127,12 @@ class Generator:
     Every method emits exactly what plain decoding (``method="greedy"``) emits with the same sampling options
     and seed; methods differ in speed only. ``mtp``/``ngram+mtp`` need ``mtp_head`` (`from_pretrained` loads it).
     Generations run in turn: one `Generator` can serve many, each with its own state (`start`).
+
+    ``target`` shares one `Target` (its cache, its weights packed for decoding, its self-check and measured
+    costs) between generators over the same model, e.g. ``make_target(model, decode_matched=not
+    options.batched_verify, forward=options.forward)`` built once: a server with many speculation settings then
+    holds one cache, reused by each generation, instead of one per setting. Generators sharing a target must run
+    their generations in turn too (end one before starting the next on another).
     """
 
     def __init__(
@@ -136,6 +143,7 @@ class Generator:
         *,
         mtp_head: MtpHead | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        target: Target | None = None,
         **settings: object,
     ) -> None:
         options = (options or DecodeOptions()).updated(**settings)
@@ -173,8 +181,10 @@ class Generator:
             drafter = drafters[0]
         elif drafters:
             drafter = FallbackDrafter(drafters)
+        if target is None:
+            target = make_target(model, decode_matched=not options.batched_verify, forward=options.forward)
         self.decoder = SpeculativeDecoder(
-            make_target(model, decode_matched=not options.batched_verify, forward=options.forward),
+            target,
             drafter,
             max_draft=max_draft,
             eos_token_ids=self.eos_token_ids,
@@ -269,16 +279,18 @@ class Generator:
         prompt: str | Sequence[int],
         max_new_tokens: int = 256,
         chat: bool = False,
+        logprobs: int | None = None,
         **sampling: Unpack[SamplingArgs],
     ) -> Generation:
         """Validate and start one generation; iterate over it for token-id chunks (``.seed``, ``.metrics``,
-        ``.stop_reason``, ``.result()``).
+        ``.stop_reason``, ``.result()``). ``logprobs=N`` records each token's log-probability under the model
+        and the ``N`` most likely tokens at its index (``.logprobs``; see `TokenLogprob`).
 
         Sampling keywords: ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` (1: off), ``min_p``
         (0: off), ``seed`` (None: drawn at random when sampling, reported as ``.seed``); those not given take the
         generator's defaults (`DecodeOptions.sampling`, greedy unless set)."""
         options = self.sampling(**sampling)
-        return self.decoder.start(self.encode(prompt, chat), max_new_tokens, options)
+        return self.decoder.start(self.encode(prompt, chat), max_new_tokens, options, logprobs)
 
     def stream_tokens(
         self,
@@ -316,10 +328,12 @@ class Generator:
         prompt: str | Sequence[int],
         max_new_tokens: int = 256,
         chat: bool = False,
+        logprobs: int | None = None,
         **sampling: Unpack[SamplingArgs],
     ) -> GenerationResult:
-        """Generate to the end; return text, token ids, stop reason, metrics and the seed (sampling as `start`)."""
-        result = self.start(prompt, max_new_tokens, chat, **sampling).result()
+        """Generate to the end; return text, token ids, stop reason, metrics, the seed and, with ``logprobs=N``,
+        each token's `TokenLogprob` (sampling as `start`)."""
+        result = self.start(prompt, max_new_tokens, chat, logprobs, **sampling).result()
         result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return result
 

@@ -25,7 +25,7 @@ import torch
 from lattice_inference.draft_planner import MAX_LEAVES, DraftPlanner
 from lattice_inference.drafters.base import Drafter, PlannedDraft
 from lattice_inference.errors import ConfigError, TokenError
-from lattice_inference.generation import Generation, GenerationResult
+from lattice_inference.generation import Generation, GenerationResult, row_logprob
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets.base import Target
@@ -108,16 +108,24 @@ class SpeculativeDecoder:
             )
 
     def start(
-        self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingOptions | None = None
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingOptions | None = None,
+        logprobs: int | None = None,
     ) -> Generation:
         """Validate the request and return a `Generation` to iterate (chunks of tokens as they are accepted).
 
         Stops after ``max_new_tokens`` tokens or at the first EOS token (which is not emitted). ``sampling``
         defaults to greedy decoding; when it samples without a seed, a seed is drawn (``Generation.seed``).
+        ``logprobs=N`` records each emitted token's log-probability and the ``N`` most likely tokens at its
+        index (``Generation.logprobs``, from the rows that chose them).
         """
         prompt_ids = [int(t) for t in prompt_ids]
         self._validate(prompt_ids, max_new_tokens)
-        gen = Generation(prompt_ids, max_new_tokens, sampling or _GREEDY, self.target.vocab_size)
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise ConfigError(f"logprobs must be a number of most likely tokens >= 0, or None, got {logprobs!r}")
+        gen = Generation(prompt_ids, max_new_tokens, sampling or _GREEDY, self.target.vocab_size, logprobs)
         gen._chunks = self._run(gen)
         self.last = gen
         return gen
@@ -134,8 +142,9 @@ class SpeculativeDecoder:
         """Run a generation to the end and return every generated token with the metrics."""
         return self.start(prompt_ids, max_new_tokens, sampling).result()
 
-    def _emit(self, gen: Generation, tokens: list[int]) -> list[int]:
-        """Cut ``tokens`` at the budget and before the first EOS, recording why generation stops."""
+    def _emit(self, gen: Generation, tokens: list[int], logits: torch.Tensor, path: Sequence[int]) -> list[int]:
+        """Cut ``tokens`` at the budget and before the first EOS, recording why generation stops (and, where
+        asked, their log-probabilities from the rows ``path`` of ``logits``, which chose them)."""
         budget = gen.max_new_tokens - gen.metrics.new_tokens
         tokens = tokens[:budget]
         for i, t in enumerate(tokens):
@@ -147,6 +156,8 @@ class SpeculativeDecoder:
             if len(tokens) == budget:
                 gen.stop_reason = "length"
         gen.metrics.new_tokens += len(tokens)
+        if gen.top_logprobs is not None:
+            gen.logprobs.extend(row_logprob(logits[path[i]], t, gen.top_logprobs) for i, t in enumerate(tokens))
         return tokens
 
     def _run(self, gen: Generation) -> Generator[list[int], None, None]:
@@ -155,8 +166,8 @@ class SpeculativeDecoder:
             gen.stop_reason = "length"
             return
         target, drafter, sampler = self.target, self.drafter, gen.sampler
-        if self._wants_hidden:
-            target.capture_hidden = True
+        if target.capture_hidden != self._wants_hidden:  # a target shared with another decoder may have it on
+            target.capture_hidden = self._wants_hidden
         if drafter is not None:
             drafter.use_sampler(sampler)
             start = time.perf_counter()
@@ -167,11 +178,11 @@ class SpeculativeDecoder:
             if costs is not None:
                 gen.planner = DraftPlanner(costs, max_leaves=self._leaves())
         start = time.perf_counter()
-        first, hidden = self._prefill(gen)
+        first, hidden, rows = self._prefill(gen)
         m.prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         try:
-            out = self._emit(gen, first)
+            out = self._emit(gen, first, rows, range(len(first)))
             self._inform_drafter(first, hidden, 0)
             if out:
                 yield out
@@ -189,7 +200,8 @@ class SpeculativeDecoder:
                     verdict = tree.verify(sampler.choose_at(logits, [position + 1 + d for d in depths]))
                 else:
                     tokens = [pending, *draft]
-                    verdict = verify_prefix(draft, sampler.choose(target.forward(tokens), position + 1))
+                    logits = target.forward(tokens)
+                    verdict = verify_prefix(draft, sampler.choose(logits, position + 1))
                 if gen.planner is not None and self.costs is None:  # given costs stand as given
                     gen.planner.observe_forward_seconds(len(tokens), time.perf_counter() - forward_start)
                 hidden = self._hidden_rows(verdict.path)  # before rollback, which may run the model
@@ -197,7 +209,7 @@ class SpeculativeDecoder:
                 leaves = len(tokens) - len(draft) - 1
                 m.record_round(len(draft), verdict.accepted, leaves=leaves, on_leaf=verdict.rows is not None)
                 self._learn(gen, planned, verdict)
-                out = self._emit(gen, verdict.tokens)
+                out = self._emit(gen, verdict.tokens, logits, verdict.path)
                 self._inform_drafter(verdict.tokens, hidden, position)
                 pending = verdict.tokens[-1]
                 if out:
@@ -268,8 +280,9 @@ class SpeculativeDecoder:
         if self.last is not gen:
             raise RuntimeError("another generation started on this decoder; this one cannot continue")
 
-    def _prefill(self, gen: Generation) -> tuple[list[int], torch.Tensor | None]:
-        """Prefill the prompt; return the first emitted tokens and (if wanted) the prompt's hidden states.
+    def _prefill(self, gen: Generation) -> tuple[list[int], torch.Tensor | None, torch.Tensor]:
+        """Prefill the prompt; return the first emitted tokens, (if wanted) the prompt's hidden states, and the
+        logits rows that chose the tokens.
 
         The prefill's last row chooses the token at index ``len(prompt)``. Where the target can verify a draft
         inside the prefill forward and the drafter needs no hidden states, the first draft is proposed from the
@@ -280,16 +293,17 @@ class SpeculativeDecoder:
             drafter.reset(prompt)
         budget = gen.max_new_tokens
         if drafter is None or self._wants_hidden or not target.fuses_prefill_and_draft or budget < 2:
-            first = gen.sampler.choose(target.prefill(prompt).unsqueeze(0), len(prompt))
-            return first, self._hidden_rows(len(prompt))
+            logits = target.prefill(prompt).unsqueeze(0)
+            return gen.sampler.choose(logits, len(prompt)), self._hidden_rows(len(prompt)), logits
         planned = self._draft(gen, budget - 1)
         draft = planned.verify
-        verdict = verify_prefix(draft, gen.sampler.choose(target.prefill_with_draft(prompt, draft), len(prompt)))
+        logits = target.prefill_with_draft(prompt, draft)
+        verdict = verify_prefix(draft, gen.sampler.choose(logits, len(prompt)))
         target.rollback(len(prompt) + verdict.accepted)
         self._learn(gen, planned, verdict)
         if draft:
             gen.metrics.record_round(len(draft), verdict.accepted, in_prefill=True)
-        return verdict.tokens, None
+        return verdict.tokens, None, logits
 
     def _hidden_rows(self, rows: int | list[int]) -> torch.Tensor | None:
         """The hidden-state rows of the target's last forward (the first ``rows``, or those listed: an accepted

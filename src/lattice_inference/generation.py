@@ -11,9 +11,31 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from lattice_inference.draft_planner import DraftPlanner
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOptions, make_sampler
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target's own distribution at its index (the log-softmax, in
+    float32, of the verification row that chose it, before temperature and the other processors, as vLLM reports
+    them), and the ``top`` most likely tokens there with theirs, most likely first. A decode-matched target's
+    rows equal plain decoding's steps bit for bit, so these equal plain decoding's."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def row_logprob(row: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`TokenLogprob` of ``token`` from one row of logits (``[vocab]``), with the ``top`` most likely tokens."""
+    logprobs = torch.log_softmax(row.float(), dim=-1)
+    best = torch.topk(logprobs, top) if top else None
+    ranked = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+    return TokenLogprob(token, float(logprobs[token]), ranked)
 
 
 def _no_chunks() -> Generator[list[int], None, None]:
@@ -36,13 +58,22 @@ class GenerationResult:
     seed: int | None = None
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    """One `TokenLogprob` per token of ``token_ids`` when asked for (``logprobs=N``), else None."""
 
 
 class Generation:
     """A generation in progress: iterate over it for the token chunks, one per verification round, as they are
     accepted; `result` runs it to the end. Built by `SpeculativeDecoder.start`."""
 
-    def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingOptions, vocab: int) -> None:
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: SamplingOptions,
+        vocab: int,
+        logprobs: int | None = None,
+    ) -> None:
         self.prompt_ids = prompt_ids
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling.seeded()
@@ -52,6 +83,10 @@ class Generation:
         self.planner: DraftPlanner | None = None
         """This generation's adaptive draft planner (None: fixed draft lengths, or no drafter)."""
         self.token_ids: list[int] = []
+        self.top_logprobs = logprobs
+        """How many most likely tokens each `TokenLogprob` lists (None: log-probabilities are not computed)."""
+        self.logprobs: list[TokenLogprob] = []
+        """One `TokenLogprob` per emitted token (where ``top_logprobs`` is set), appended as rounds accept them."""
         self._chunks: Generator[list[int], None, None] = _no_chunks()
 
     @property
@@ -82,4 +117,5 @@ class Generation:
             metrics=self.metrics,
             seed=self.seed,
             sampling=self.sampling,
+            logprobs=None if self.top_logprobs is None else list(self.logprobs),
         )

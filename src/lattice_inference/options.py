@@ -44,6 +44,17 @@ def check_draft_vocab(draft_vocab: int | None) -> None:
         raise ConfigError(f"draft_vocab must be a positive number of token ids or None, got {draft_vocab!r}")
 
 
+#: Seconds ``lattice serve`` lets running generations finish after SIGTERM/SIGINT (``--shutdown-timeout``): under
+#: the 30 s that process managers (Kubernetes, systemd) commonly wait before they kill.
+SHUTDOWN_TIMEOUT = 10.0
+
+
+def check_shutdown_timeout(seconds: float) -> None:
+    """``--shutdown-timeout`` must be a finite number of seconds >= 0 (0: end running generations at once)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < float("inf"):
+        raise ConfigError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {seconds!r}")
+
+
 def _check_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")

@@ -78,13 +78,29 @@ class SamplingOptions:
         return asdict(self)
 
 
+def divide_by_temperature(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``x / temperature`` (float32 ``[..., vocab]``) as transformers' ``TemperatureLogitsWarper`` computes it, but
+    without overflow: in a row where that quotient leaves the float32 range (a tiny temperature: 1e-38 is tiny
+    enough for logits above 3.4, and below about 1.4e-45 the temperature itself is 0 in float32), the row is
+    shifted by its maximum first and divided in float64, ``(x - max) / temperature``. Softmax does not change
+    under the shift, so the row still defines softmax(x / temperature) exactly: its largest logits get 0 and
+    the others a large negative number or -inf, an exact draw from which is the argmax (uniform among tied
+    maxima), as the limit of a temperature going to 0 is. Rows that fit are bit for bit transformers'."""
+    y = x / temperature
+    overflowed = (~torch.isfinite(y) & torch.isfinite(x)).any(dim=-1, keepdim=True)
+    if not bool(overflowed.any()):
+        return y
+    shifted = (x.double() - x.amax(dim=-1, keepdim=True).double()) / temperature
+    return torch.where(overflowed, shifted.float(), y)
+
+
 def process_logits(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
     """``logits`` (``[..., vocab]``) in float32 after temperature, top-k, top-p and min-p, in that order, with
     transformers' definitions (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``,
     ``MinPLogitsWarper``, ``min_tokens_to_keep=1``); removed tokens get ``-inf``."""
     x = logits.float()
     if options.temperature not in (0, 1):
-        x = x / options.temperature
+        x = divide_by_temperature(x, options.temperature)
     neg_inf = float("-inf")
     if options.top_k:
         kth = torch.topk(x, min(options.top_k, x.shape[-1])).values[..., -1:]

@@ -19,8 +19,11 @@ class TextStream:
         self.token_ids: list[int] = []
         self._released = 0
 
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
     def _text(self) -> str:
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        return self._decode(self.token_ids)
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add ``token_ids``; return the text they complete (possibly empty)."""
@@ -36,6 +39,32 @@ class TextStream:
         text = self._text()
         new, self._released = text[self._released :], len(text)
         return new
+
+    def tokens_covering(self, released: str) -> int:
+        """The fewest leading tokens whose text begins with ``released`` (text cut before a stop string).
+
+        This is how many tokens a client received: a function of the generated sequence and the released text
+        only, not of how far the last decode round ran past the stop string (which depends on the draft
+        planner's timed choices), so the count is the same for the same request whatever else runs.
+        """
+        count = len(self.token_ids)
+        while count > 0 and self._decode(self.token_ids[: count - 1]).startswith(released):
+            count -= 1
+        return count
+
+    def tokens_within(self, released: str, start: int = 0) -> int:
+        """The most leading tokens (at least ``start``) whose whole text lies within ``released``: those whose
+        log-probabilities can go out with it (a token completing a character split across tokens counts only
+        once the character does)."""
+        within = start
+        for count in range(start + 1, len(self.token_ids) + 1):
+            if released.startswith(self._decode(self.token_ids[:count])):
+                within = count
+        return within
+
+    def offset_of(self, index: int) -> int:
+        """Where token ``index``'s text starts in the decoded text: the length of the text before it."""
+        return len(self._decode(self.token_ids[:index]).removesuffix("\ufffd"))
 
     @property
     def text(self) -> str:

@@ -2,6 +2,10 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``. With an API key, every route but ``/health`` needs ``Authorization: Bearer KEY``.
+
+Shutdown (`Server.begin_shutdown`, called by `lattice_inference.serve.shutdown.GracefulServer` on SIGTERM/SIGINT):
+new generations get 503, running and queued ones may finish until ``shutdown_timeout``; then each is ended, a
+stream with an error chunk saying so and ``[DONE]``, a whole response with a 503.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lattice_inference.serve.engine import Delta, Engine, Finish, GenerationJob
+from lattice_inference.options import SHUTDOWN_TIMEOUT
+from lattice_inference.serve.engine import Delta, Engine, Finish, GenerationJob, LogprobEntry
 from lattice_inference.serve.errors import APIError
 from lattice_inference.serve.metrics import ServerMetrics
 from lattice_inference.serve.queue import GenerationQueue, Job, QueueFull
@@ -61,15 +66,51 @@ class CountRequests:
 
 
 class Server:
-    """The routes' shared state: the engine, its queue, the metrics, the key and the body limit."""
+    """The routes' shared state: the engine, its queue, the metrics, the key, the body limit and the shutdown."""
 
-    def __init__(self, engine: Engine, *, api_key: str | None, max_queue: int, max_body: int) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        api_key: str | None,
+        max_queue: int,
+        max_body: int,
+        shutdown_timeout: float = SHUTDOWN_TIMEOUT,
+    ) -> None:
         self.engine = engine
         self.api_key = api_key or None
         self.max_body = max_body
         self.metrics = ServerMetrics()
         self.queue = GenerationQueue(max_queue, on_depth=self.metrics.set_depth)
         self.started = int(time.time())
+        self.shutdown_timeout = shutdown_timeout
+        self.closing = False
+        """Shutdown has begun: no new generations."""
+        self.expired = False
+        """The shutdown timeout has passed: the generations still running were ended."""
+        self._jobs: set[Job] = set()
+
+    # -- shutdown ------------------------------------------------------------------------------------------------
+
+    def begin_shutdown(self) -> None:
+        """Refuse new generations from now on and end those still running after ``shutdown_timeout`` seconds
+        (call on the event loop; a second call changes nothing)."""
+        if self.closing:
+            return
+        self.closing = True
+        asyncio.get_running_loop().call_later(self.shutdown_timeout, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        for job in list(self._jobs):
+            job.cancel()
+
+    def _shutdown_error(self) -> APIError:
+        return APIError(
+            503,
+            f"the server shut down before this generation finished (--shutdown-timeout {self.shutdown_timeout:g}s)",
+            code="server_shutdown",
+        )
 
     # -- request checks ------------------------------------------------------------------------------------------
 
@@ -83,6 +124,21 @@ class Server:
             raise APIError(401, "missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
         if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise APIError(401, "incorrect API key", code="invalid_api_key")
+
+    @staticmethod
+    def check_json(request: Request) -> None:
+        """415 for a body declared as anything but JSON (``application/json`` or ``application/*+json``, any
+        parameters); a request without a ``Content-Type`` is read as JSON."""
+        declared = request.headers.get("content-type")
+        if declared is None:
+            return
+        media = declared.partition(";")[0].strip().lower()
+        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            raise APIError(
+                415,
+                f"the request body must be JSON (Content-Type: application/json), got Content-Type {declared!r}",
+                code="unsupported_media_type",
+            )
 
     async def read_body(self, request: Request) -> bytes:
         """The request body, or 413 as soon as it is known to exceed the limit."""
@@ -134,6 +190,9 @@ class Server:
         """Validate a (chat) completion request, queue its generation, and answer whole or streamed."""
         arrived = time.perf_counter()
         self.authorize(request)
+        self.check_json(request)
+        if self.closing:
+            raise APIError(503, "the server is shutting down; retry on another server", code="server_shutdown")
         raw = await self.read_body(request)
         engine = self.engine
         body: ChatCompletionRequest | CompletionRequest
@@ -154,6 +213,7 @@ class Server:
             settings=engine.settings_for(body.speculative),
             sampling=engine.sampling_for(body.temperature, body.top_p, body.seed, body.top_k, body.min_p),
             stops=body.stops,
+            logprobs=body.top_logprobs_count,
         )
         try:
             queued = self.queue.submit(lambda: engine.generate(job, self.metrics.observe_generation))
@@ -161,24 +221,31 @@ class Server:
             raise APIError(
                 429, f"the server is busy: {exc}; retry later", code="queue_full", headers={"Retry-After": "1"}
             ) from None
-        fmt = CompletionFormat(chat, engine.name)
+        self._jobs.add(queued)
+        fmt = CompletionFormat(chat, engine.name, logprobs=job.logprobs is not None)
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
         if body.stream:
             events = self._stream(queued, fmt, body.include_usage, endpoint, arrived)
             return EventStreamResponse(events, on_disconnect=queued.cancel)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, queued))
         try:
-            text, finish = await self._collect(queued, endpoint, arrived)
+            text, entries, finish = await self._collect(queued, endpoint, arrived)
         finally:
             watcher.cancel()
             queued.cancel()  # a no-op after the end; stops the generation if this handler was cancelled
+            self._jobs.discard(queued)
+        if finish is None and self.expired:
+            return self._shutdown_error().response()
         if finish is None:  # the client went away; nobody reads this
             return APIError(499, "the client closed the request").response()
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - arrived)
-        return JSONResponse(fmt.whole(text, finish))
+        return JSONResponse(fmt.whole(text, finish, entries))
 
-    async def _collect(self, queued: Job, endpoint: str, arrived: float) -> tuple[str, Finish | None]:
+    async def _collect(
+        self, queued: Job, endpoint: str, arrived: float
+    ) -> tuple[str, list[LogprobEntry], Finish | None]:
         pieces: list[str] = []
+        entries: list[LogprobEntry] = []
         finish: Finish | None = None
         try:
             async for item in queued.results():
@@ -186,11 +253,12 @@ class Server:
                     if not pieces:
                         self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - arrived)
                     pieces.append(item.text)
+                    entries += item.logprobs
                 else:
                     finish = item
         except Exception as exc:
             raise APIError(500, f"generation failed: {type(exc).__name__}: {exc}") from exc
-        return "".join(pieces), finish
+        return "".join(pieces), entries, finish
 
     async def _stream(
         self, queued: Job, fmt: CompletionFormat, include_usage: bool, endpoint: str, arrived: float
@@ -198,25 +266,29 @@ class Server:
         first = fmt.first_chunk()
         if first is not None:
             yield sse(first)
-        got_token = False
+        got_token = finished = False
         try:
             async for item in queued.results():
                 if isinstance(item, Delta):
                     if not got_token:
                         got_token = True
                         self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - arrived)
-                    if item.text:
-                        yield sse(fmt.text_chunk(item.text))
+                    if item.text or item.logprobs:
+                        yield sse(fmt.text_chunk(item.text, item.logprobs))
                 elif isinstance(item, Finish):
+                    finished = True
                     yield sse(fmt.finish_chunk(item))
                     if include_usage:
                         yield sse(fmt.usage_chunk(item))
                     self.metrics.latency.labels(endpoint).observe(time.perf_counter() - arrived)
+            if not finished and self.expired:
+                yield sse(self._shutdown_error().body())
         except Exception as exc:
             error = APIError(500, f"generation failed: {type(exc).__name__}: {exc}")
             yield sse(error.body())
         finally:
             queued.cancel()
+            self._jobs.discard(queued)
         yield sse("[DONE]")
 
 
@@ -246,10 +318,15 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(
-    engine: Engine, *, api_key: str | None = None, max_queue: int = 16, max_body: int = DEFAULT_MAX_BODY
+    engine: Engine,
+    *,
+    api_key: str | None = None,
+    max_queue: int = 16,
+    max_body: int = DEFAULT_MAX_BODY,
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT,
 ) -> Starlette:
-    """The server's ASGI app over ``engine``; ``app.state.server`` holds its queue and metrics."""
-    server = Server(engine, api_key=api_key, max_queue=max_queue, max_body=max_body)
+    """The server's ASGI app over ``engine``; ``app.state.server`` holds its queue, metrics and shutdown."""
+    server = Server(engine, api_key=api_key, max_queue=max_queue, max_body=max_body, shutdown_timeout=shutdown_timeout)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncGenerator[None, None]:

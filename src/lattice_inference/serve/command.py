@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lattice_inference.options import SHUTDOWN_TIMEOUT, check_shutdown_timeout
+
 if TYPE_CHECKING:
     from lattice_inference.options import DecodeOptions
     from lattice_inference.serve.engine import Engine
@@ -42,6 +44,13 @@ def add_parser(
         help="requests that may wait behind the running one; beyond: 429",
     )
     serve.add_argument("--max-body", type=positive_int, default=DEFAULT_MAX_BODY, help="request body limit, bytes")
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=SHUTDOWN_TIMEOUT,
+        help=f"on SIGTERM/SIGINT: seconds running generations may finish before they are ended (default "
+        f"{SHUTDOWN_TIMEOUT:g})",
+    )
     add_draft_options(serve)
     serve.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
     serve.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
@@ -98,9 +107,8 @@ def run(args: argparse.Namespace) -> int:
     from lattice_inference.errors import ConfigError
 
     try:
-        import uvicorn
-
         from lattice_inference.serve.app import create_app
+        from lattice_inference.serve.shutdown import serve
     except ImportError as exc:
         raise ConfigError(f"lattice serve needs its extra: pip install 'lattice-inference[serve]' ({exc})") from None
     from lattice_inference.engines import parse_engines
@@ -110,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     default_options(args)
+    check_shutdown_timeout(args.shutdown_timeout)
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be non-negative, got {args.max_queue}")
     if not 0 < args.port < 65536:
@@ -122,9 +131,16 @@ def run(args: argparse.Namespace) -> int:
     if decoder.exactness is not None:
         print(f"lattice serve: {decoder.exactness.line()} ({seconds:.1f}s at start)", flush=True)
     api_key = args.api_key or os.environ.get("LATTICE_API_KEY") or None
-    app = create_app(engine, api_key=api_key, max_queue=args.max_queue, max_body=args.max_body)
+    app = create_app(
+        engine,
+        api_key=api_key,
+        max_queue=args.max_queue,
+        max_body=args.max_body,
+        shutdown_timeout=args.shutdown_timeout,
+    )
     print(f"lattice serve: {engine.name} ({args.method}) on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    serve(app, host=args.host, port=args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
+    print("lattice serve: shut down", flush=True)
     return 0
 
 

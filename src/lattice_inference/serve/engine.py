@@ -1,12 +1,15 @@
 """The loaded model behind the server: prompt encoding, per-request generators, and one generation as events.
 
 The weights and tokenizer are loaded once. Each distinct `DecodeOptions` (speculation settings) gets its own `Generator`
-over them (a drafter and a target with its own cache, cheap to build), kept in a small LRU cache; only one
-generation runs at a time (`GenerationQueue`), so they can share the model.
+over them (a drafter, cheap to build), kept in a small LRU cache; they all verify with one shared target (one KV
+cache, reused by each generation, so memory does not grow with the settings seen). Only one generation runs at a
+time (`GenerationQueue`), so they can share the model and the target.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -17,6 +20,7 @@ from jinja2 import TemplateError
 
 from lattice_inference.api import Generator, mtp_head_for
 from lattice_inference.errors import LatticeError
+from lattice_inference.generation import Generation
 from lattice_inference.loading import LoadedModel
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.mtp import MtpHead
@@ -26,6 +30,13 @@ from lattice_inference.serve.errors import bad_request
 from lattice_inference.serve.schemas import Message, Speculative
 from lattice_inference.serve.stops import StopMatcher
 from lattice_inference.streaming import TextStream
+from lattice_inference.targets import make_target
+from lattice_inference.targets.base import Target
+
+#: Speculation settings whose generators the engine keeps. A generator is a drafter over the shared model and
+#: target (tens of kilobytes), so keeping many is cheap, while rebuilding evicted ones churns the C heap: cycling
+#: 12 settings through a cache of 8 grew RSS by about 100 MB over 360 requests, through one of 32 by under 25 MB.
+GENERATOR_CACHE = 32
 
 
 @dataclass
@@ -37,14 +48,29 @@ class GenerationJob:
     settings: DecodeOptions
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     stops: Sequence[str] = ()
+    logprobs: int | None = None
+    """How many most likely tokens to list beside each token's log-probability (None: no log-probabilities)."""
+
+
+@dataclass(frozen=True)
+class LogprobEntry:
+    """A token the client received, for OpenAI's ``logprobs``: its text, log-probability, the most likely tokens
+    at its index (text, log-probability) and where its text starts in the completion."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+    offset: int
 
 
 @dataclass
 class Delta:
-    """Text released by one decode round (possibly empty: held back) and the tokens it accepted."""
+    """Text released by one decode round (possibly empty: held back), the tokens it accepted, and the
+    `LogprobEntry` of each token whose text is now released (where the request asked for log-probabilities)."""
 
     text: str
     tokens: int
+    logprobs: list[LogprobEntry] = field(default_factory=list)
 
 
 @dataclass
@@ -55,6 +81,28 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     metrics: dict[str, Any]
+
+
+def _load_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _load_trim()
+
+
+def return_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
+
+    A generation's forwards allocate and free tensors of many sizes (the cache, activations of every draft
+    width); glibc keeps what was freed in its arenas, so without this the server's RSS creeps up with each
+    new mix of settings and lengths even though no tensor outlives its generation (measured by
+    ``bench/bench_serve_memory.py``). It costs well under a millisecond, once per generation.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _check_text(text: str, param: str) -> None:
@@ -75,7 +123,7 @@ class Engine:
         settings: DecodeOptions,
         *,
         name: str | None = None,
-        cache_size: int = 8,
+        cache_size: int = GENERATOR_CACHE,
         mtp_head_path: str | None = None,
     ) -> None:
         self.loaded = loaded
@@ -85,6 +133,7 @@ class Engine:
         self.name = name or Path(loaded.source).name
         self.cache_size = cache_size
         self._generators: OrderedDict[DecodeOptions, Generator] = OrderedDict()
+        self._targets: dict[tuple[bool, str], Target] = {}
         self._heads: dict[int, MtpHead] = {}
         self.mtp_error: str | None = None
         try:
@@ -198,19 +247,49 @@ class Engine:
             )
         return self._heads[draft_length]
 
+    def _target(self, settings: DecodeOptions) -> Target:
+        """The target for ``settings``, one per kind of verification (``batched_verify``, ``forward``), shared
+        by every generator: one cache, reused by each generation (they run one at a time), and one packing of the
+        weights, self-check and cost measurement, rather than one per speculation setting."""
+        key = (settings.batched_verify, settings.forward)
+        if key not in self._targets:
+            self._targets[key] = make_target(
+                self.loaded.model, decode_matched=not settings.batched_verify, forward=settings.forward
+            )
+        return self._targets[key]
+
     def generator(self, settings: DecodeOptions) -> Generator:
-        """A generator for ``settings`` over the loaded model (built once, then reused)."""
+        """A generator for ``settings`` over the loaded model and the shared target (built once, then reused)."""
         gen = self._generators.get(settings)
         if gen is None:
             head = self._head(settings.draft_length) if settings.needs_mtp_head else None
             gen = Generator(
-                self.loaded.model, self.tokenizer, settings, mtp_head=head, eos_token_ids=self.loaded.eos_token_ids
+                self.loaded.model,
+                self.tokenizer,
+                settings,
+                mtp_head=head,
+                eos_token_ids=self.loaded.eos_token_ids,
+                target=self._target(settings),
             )
             self._generators[settings] = gen
             while len(self._generators) > self.cache_size:
                 self._generators.popitem(last=False)
         self._generators.move_to_end(settings)
         return gen
+
+    def _logprob_entries(self, state: Generation, text: TextStream, start: int, stop: int) -> list[LogprobEntry]:
+        """The `LogprobEntry` of tokens ``start .. stop - 1`` of ``state``, each token and runner-up as its own
+        decoded text (none where the request did not ask for log-probabilities)."""
+        if state.top_logprobs is None:
+            return []
+
+        def piece(token: int) -> str:
+            return self.tokenizer.decode([token], skip_special_tokens=False)
+
+        return [
+            LogprobEntry(piece(lp.token), lp.logprob, [(piece(t), v) for t, v in lp.top], text.offset_of(i))
+            for i, lp in enumerate(state.logprobs[start:stop], start)
+        ]
 
     def generate(
         self, job: GenerationJob, on_done: Callable[[str, GenerationMetrics, str], None] | None = None
@@ -222,24 +301,36 @@ class Engine:
         """
         gen = self.generator(job.settings)
         text, stops = TextStream(self.tokenizer), StopMatcher(job.stops)
-        state = gen.start(job.prompt_ids, job.max_tokens, **asdict(job.sampling))
+        state = gen.start(job.prompt_ids, job.max_tokens, logprobs=job.logprobs, **asdict(job.sampling))
         reason = "cancelled"
+        released: list[str] = []
+        sent = 0  # tokens whose log-probabilities were sent
         try:
             for chunk in state:
-                yield Delta(stops.push(text.push(chunk)), len(chunk))
+                released.append(stops.push(text.push(chunk)))
+                entries: list[LogprobEntry] = []
+                if job.logprobs is not None:
+                    upto = text.tokens_within("".join(released), sent)
+                    entries, sent = self._logprob_entries(state, text, sent, upto), upto
+                yield Delta(released[-1], len(chunk), entries)
                 if stops.stopped:
                     break
-            if not stops.stopped:
+            if stops.stopped:  # count what the client got, not the tokens the last round ran past the stop
+                state.metrics.new_tokens = text.tokens_covering("".join(released))
+                tail = ""
+            else:
                 tail = stops.push(text.flush())
                 tail += stops.flush()
-                if tail:
-                    yield Delta(tail, 0)
+            rest = self._logprob_entries(state, text, sent, state.metrics.new_tokens)
+            if tail or rest:
+                yield Delta(tail, 0, rest)
             reason = "stop" if stops.stopped or state.stop_reason == "eos" else "length"
         finally:
             state.close()
             metrics = state.metrics
             if on_done is not None:
                 on_done(job.settings.method, metrics, reason)
+            return_free_memory()
         details = {"method": job.settings.method, **metrics.to_dict()}
         if state.seed is not None:
             details["seed"] = state.seed

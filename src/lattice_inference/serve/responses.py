@@ -11,22 +11,30 @@ from typing import Any
 import anyio
 from starlette.types import Receive, Scope, Send
 
-from lattice_inference.serve.engine import Finish
+from lattice_inference.serve.engine import Finish, LogprobEntry
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", "surrogatepass"))
 
 
 class CompletionFormat:
-    """Builds one request's bodies: ``chat`` (``chat.completion``) or text (``text_completion``)."""
+    """Builds one request's bodies: ``chat`` (``chat.completion``) or text (``text_completion``); ``logprobs``:
+    whether the request asked for log-probabilities (``choices[].logprobs`` is then an object, else null)."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, logprobs: bool = False) -> None:
         self.chat = chat
         self.model = model
+        self.logprobs = logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def _choice(self, text: str | None, finish_reason: str | None, *, whole: bool) -> dict[str, Any]:
+    def _choice(
+        self, text: str | None, finish_reason: str | None, *, whole: bool, entries: list[LogprobEntry] | None = None
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if not self.chat:
             choice["text"] = text or ""
@@ -34,7 +42,29 @@ class CompletionFormat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["delta"] = {} if text is None else {"content": text}
-        return {**choice, "logprobs": None, "finish_reason": finish_reason}
+        logprobs = self._logprobs(entries) if self.logprobs and entries is not None else None
+        return {**choice, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _logprobs(self, entries: list[LogprobEntry]) -> dict[str, Any]:
+        """OpenAI's ``logprobs`` object: chat's ``content`` list, or the completions' parallel lists (whose
+        ``top_logprobs`` always hold the chosen token too)."""
+        if self.chat:
+            content = [
+                {
+                    "token": e.token,
+                    "logprob": e.logprob,
+                    "bytes": _bytes(e.token),
+                    "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for t, v in e.top],
+                }
+                for e in entries
+            ]
+            return {"content": content, "refusal": None}
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{**dict(e.top), e.token: e.logprob} for e in entries],
+            "text_offset": [e.offset for e in entries],
+        }
 
     @staticmethod
     def usage(finish: Finish) -> dict[str, int]:
@@ -45,11 +75,10 @@ class CompletionFormat:
             "total_tokens": finish.prompt_tokens + finish.completion_tokens,
         }
 
-    def whole(self, text: str, finish: Finish) -> dict[str, Any]:
+    def whole(self, text: str, finish: Finish, entries: list[LogprobEntry] | None = None) -> dict[str, Any]:
         """The non-streamed response, with the acceptance metrics in ``speculative_metrics``."""
-        body = self._envelope(
-            "chat.completion" if self.chat else "text_completion", [self._choice(text, finish.reason, whole=True)]
-        )
+        choice = self._choice(text, finish.reason, whole=True, entries=entries or [])
+        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         return {**body, "usage": self.usage(finish), "speculative_metrics": finish.metrics}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -63,9 +92,9 @@ class CompletionFormat:
         chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
         return chunk
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        """A chunk carrying newly released text."""
-        return self._chunk([self._choice(text, None, whole=False)])
+    def text_chunk(self, text: str, entries: list[LogprobEntry] | None = None) -> dict[str, Any]:
+        """A chunk carrying newly released text (and the log-probabilities of the tokens it completes)."""
+        return self._chunk([self._choice(text, None, whole=False, entries=entries or [])])
 
     def finish_chunk(self, finish: Finish) -> dict[str, Any]:
         """The chunk with the finish reason (and the acceptance metrics)."""

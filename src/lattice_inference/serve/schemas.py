@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI endpoints, validated with pydantic (strict types: ``"5"`` is not a number).
 
 Fields this server cannot honour are refused with a 400 that names them rather than silently ignored, unless
-they hold the value that means "off" (``logprobs: false``, ``presence_penalty: 0``, ...).
+they hold the value that means "off" (``echo: false``, ``presence_penalty: 0``, ...).
 """
 
 from __future__ import annotations
@@ -20,19 +20,30 @@ MAX_STOP_LENGTH = 1000
 
 #: Fields of the OpenAI API this server does not implement, and the values of them it accepts (all "off").
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
     "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
 }
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def is_off(value: object, off: object) -> bool:
+    """Whether ``value`` is the "off" value ``off``: numbers by value (``0``, ``0.0`` and ``-0.0`` alike, as
+    clients serialise them differently), anything else by value and type (``false`` is not ``0``)."""
+    if _is_number(off):
+        return _is_number(value) and value == off
+    return value == off and type(value) is type(off)
 
 
 class _Strict(BaseModel):
@@ -89,8 +100,8 @@ class _Generation(_Strict):
         if isinstance(data, dict):
             for name, accepted in UNSUPPORTED.items():
                 value = data.get(name)
-                if not any(value == ok and type(value) is type(ok) for ok in accepted):
-                    raise ValueError(f"'{name}' is not supported by this server")
+                if not any(is_off(value, ok) for ok in accepted):
+                    raise ValueError(f"'{name}' is not supported by this server (only its neutral value)")
         return data
 
     @field_validator("n")
@@ -126,6 +137,11 @@ class _Generation(_Strict):
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        """How many most likely tokens to list beside each token's log-probability; None: no log-probabilities."""
+        return None
 
 
 class ContentPart(_Strict):
@@ -168,6 +184,20 @@ class ChatCompletionRequest(_Generation):
 
     messages: list[Message]
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    """Return each output token's log-probability (``choices[].logprobs.content``)."""
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    """With ``logprobs``: how many most likely tokens to list at each position (0..20)."""
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -185,6 +215,18 @@ class CompletionRequest(_Generation):
     """``POST /v1/completions``: ``prompt`` is a string, a list of one string, or a list of token ids."""
 
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    """Return each output token's log-probability and the ``logprobs`` most likely tokens at its position (0..5;
+    the chosen token's is always listed too, so up to ``logprobs + 1``)."""
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_off(cls, logprobs: Any) -> Any:
+        return None if logprobs is False else logprobs
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
