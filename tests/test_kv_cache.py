@@ -47,3 +47,17 @@ def test_targets_use_it_for_full_attention_only():
     target.prefill([1, 2, 3])
     kinds = {type(layer).__name__ for layer in target.cache.layers}
     assert kinds == {"GrowableLayer", "DynamicSlidingWindowLayer"}
+
+
+def test_buffers_reach_past_the_length_zeroed_or_stale_and_grow():
+    layer = GrowableLayer()
+    k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    layer.update(k, v)
+    keys, values = layer.buffers(MIN_CAPACITY)
+    assert keys.shape == (1, 2, MIN_CAPACITY, 4) and torch.equal(keys[:, :, :5], k)
+    assert not keys[:, :, 5:].any() and not values[:, :, 5:].any()  # zeroed: finite past the length
+    layer.crop(-2)  # rolled back: the dropped rows stay in the buffer, stale but finite
+    assert torch.equal(layer.buffers(5)[0], k) and layer.get_seq_length() == 3
+    keys, _ = layer.buffers(MIN_CAPACITY + 1)  # grows, keeping the filled rows and the view of them
+    assert keys.shape[-2] == MIN_CAPACITY + 1 and torch.equal(keys[:, :, :3], k[:, :, :3])
+    assert torch.equal(layer.keys, k[:, :, :3]) and not keys[:, :, 3:].any()
