@@ -27,7 +27,8 @@ def _queries(n: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
 
 
 def _attend(q, keys, values, start, visible=None):
-    blocks = plan_blocks(start, q.shape[2], visible, HEADS // KV_HEADS, CPU)
+    seen = None if visible is None else [[c - start for c in cols if c >= start] for cols in visible]
+    blocks = plan_blocks(start, q.shape[2], seen, HEADS // KV_HEADS, CPU)
     reach = max(b.reach for b in blocks)
     return block_attention(q, keys[:, :, :reach], values[:, :, :reach], blocks, 1 / math.sqrt(DIM))
 
@@ -61,10 +62,10 @@ def test_plan_groups_a_chain_by_position_and_slots_rows_by_position() -> None:
 def test_plan_gives_a_tree_one_key_sequence_per_path() -> None:
     cached = 10
     parents = [-1, 0, 1, 0]  # rows 0-1-2 a chain, row 3 a sibling of row 1
-    visible = []
+    seen: list[list[int]] = []
     for i, parent in enumerate(parents):
-        visible.append((visible[parent] if parent >= 0 else list(range(cached))) + [cached + i])
-    blocks = plan_blocks(cached, 4, visible, 3, CPU)
+        seen.append((seen[parent] if parent >= 0 else []) + [i])
+    blocks = plan_blocks(cached, 4, seen, 3, CPU)
     rows = sorted(int(r) for b in blocks for r in torch.arange(4)[b.rows].tolist())
     assert rows == [0, 1, 2, 3]
     sibling = next(b for b in blocks if 3 in torch.arange(4)[b.rows].tolist())

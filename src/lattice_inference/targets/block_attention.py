@@ -50,52 +50,57 @@ class Block:
     """Cache buffer rows the block reads: its highest key row + 1."""
 
 
-def plan_blocks(
-    start: int, rows: int, visible: list[list[int]] | None, groups: int, device: torch.device
-) -> list[Block]:
-    """The blocks of a forward of ``rows`` tokens written at cache rows ``start..``: a chain (``visible`` None,
-    row ``i`` at position ``start + i``) or rows that see the cache columns ``visible[i]`` (a draft tree; each list
-    in increasing order, ending with the row's own column); ``groups``: query heads per key-value head."""
-    if visible is None:
+def plan_blocks(start: int, rows: int, seen: list[list[int]] | None, groups: int, device: torch.device) -> list[Block]:
+    """The blocks of a forward of ``rows`` tokens written at cache rows ``start..``, every row seeing the whole cache
+    before them: a chain (``seen`` None, row ``i`` at position ``start + i``), or a draft tree where row ``i`` also
+    sees the new rows ``seen[i]`` (its ancestors and itself, in increasing order) and sits at position
+    ``start + len(seen[i]) - 1``. ``groups``: query heads per key-value head."""
+    if seen is None:
         paths: list[tuple[list[int], list[int], list[int] | None]] = [
             (list(range(rows)), [start + i for i in range(rows)], None)
         ]
     else:
-        paths = [(members, [len(visible[r]) - 1 for r in members], sequence) for members, sequence in _paths(visible)]
+        paths = [(members, [start + len(seen[r]) - 1 for r in members], path) for members, path in _paths(seen)]
     blocks = []
-    for members, positions, sequence in paths:
+    for members, positions, path in paths:
         by_block: dict[int, list[tuple[int, int]]] = {}
         for row, position in zip(members, positions, strict=True):
             by_block.setdefault(position // SLOTS, []).append((row, position))
         for index, group in sorted(by_block.items()):
-            blocks.append(_block(group, sequence, (index + 1) * SLOTS, groups, device))
+            blocks.append(_block(group, start, path, (index + 1) * SLOTS, groups, device))
     return blocks
 
 
-def _paths(visible: list[list[int]]) -> list[tuple[list[int], list[int]]]:
-    """Rows grouped by a common key sequence: each group's rows see prefixes of its (deepest) row's sequence."""
-    order = sorted(range(len(visible)), key=lambda r: -len(visible[r]))
+def _paths(seen: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """Rows grouped by a common path of new rows: each group's rows see prefixes of its deepest row's path."""
+    order = sorted(range(len(seen)), key=lambda r: -len(seen[r]))
     left, paths = set(order), []
     for row in order:
         if row not in left:
             continue
-        sequence = visible[row]
-        members = [r for r in order if r in left and visible[r] == sequence[: len(visible[r])]]
+        path = seen[row]
+        members = [r for r in order if r in left and seen[r] == path[: len(seen[r])]]
         left.difference_update(members)
-        paths.append((members, sequence))
+        paths.append((members, path))
     return paths
 
 
 def _block(
-    group: list[tuple[int, int]], sequence: list[int] | None, length: int, groups: int, device: torch.device
+    group: list[tuple[int, int]],
+    start: int,
+    path: list[int] | None,
+    length: int,
+    groups: int,
+    device: torch.device,
 ) -> Block:
-    """One block of ``group`` (rows and their positions) over the first ``length`` keys of ``sequence`` (None:
-    the cache's own order, a chain)."""
+    """One block of ``group`` (rows and their positions) over the first ``length`` keys of the cache followed by
+    the new rows of ``path`` (None, or a path that is the new rows in order: the cache's own order, a slice)."""
     keys: slice | torch.Tensor = slice(0, length)
     reach = length
-    if sequence is not None and sequence[-1] != len(sequence) - 1:  # not the cache's own order: gather the keys
-        padded = sequence[:length] + [0] * (length - min(length, len(sequence)))  # masked: any finite key serves
-        keys, reach = torch.tensor(padded, device=device), max(padded) + 1
+    if path is not None and path != list(range(len(path))):  # not the cache's own order: gather the keys
+        sequence = torch.cat([torch.arange(start), torch.tensor(path, dtype=torch.long) + start])[:length]
+        padded = torch.cat([sequence, sequence.new_zeros(length - len(sequence))])  # masked: any finite key serves
+        keys, reach = padded.to(device), int(padded.max()) + 1
     bias = torch.full((SLOTS, length), float("-inf"))
     bias[:, 0] = 0.0
     slots = [position % SLOTS for _, position in group]

@@ -88,8 +88,7 @@ class LeanTarget(TransformersTarget):
         mask = attention_mask
         blocks = None
         if decode_matched.active():
-            visible = None if mask is None else [row.nonzero().squeeze(-1).tolist() for row in mask[0, 0] == 0]
-            blocks = plan_blocks(start, n, visible, self._groups, self.device)
+            blocks = plan_blocks(start, n, None if mask is None else _seen_rows(mask, start), self._groups, self.device)
         elif mask is None and 1 < n and start > 0:
             # rows at once over a cache: the causal mask transformers' sdpa_mask builds for this case
             mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)[None, None]
@@ -161,6 +160,15 @@ class _Layer:
             gate_up=products([mlp.gate_proj, mlp.up_proj]),
             down=products([mlp.down_proj]),
         )
+
+
+def _seen_rows(mask: torch.Tensor, start: int) -> list[list[int]]:
+    """Per row of a draft tree's additive mask (`tree_mask`: every row sees the ``start`` cached positions), the new
+    rows it sees."""
+    allowed = mask[0, 0] == 0
+    if not bool(allowed[:, :start].all()):
+        raise ValueError("a lean forward's tree mask must let every row see the whole cache")
+    return [row.nonzero().squeeze(-1).tolist() for row in allowed[:, start:]]
 
 
 def _run_products(group: list[Product], x: torch.Tensor) -> list[torch.Tensor]:
