@@ -211,9 +211,7 @@ def _common_suffix(data: array, end: int, context: Sequence[int]) -> int:
     return n
 
 
-def _continuation(
-    chosen: list[tuple[array, int]], max_tokens: int, stop: frozenset[int], depth: int
-) -> SuffixMatch:
+def _continuation(chosen: list[tuple[array, int]], max_tokens: int, stop: frozenset[int], depth: int) -> SuffixMatch:
     """Read the continuations of the ``chosen`` occurrences (most recent first) as a tree with counts: the draft
     takes the most frequent child at each depth (ties: the most recent), the rest are its runners-up."""
     out = SuffixMatch(depth=depth)

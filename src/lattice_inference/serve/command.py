@@ -31,7 +31,11 @@ def add_parser(
     serve.add_argument(
         "--served-model-name", help="the model id clients send (default: --model's name, or its file/folder name)"
     )
-    serve.add_argument("--method", default="ngram", help="default method: greedy, ngram (default), mtp or ngram+mtp")
+    serve.add_argument(
+        "--method",
+        default="ngram",
+        help="default method: greedy, ngram (default), mtp, ngram+mtp, suffix or suffix+mtp",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     serve.add_argument(
@@ -81,6 +85,7 @@ DRAFT_OPTIONS = (
     "max_leaves",
     "batched_verify",
     "forward",
+    "suffix_budget",
 )
 
 
