@@ -137,7 +137,7 @@ def test_later_requests_draft_from_earlier_ones_only_through_the_shared_index():
 def test_generator_keeps_one_index_for_its_generations_and_clears_it():
     model = toy_model(toy_config("llama"), init_std=0.5, seed=2)
     tok = byte_tokenizer()
-    gen = Generator(model, tok, method="suffix", eos_token_ids=[])
+    gen = Generator(model, tok, method="suffix", adaptive=False, eos_token_ids=[])
     greedy = Generator(model, tok, method="greedy", eos_token_ids=[])
     prompt = [5, 9, 14, 3, 200]
     want = greedy.generate(prompt, 30).token_ids

@@ -58,6 +58,16 @@ def check_shutdown_timeout(seconds: float) -> None:
         raise ConfigError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {seconds!r}")
 
 
+#: ``lattice serve --suffix-scope``: which requests share a suffix index (see `lattice_inference.serve.tenants`).
+SUFFIX_SCOPES = ("tenant", "shared", "request")
+
+
+def check_suffix_scope(mode: str) -> None:
+    """``--suffix-scope`` must be one of `SUFFIX_SCOPES`."""
+    if mode not in SUFFIX_SCOPES:
+        raise ConfigError(f"--suffix-scope must be one of {', '.join(SUFFIX_SCOPES)}, got {mode!r}")
+
+
 def _check_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
