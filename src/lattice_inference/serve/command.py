@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lattice_inference.options import SHUTDOWN_TIMEOUT, check_shutdown_timeout
+from lattice_inference.options import SHUTDOWN_TIMEOUT, SUFFIX_SCOPES, check_shutdown_timeout
 
 if TYPE_CHECKING:
     from lattice_inference.options import DecodeOptions
