@@ -70,7 +70,8 @@ def speculative_config(options: DecodeOptions, mtp_layers: int = 0) -> dict[str,
     verifies every token it drafts, as ``adaptive=False`` (``--fixed-draft``); our adaptive planner only changes
     how many drafted tokens a round verifies, never the output, so ``max_draft`` is the cap either way.
     ``suffix``: vLLM's SuffixDecoding (it needs the ``arctic-inference`` package in vLLM's environment), up to
-    ``max_draft`` tokens. ``mtp``: ``num_speculative_tokens`` = ``draft_length - 1`` (our draft length counts the target's token);
+    ``max_draft`` tokens.
+    ``mtp``: ``num_speculative_tokens`` = ``draft_length - 1`` (our draft length counts the target's token);
     ``mtp_layers`` is the checkpoint's count of MTP layers (`mtp_layers_of`), which vLLM needs; when sampling,
     coupled drafting (our default) is vLLM's ``draft_sample_method`` ``probabilistic`` (the head samples its
     draft) and ``--argmax-draft`` its default, ``greedy``.

@@ -26,6 +26,7 @@ from lattice_inference.engines.vllm.mapping import (
     speculative_config,
 )
 from lattice_inference.engines.vllm.runtime import child_env, find_runtime, vllm_model
+from lattice_inference.errors import ConfigError
 from lattice_inference.options import DecodeOptions
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
