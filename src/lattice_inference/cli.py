@@ -89,7 +89,7 @@ def add_suffix_budget(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=DecodeOptions.suffix_budget,
         help=f"suffix: most tokens the cross-request index holds, oldest evicted first (default "
-        f"{DecodeOptions.suffix_budget}, about 150 bytes each)",
+        f"{DecodeOptions.suffix_budget}, about 80 bytes each)",
     )
 
 

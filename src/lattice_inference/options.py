@@ -81,7 +81,7 @@ class DecodeOptions:
     suffix index; ``suffix+mtp``: that, the head where it finds nothing), the draft settings, and the default
     `SamplingOptions` of each generation.
 
-    ``suffix_budget`` bounds the suffix index in tokens (default 262144, about 40 MB): past it the oldest tokens
+    ``suffix_budget`` bounds the suffix index in tokens (default 262144, about 20 MB): past it the oldest tokens
     are evicted, whole earlier requests first. A `Generator` keeps one index for all its generations; ``lattice
     serve`` one per tenant, each under this budget, and the tenants' indexes together under it too.
 

@@ -15,7 +15,7 @@ question answered with a hash index, built for flat costs in pure Python:
   A lookup costs O(KEEP x (MAX_MATCH + depth)), whatever the index holds.
 * the index holds at most ``budget`` tokens: appending past it evicts the oldest tokens first (whole earlier
   requests, oldest first; a running request longer than the budget loses its own oldest tokens), removing their
-  anchors, so memory stays bounded (about 150 bytes per held token on CPython, see ``bench/bench_suffix.py``).
+  anchors, so memory stays bounded (about 80 bytes per held token on CPython, see ``bench/bench_suffix.py``).
 
 Hash collisions cannot mislead it: every occurrence is checked token by token. The output never depends on it
 (the target decides every token); only how many forwards a generation takes.
@@ -34,7 +34,7 @@ __all__ = ["ANCHORS", "KEEP", "MAX_MATCH", "SuffixIndex", "SuffixMatch", "check_
 
 ANCHORS = (2, 8)
 """Anchor lengths indexed at every position: the shortest match the index proposes from, and a long one."""
-KEEP = 32
+KEEP = 16
 """Most recent occurrences an anchor keeps: what bounds a lookup's work and the frequency counts it reads."""
 MAX_MATCH = 32
 """How far back a match is measured: matches at least this long count as equally deep."""
