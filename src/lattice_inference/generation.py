@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lattice_inference.draft_planner import DraftPlanner
+from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOptions, make_sampler
 
@@ -82,6 +83,8 @@ class Generation:
         self.stop_reason = ""
         self.planner: DraftPlanner | None = None
         """This generation's adaptive draft planner (None: fixed draft lengths, or no drafter)."""
+        self.suffix_index: SuffixIndex | None = None
+        """The cross-request index this generation drafts from and is added to (None: its own tokens only)."""
         self.token_ids: list[int] = []
         self.top_logprobs = logprobs
         """How many most likely tokens each `TokenLogprob` lists (None: log-probabilities are not computed)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from lattice_inference.draft_planner import MAX_LEAVES
+from lattice_inference.drafters.suffix_index import check_budget
 from lattice_inference.errors import ConfigError
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets.lean import check_forward
@@ -19,6 +20,8 @@ METHOD_DRAFTERS: dict[str, tuple[str, ...]] = {
     "ngram": ("ngram",),
     "mtp": ("mtp",),
     "ngram+mtp": ("ngram", "mtp"),
+    "suffix": ("suffix",),
+    "suffix+mtp": ("suffix", "mtp"),
 }
 METHODS = tuple(METHOD_DRAFTERS)
 
@@ -55,6 +58,16 @@ def check_shutdown_timeout(seconds: float) -> None:
         raise ConfigError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {seconds!r}")
 
 
+#: ``lattice serve --suffix-scope``: which requests share a suffix index (see `lattice_inference.serve.tenants`).
+SUFFIX_SCOPES = ("tenant", "shared", "request")
+
+
+def check_suffix_scope(mode: str) -> None:
+    """``--suffix-scope`` must be one of `SUFFIX_SCOPES`."""
+    if mode not in SUFFIX_SCOPES:
+        raise ConfigError(f"--suffix-scope must be one of {', '.join(SUFFIX_SCOPES)}, got {mode!r}")
+
+
 def _check_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -63,8 +76,14 @@ def _check_positive(name: str, value: object) -> None:
 @dataclass(frozen=True)
 class DecodeOptions:
     """How to decode: ``method`` (``greedy``: plain decoding, the reference output; ``ngram``: prompt lookup;
-    ``mtp``: the model's MTP head; ``ngram+mtp``: prompt lookup where an n-gram matches, the head otherwise),
-    the draft settings, and the default `SamplingOptions` of each generation.
+    ``mtp``: the model's MTP head; ``ngram+mtp``: prompt lookup where an n-gram matches, the head otherwise;
+    ``suffix``: continuations from earlier requests' prompts and outputs as well as this one's, a cross-request
+    suffix index; ``suffix+mtp``: that, the head where it finds nothing), the draft settings, and the default
+    `SamplingOptions` of each generation.
+
+    ``suffix_budget`` bounds the suffix index in tokens (default 262144, about 20 MB): past it the oldest tokens
+    are evicted, whole earlier requests first. A `Generator` keeps one index for all its generations; ``lattice
+    serve`` one per tenant, each under this budget, and the tenants' indexes together under it too.
 
     ``max_ngram``/``min_ngram`` bound the n-gram lengths tried (longest first), ``max_draft`` the most tokens verified
     per round (default 10; with ``adaptive`` the planner verifies fewer where that pays), ``match`` which
@@ -94,6 +113,7 @@ class DecodeOptions:
     coupled_draft: bool = True
     adaptive: bool = True
     max_leaves: int = MAX_LEAVES
+    suffix_budget: int = 262_144
     batched_verify: bool = False
     forward: str = "auto"
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
@@ -112,6 +132,7 @@ class DecodeOptions:
         if isinstance(self.max_leaves, bool) or not isinstance(self.max_leaves, int) or not 0 <= self.max_leaves <= 16:
             raise ConfigError(f"max_leaves must be an integer 0..16, got {self.max_leaves!r}")
         check_forward(self.forward)
+        check_budget(self.suffix_budget)
         if not isinstance(self.sampling, SamplingOptions):
             raise ConfigError(f"sampling must be a SamplingOptions, got {type(self.sampling).__name__}")
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    from lattice_inference.drafters.suffix_index import SuffixIndex
     from lattice_inference.sampling import Sampler
 
 
@@ -83,6 +84,10 @@ class Drafter(Protocol):
     might verify and learns from the tokens it leaves unverified. Drafters that run a model say False and are
     asked for exactly the tokens the planner chose."""
 
+    proposes_trees: bool = False
+    """Whether a planned proposal may rank runners-up beside its draft tokens (`PlannedDraft.runners_up`), which the
+    decoder may verify as a draft tree where the target can: it then lets the planner add leaves."""
+
     proposal_key: int = 0
     """A small integer grading how the latest proposal was made (n-gram lookup: the matched n-gram's length; an
     MTP head under the planner: its first draft's confidence band); the draft planner keeps acceptance statistics
@@ -120,6 +125,11 @@ class Drafter(Protocol):
         """Hidden states ``[n, hidden]`` of positions ``start_position .. start_position + n - 1``, in position
         order: after prefill (every prompt position) and after each verification (the accepted positions).
         Called only when ``uses_hidden_states``; the default ignores them."""
+
+    def use_suffix_index(self, index: SuffixIndex | None) -> None:
+        """The cross-request index of the generation about to start (called before `reset`): earlier requests'
+        tokens in the generation's scope, which a drafter that reads them may draft from and adds its own tokens
+        to (None: this request's tokens only). The default ignores it."""
 
     def use_sampler(self, sampler: Sampler) -> None:
         """The sampler of the generation about to start (called before `reset`). A drafter that scores tokens

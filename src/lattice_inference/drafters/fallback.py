@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from lattice_inference.drafters.base import Drafter, Plan, PlannedDraft
+from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
 from lattice_inference.sampling import Sampler
 
@@ -30,6 +31,7 @@ class FallbackDrafter(Drafter):
         self.drafters = list(drafters)
         self.uses_hidden_states = any(d.uses_hidden_states for d in self.drafters)
         self.proposes_for_free = all(d.proposes_for_free for d in self.drafters)
+        self.proposes_trees = any(d.proposes_trees for d in self.drafters)
         self.proposals_by = [0] * len(self.drafters)
         self.proposal_key = 0
 
@@ -54,6 +56,11 @@ class FallbackDrafter(Drafter):
         for d in self.drafters:
             if d.uses_hidden_states:
                 d.observe(hidden_states, start_position)
+
+    def use_suffix_index(self, index: SuffixIndex | None) -> None:
+        """Pass the generation's cross-request index to every drafter."""
+        for d in self.drafters:
+            d.use_suffix_index(index)
 
     def use_sampler(self, sampler: Sampler) -> None:
         """Pass the generation's sampler to every drafter."""

@@ -33,6 +33,7 @@ class MtpDrafter(Drafter):
 
     uses_hidden_states = True
     proposes_for_free = False
+    proposes_trees = True
 
     def __init__(
         self,

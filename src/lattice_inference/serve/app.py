@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -32,6 +32,7 @@ from lattice_inference.serve.metrics import ServerMetrics
 from lattice_inference.serve.queue import GenerationQueue, Job, QueueFull
 from lattice_inference.serve.responses import CompletionFormat, EventStreamResponse, sse
 from lattice_inference.serve.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+from lattice_inference.serve.tenants import tenant_of
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
 #: Text completions without ``max_tokens`` get OpenAI's default of 16 tokens; chat gets the rest of the context.
@@ -72,13 +73,15 @@ class Server:
         self,
         engine: Engine,
         *,
-        api_key: str | None,
+        api_key: str | Sequence[str] | None,
         max_queue: int,
         max_body: int,
         shutdown_timeout: float = SHUTDOWN_TIMEOUT,
     ) -> None:
         self.engine = engine
-        self.api_key = api_key or None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+        self.api_keys = [k for k in keys if k]
+        """The keys the server accepts (none: no key needed); each is a tenant of the suffix methods."""
         self.max_body = max_body
         self.metrics = ServerMetrics()
         self.queue = GenerationQueue(max_queue, on_depth=self.metrics.set_depth)
@@ -114,16 +117,19 @@ class Server:
 
     # -- request checks ------------------------------------------------------------------------------------------
 
-    def authorize(self, request: Request) -> None:
-        """401 unless the request carries the server's key (when it has one)."""
-        if self.api_key is None:
-            return
+    def authorize(self, request: Request) -> str | None:
+        """401 unless the request carries one of the server's keys (when it has any); returns the key (None
+        where the server needs none)."""
+        if not self.api_keys:
+            return None
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise APIError(401, "missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
-        if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+        given = key.strip().encode()
+        if not any([hmac.compare_digest(given, k.encode()) for k in self.api_keys]):  # every key, in constant time
             raise APIError(401, "incorrect API key", code="invalid_api_key")
+        return key.strip()
 
     @staticmethod
     def check_json(request: Request) -> None:
@@ -189,7 +195,7 @@ class Server:
     async def _endpoint(self, request: Request, *, chat: bool) -> Any:
         """Validate a (chat) completion request, queue its generation, and answer whole or streamed."""
         arrived = time.perf_counter()
-        self.authorize(request)
+        key = self.authorize(request)
         self.check_json(request)
         if self.closing:
             raise APIError(503, "the server is shutting down; retry on another server", code="server_shutdown")
@@ -205,6 +211,7 @@ class Server:
             self.check_model(body.model)
             prompt_ids = await run_in_threadpool(engine.encode_prompt, body.prompt)
         default_max_tokens = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+        spec = body.speculative
         job = GenerationJob(
             prompt_ids=prompt_ids,
             max_tokens=engine.budget(
@@ -214,6 +221,8 @@ class Server:
             sampling=engine.sampling_for(body.temperature, body.top_p, body.seed, body.top_k, body.min_p),
             stops=body.stops,
             logprobs=body.top_logprobs_count,
+            tenant=tenant_of(engine.suffix_scopes.mode, key, spec.scope if spec else None),
+            clear_index=bool(spec and spec.clear_index),
         )
         try:
             queued = self.queue.submit(lambda: engine.generate(job, self.metrics.observe_generation))
@@ -320,7 +329,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 def create_app(
     engine: Engine,
     *,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_queue: int = 16,
     max_body: int = DEFAULT_MAX_BODY,
     shutdown_timeout: float = SHUTDOWN_TIMEOUT,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lattice_inference.options import SHUTDOWN_TIMEOUT, check_shutdown_timeout
+from lattice_inference.options import SHUTDOWN_TIMEOUT, SUFFIX_SCOPES, check_shutdown_timeout
 
 if TYPE_CHECKING:
     from lattice_inference.options import DecodeOptions
@@ -31,11 +31,25 @@ def add_parser(
     serve.add_argument(
         "--served-model-name", help="the model id clients send (default: --model's name, or its file/folder name)"
     )
-    serve.add_argument("--method", default="ngram", help="default method: greedy, ngram (default), mtp or ngram+mtp")
+    serve.add_argument(
+        "--method",
+        default="ngram",
+        help="default method: greedy, ngram (default), mtp, ngram+mtp, suffix or suffix+mtp",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     serve.add_argument(
-        "--api-key", help="require 'Authorization: Bearer KEY' on every route but /health (or LATTICE_API_KEY)"
+        "--api-key",
+        action="append",
+        help="require 'Authorization: Bearer KEY' on every route but /health (or LATTICE_API_KEY, keys separated by "
+        "commas); repeat for several keys, each its own tenant of the suffix methods",
+    )
+    serve.add_argument(
+        "--suffix-scope",
+        choices=SUFFIX_SCOPES,
+        default=SUFFIX_SCOPES[0],
+        help="suffix: which requests draft from each other: tenant (default: same API key and speculative.scope), "
+        "shared (every request: only where all clients may see each other's text) or request (none)",
     )
     serve.add_argument(
         "--max-queue",
@@ -81,6 +95,7 @@ DRAFT_OPTIONS = (
     "max_leaves",
     "batched_verify",
     "forward",
+    "suffix_budget",
 )
 
 
@@ -99,7 +114,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     settings = default_options(args)
     name = args.served_model_name or served_name(args.model)
     loaded = load_model(args.model, dtype=args.dtype)
-    return Engine(loaded, settings, name=name, mtp_head_path=args.mtp_head)
+    return Engine(loaded, settings, name=name, mtp_head_path=args.mtp_head, suffix_scope=args.suffix_scope)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     seconds = decoder.prepare()  # off the first request
     if decoder.exactness is not None:
         print(f"lattice serve: {decoder.exactness.line()} ({seconds:.1f}s at start)", flush=True)
-    api_key = args.api_key or os.environ.get("LATTICE_API_KEY") or None
+    api_key = args.api_key or [k for k in os.environ.get("LATTICE_API_KEY", "").split(",") if k] or None
     app = create_app(
         engine,
         api_key=api_key,

@@ -27,8 +27,9 @@ from lattice_inference.mtp import MtpHead
 from lattice_inference.options import DecodeOptions
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.serve.errors import bad_request
-from lattice_inference.serve.schemas import Message, Speculative
+from lattice_inference.serve.schemas import SCOPE_FIELDS, Message, Speculative
 from lattice_inference.serve.stops import StopMatcher
+from lattice_inference.serve.tenants import SuffixScopes
 from lattice_inference.streaming import TextStream
 from lattice_inference.targets import make_target
 from lattice_inference.targets.base import Target
@@ -50,6 +51,10 @@ class GenerationJob:
     stops: Sequence[str] = ()
     logprobs: int | None = None
     """How many most likely tokens to list beside each token's log-probability (None: no log-probabilities)."""
+    tenant: str | None = None
+    """Whose suffix index the request drafts from (`lattice_inference.serve.tenants`; None: its own tokens only)."""
+    clear_index: bool = False
+    """Clear the tenant's suffix index before generating."""
 
 
 @dataclass(frozen=True)
@@ -125,8 +130,11 @@ class Engine:
         name: str | None = None,
         cache_size: int = GENERATOR_CACHE,
         mtp_head_path: str | None = None,
+        suffix_scope: str = "tenant",
     ) -> None:
         self.loaded = loaded
+        self.suffix_scopes = SuffixScopes(settings.suffix_budget, suffix_scope)
+        """The tenants' suffix indexes (``--suffix-scope``), under the default settings' ``suffix_budget``."""
         self.mtp_head_path = mtp_head_path
         self.tokenizer = loaded.tokenizer
         self.defaults = settings
@@ -151,7 +159,8 @@ class Engine:
     def settings_for(self, spec: Speculative | None) -> DecodeOptions:
         """The server's draft settings with the fields the request's ``speculative`` sets replaced, or a 400
         naming what cannot be served."""
-        changes = {k: v for k, v in spec.model_dump().items() if v is not None} if spec is not None else {}
+        given = spec.model_dump(exclude=SCOPE_FIELDS) if spec is not None else {}
+        changes = {k: v for k, v in given.items() if v is not None}
         merged = {**{k: getattr(self.defaults, k) for k in ("min_ngram", "max_ngram")}, **changes}
         if merged["min_ngram"] > merged["max_ngram"]:
             raise bad_request(
@@ -301,7 +310,12 @@ class Engine:
         """
         gen = self.generator(job.settings)
         text, stops = TextStream(self.tokenizer), StopMatcher(job.stops)
-        state = gen.start(job.prompt_ids, job.max_tokens, logprobs=job.logprobs, **asdict(job.sampling))
+        if job.clear_index:
+            self.suffix_scopes.clear(job.tenant)
+        index = self.suffix_scopes.index_for(job.tenant) if "suffix" in job.settings.drafters else None
+        state = gen.start(
+            job.prompt_ids, job.max_tokens, logprobs=job.logprobs, suffix_index=index, **asdict(job.sampling)
+        )
         reason = "cancelled"
         released: list[str] = []
         sent = 0  # tokens whose log-probabilities were sent

@@ -61,6 +61,10 @@ class Speculative(_Strict):
     draft_length: int | None = Field(None, ge=2, le=8)
     adaptive: bool | None = None
     """False verifies every drafted token (``--fixed-draft``); True lets the draft planner choose."""
+    scope: str | None = Field(None, min_length=1, max_length=200)
+    """The suffix methods' scope: requests sending the same scope (under the same API key) draft from each other."""
+    clear_index: bool | None = None
+    """True clears this request's scope's suffix index before it runs."""
 
     @field_validator("method")
     @classmethod
@@ -68,6 +72,10 @@ class Speculative(_Strict):
         if method is not None and method not in METHODS:
             raise ValueError(f"unknown speculation method {method!r}; choose from {', '.join(METHODS)}")
         return method
+
+
+#: `Speculative` fields that choose where a request drafts from, not how (no part of `DecodeOptions`).
+SCOPE_FIELDS = frozenset({"scope", "clear_index"})
 
 
 class StreamOptions(_Strict):

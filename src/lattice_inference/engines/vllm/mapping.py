@@ -23,9 +23,10 @@ MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 
 def refuse_unsupported(options: DecodeOptions) -> None:
     """`ConfigError` for a decoding option vLLM cannot honour (named, with what to do instead)."""
-    if options.method == "ngram+mtp":
+    if options.method in ("ngram+mtp", "suffix+mtp"):
         raise ConfigError(
-            "method 'ngram+mtp' has no vLLM counterpart (vLLM runs one drafter per engine): use ngram or mtp"
+            f"method {options.method!r} has no vLLM counterpart (vLLM runs one drafter per engine): use one of its "
+            "drafters"
         )
     if options.method == "ngram" and options.match != "first":
         raise ConfigError(
@@ -68,6 +69,8 @@ def speculative_config(options: DecodeOptions, mtp_layers: int = 0) -> dict[str,
     ``max_ngram`` (vLLM, like us, takes the longest n-gram in that range and its leftmost occurrence). vLLM
     verifies every token it drafts, as ``adaptive=False`` (``--fixed-draft``); our adaptive planner only changes
     how many drafted tokens a round verifies, never the output, so ``max_draft`` is the cap either way.
+    ``suffix``: vLLM's SuffixDecoding (it needs the ``arctic-inference`` package in vLLM's environment), up to
+    ``max_draft`` tokens.
     ``mtp``: ``num_speculative_tokens`` = ``draft_length - 1`` (our draft length counts the target's token);
     ``mtp_layers`` is the checkpoint's count of MTP layers (`mtp_layers_of`), which vLLM needs; when sampling,
     coupled drafting (our default) is vLLM's ``draft_sample_method`` ``probabilistic`` (the head samples its
@@ -83,6 +86,8 @@ def speculative_config(options: DecodeOptions, mtp_layers: int = 0) -> dict[str,
             "prompt_lookup_min": options.min_ngram,
             "prompt_lookup_max": options.max_ngram,
         }
+    if options.method == "suffix":  # vLLM's SuffixDecoding, from the arctic-inference package
+        return {"method": "suffix", "num_speculative_tokens": options.max_draft}
     if mtp_layers < 1:
         raise ConfigError(
             "method mtp: the model has no MTP layers vLLM reads (its config.json sets none of "

@@ -26,6 +26,7 @@ from lattice_inference.engines.vllm.mapping import (
     speculative_config,
 )
 from lattice_inference.engines.vllm.runtime import child_env, find_runtime, vllm_model
+from lattice_inference.errors import ConfigError
 from lattice_inference.options import DecodeOptions
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -45,7 +46,10 @@ def server_command(
     spec = speculative_config(options, mtp_layers_of(model.config))
     argv = server_argv(args, defaults, model.location, model.dtype, spec)
     env = child_env(runtime, args.threads)
-    key = args.api_key or os.environ.get("LATTICE_API_KEY")
+    keys = args.api_key or []
+    if len(keys) > 1:
+        raise ConfigError("--engine vllm serves one --api-key; several keys are the local engine's")
+    key = keys[0] if keys else os.environ.get("LATTICE_API_KEY")
     if key:
         env["VLLM_API_KEY"] = key
     return [runtime.python, "-m", API_SERVER_MODULE, *argv], env

@@ -1,0 +1,167 @@
+"""`SuffixDrafter`: lossless across requests (greedy and keyed sampling, chains and trees, every toy architecture),
+drafting from earlier requests only within the index it is given."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helpers import ContextKeyedTarget, hf_generate, hf_sampled
+
+from lattice_inference import Generator
+from lattice_inference.decode import SpeculativeDecoder
+from lattice_inference.drafters.fallback import FallbackDrafter
+from lattice_inference.drafters.ngram import NgramDrafter
+from lattice_inference.drafters.suffix import SuffixDrafter, match_key
+from lattice_inference.drafters.suffix_index import SuffixIndex, SuffixMatch
+from lattice_inference.sampling import SamplingOptions
+from lattice_inference.targets import TransformersTarget
+from lattice_inference.targets.forward_cost import ForwardCosts
+from lattice_inference.toy import TOY_ARCHITECTURES, byte_tokenizer, toy_config, toy_model
+
+FLAT = ForwardCosts((1, 16), (1.0, 1.0))  # verification is free: the planner verifies every token and leaf
+TREE_ARCHES = ("qwen3", "llama", "qwen2", "gemma", "phi3")
+
+
+def agentic_prompts(rng: random.Random, outputs: list[list[int]]) -> list[int]:
+    """A prompt that re-reads an earlier prompt or output (as an agent re-reads a file), edited a little, or
+    repeats the latest prompt (a regenerated answer)."""
+    if outputs and rng.random() < 0.25:
+        return list(outputs[-2])
+    if not outputs or rng.random() < 0.3:
+        return [rng.randrange(256) for _ in range(rng.randint(4, 24))]
+    source = rng.choice(outputs)
+    cut = rng.randint(2, max(2, len(source)))
+    edit = [rng.randrange(256)] if rng.random() < 0.5 else []
+    return source[:cut] + edit
+
+
+def _run_requests(arch: str, sampling: SamplingOptions | None, std: float, *, trees: bool) -> tuple[int, int, int]:
+    """Eight requests through one decoder and one index, each checked against transformers; returns (accepted
+    draft tokens, tree leaves verified, leaves accepted)."""
+    model = toy_model(toy_config(arch), init_std=std, seed=5)
+    target = TransformersTarget(model)
+    drafter = SuffixDrafter(budget=400, max_draft=6, eos_token_ids=[255])
+    dec = SpeculativeDecoder(target, drafter, max_draft=6, eos_token_ids=[255], adaptive=trees, costs=FLAT)
+    index = SuffixIndex(400)
+    rng = random.Random(arch)
+    history: list[list[int]] = []
+    accepted = leaves = on_leaf = 0
+    for i in range(8):
+        prompt = agentic_prompts(rng, history)
+        eos = 255 if i % 3 == 2 else None
+        opts = None if sampling is None else SamplingOptions(**{**sampling.to_dict(), "seed": sum(prompt) % 997})
+        want = hf_generate(model, prompt, 24, eos) if opts is None else hf_sampled(model, prompt, 24, eos, opts)
+        dec.eos_token_ids = frozenset([] if eos is None else [eos])
+        got = dec.start(prompt, 24, opts, suffix_index=index).result()
+        assert got.token_ids == want, (arch, i)
+        history += [prompt, prompt + got.token_ids]
+        accepted += got.metrics.accepted_tokens
+        leaves += got.metrics.leaves
+        on_leaf += got.metrics.accepted_leaves
+    assert len(index) <= 400
+    return accepted, leaves, on_leaf
+
+
+@pytest.mark.parametrize("arch", TOY_ARCHITECTURES)
+def test_suffix_equals_greedy_across_requests_chains_and_trees(arch):
+    accepted, _, _ = _run_requests(arch, None, 0.02, trees=False)
+    assert accepted > 0
+    _, leaves, _ = _run_requests(arch, None, 0.02, trees=True)
+    assert (leaves > 0) == (arch in TREE_ARCHES)  # sliding windows verify chains
+    _run_requests(arch, None, 0.5, trees=True)  # diverse output: drafts mostly rejected
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "mistral"])
+def test_suffix_equals_keyed_sampling_across_requests(arch):
+    accepted, _, _ = _run_requests(arch, SamplingOptions(temperature=0.8, top_k=20), 0.3, trees=True)
+    assert accepted > 0
+
+
+class TreeKeyedTarget(ContextKeyedTarget):
+    """`ContextKeyedTarget` verifying draft trees row by row (each row's logits from its own path)."""
+
+    verifies_trees = True
+    fuses_prefill_and_draft = False
+
+    def forward_tree(self, token_ids, parents):
+        import torch
+
+        base, paths, rows = list(self.tokens), [], []
+        for token, parent in zip(token_ids, parents, strict=True):
+            paths.append(([] if parent < 0 else paths[parent]) + [token])
+            rows.append(self._logits(base + paths[-1]))
+        self._tree = (base, paths)
+        return torch.stack(rows)
+
+    def forward(self, token_ids):
+        self._tree = None
+        return super().forward(token_ids)
+
+    def keep_rows(self, start, rows):
+        if self._tree is None:
+            return super().keep_rows(start, rows)
+        base, paths = self._tree
+        self.tokens = base + paths[rows[-1]]
+
+
+def test_trees_from_branching_continuations_step_onto_a_leaf():
+    """The index holds one context followed by two continuations; the target takes the less frequent one, which
+    the tree verifies as a leaf in the same forward."""
+    target = TreeKeyedTarget(vocab=40, forced={(1, 2): 3, (1, 2, 3): 30, (3, 30): 31, (30, 31): 32})
+    index = SuffixIndex(100)
+    for tail in ([20, 21], [20, 21], [30, 31]):
+        index.begin([1, 2, 3, *tail])
+    dec = SpeculativeDecoder(target, SuffixDrafter(100, max_draft=4), max_draft=4, adaptive=True, costs=FLAT)
+    got = dec.start([5, 1, 2], 3, suffix_index=index).result()  # prefill: 3; then draft 20 21, leaf 30 beside 20
+    assert got.token_ids == target.greedy([5, 1, 2], 3) == [3, 30, 31]
+    assert got.metrics.leaves == 1 and got.metrics.accepted_leaves == 1 and got.metrics.target_forwards == 1
+
+
+def test_later_requests_draft_from_earlier_ones_only_through_the_shared_index():
+    target = ContextKeyedTarget(vocab=50, seed=3)
+    prompt = [1, 2, 3, 4]
+    drafter = SuffixDrafter(1000, max_draft=8)
+    dec = SpeculativeDecoder(target, drafter, max_draft=8)
+    shared = SuffixIndex(1000)
+    first = dec.start(prompt, 60, suffix_index=shared).result()
+    again = dec.start(prompt, 60, suffix_index=shared).result()
+    alone = dec.start(prompt, 60).result()  # no index: this request's own tokens only
+    assert first.token_ids == again.token_ids == alone.token_ids == target.greedy(prompt, 60)
+    assert again.metrics.target_forwards * 4 < first.metrics.target_forwards
+    assert alone.metrics.target_forwards == first.metrics.target_forwards
+    other = SuffixIndex(1000)
+    assert dec.start(prompt, 60, suffix_index=other).result().metrics.target_forwards == first.metrics.target_forwards
+
+
+def test_generator_keeps_one_index_for_its_generations_and_clears_it():
+    model = toy_model(toy_config("llama"), init_std=0.5, seed=2)
+    tok = byte_tokenizer()
+    gen = Generator(model, tok, method="suffix", adaptive=False, eos_token_ids=[])
+    greedy = Generator(model, tok, method="greedy", eos_token_ids=[])
+    prompt = [5, 9, 14, 3, 200]
+    want = greedy.generate(prompt, 30).token_ids
+    first = gen.generate(prompt, 30)
+    second = gen.generate(prompt, 30)
+    assert first.token_ids == second.token_ids == want
+    assert second.metrics.target_forwards < first.metrics.target_forwards
+    assert gen.suffix_index is not None and len(gen.suffix_index) == 2 * (len(prompt) + 30)
+    gen.clear_suffix_index()
+    assert len(gen.suffix_index) == 0
+    assert gen.generate(prompt, 30).metrics.target_forwards == first.metrics.target_forwards
+
+
+def test_suffix_plus_mtp_drafts_with_the_index_first():
+    drafter = FallbackDrafter([SuffixDrafter(100), NgramDrafter()])
+    index = SuffixIndex(100)
+    index.begin([7, 8, 9, 10])
+    drafter.use_suffix_index(index)
+    drafter.reset([7, 8])
+    assert drafter.propose(4) == [9, 10] and drafter.proposals_by == [1, 0]
+    assert drafter.proposes_trees
+
+
+def test_match_keys_grade_depth_and_agreement():
+    assert match_key(SuffixMatch(depth=2, support=1)) == 1
+    assert match_key(SuffixMatch(depth=40, support=1)) == 6
+    assert match_key(SuffixMatch(depth=2, support=2)) == 11
