@@ -77,7 +77,9 @@ def ours_runner(gen: Generator, max_new: int) -> Runner:
     return lambda ids: gen.generate(ids, max_new_tokens=max_new).token_ids
 
 
-def run_vllm(python: str | None, args: argparse.Namespace, prompts: list[list[int]], eos: list[int]) -> dict:
+def run_vllm(
+    python: str | None, args: argparse.Namespace, prompts: list[list[int]], eos: list[int], skipped: set[str]
+) -> dict:
     """vLLM's plain and ngram engines over every prompt and rep (batch 1), keyed by engine name; empty with a
     message where no interpreter has vLLM."""
     from lattice_inference.engines.vllm.batch import VllmRequest, VllmRun, run_batch
@@ -97,6 +99,7 @@ def run_vllm(python: str | None, args: argparse.Namespace, prompts: list[list[in
         "vllm ngram 10": DecodeOptions(method="ngram", max_draft=10),
         "vllm ngram 4": DecodeOptions(method="ngram", max_draft=4),
     }
+    engines = {name: options for name, options in engines.items() if name not in skipped}
     runs = [VllmRun(options, requests, warmup=True) for options in engines.values()]
     done = run_batch(runtime, model, runs, eos, threads=torch.get_num_threads())
     return {
@@ -108,11 +111,14 @@ def run_vllm(python: str | None, args: argparse.Namespace, prompts: list[list[in
     }
 
 
-def run_llamacpp(python: Path, gguf: str, prompts: list[list[int]], max_new: int, reps: int) -> dict[str, list[dict]]:
+def run_llamacpp(
+    python: Path, gguf: str, prompts: list[list[int]], max_new: int, reps: int, skipped: set[str]
+) -> dict[str, list[dict]]:
     """Run the llama.cpp engines in the peers venv (a subprocess); their results keyed by engine name."""
     with tempfile.TemporaryDirectory() as tmp:
         req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
         methods = {"llama.cpp": None, "llama.cpp lookup 10": 10, "llama.cpp lookup 4": 4}
+        methods = {name: lookup for name, lookup in methods.items() if name not in skipped}
         req.write_text(json.dumps({"max_new_tokens": max_new, "methods": methods, "prompts": prompts}))
         cmd = [
             str(python),
@@ -189,6 +195,7 @@ def main() -> None:
     ap.add_argument("--peers-python", help="Python of the venv with llama-cpp-python (default: $LATTICE_PEERS_PYTHON)")
     ap.add_argument("--vllm-python", help="Python of the venv with vLLM (default: $LATTICE_VLLM_PYTHON)")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM (its engines take minutes to start)")
+    ap.add_argument("--skip", default="", help="comma-separated engine names to leave out, e.g. 'ours ngram fixed'")
     ap.add_argument("--json", help="write the full report here")
     ap.add_argument("--plot", help="write a PNG of tokens/s per engine and prompt set here (needs matplotlib)")
     args = ap.parse_args()
@@ -217,6 +224,8 @@ def main() -> None:
     if shipped_head(loaded.source) is not None:
         head = mtp_head_for(loaded, DecodeOptions(method="mtp").draft_length)
         runners["ours mtp"] = ours_runner(ours(method="mtp", mtp_head=head), n)
+    skipped = {name.strip() for name in args.skip.split(",") if name.strip()}
+    runners = {name: run for name, run in runners.items() if name not in skipped}
     names = list(runners)
     for run in runners.values():  # warm-up
         run(encoded[0][:64])
@@ -237,11 +246,11 @@ def main() -> None:
         if missing or python is None:
             print(f"[peers] llama.cpp skipped: {missing}", file=sys.stderr)
         else:
-            results.update(run_llamacpp(python, args.llamacpp_gguf, encoded, n, args.reps))
+            results.update(run_llamacpp(python, args.llamacpp_gguf, encoded, n, args.reps, skipped))
     else:
         print("[peers] llama.cpp skipped: no --llamacpp-gguf given", file=sys.stderr)
     if not args.no_vllm:
-        results.update(run_vllm(args.vllm_python, args, encoded, loaded.eos_token_ids))
+        results.update(run_vllm(args.vllm_python, args, encoded, loaded.eos_token_ids, skipped))
     table = summarise(results, prompts, "transformers greedy")
     print("command: python " + " ".join(sys.argv))
     print(f"model {loaded.source} ({args.dtype}), {n} new tokens, {args.reps} reps, {torch.get_num_threads()} threads")
