@@ -68,6 +68,9 @@ class SamplingArgs(TypedDict, total=False):
     top_p: float | None
     min_p: float | None
     seed: int | None
+    repetition_penalty: float | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
 
 
 #: The earlier name of the API's result type: the API and the decoder return the same `GenerationResult`.
@@ -287,8 +290,9 @@ class Generator:
         and the ``N`` most likely tokens at its index (``.logprobs``; see `TokenLogprob`).
 
         Sampling keywords: ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` (1: off), ``min_p``
-        (0: off), ``seed`` (None: drawn at random when sampling, reported as ``.seed``); those not given take the
-        generator's defaults (`DecodeOptions.sampling`, greedy unless set)."""
+        (0: off), ``seed`` (None: drawn at random when sampling, reported as ``.seed``), ``repetition_penalty``
+        (1: off), ``presence_penalty`` and ``frequency_penalty`` (0: off; see `SamplingOptions`); those not given
+        take the generator's defaults (`DecodeOptions.sampling`, greedy unless set)."""
         options = self.sampling(**sampling)
         return self.decoder.start(self.encode(prompt, chat), max_new_tokens, options, logprobs)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,17 +169,10 @@ class Engine:
             )
         return settings
 
-    def sampling_for(
-        self,
-        temperature: float | None,
-        top_p: float | None,
-        seed: int | None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-    ) -> SamplingOptions:
-        """The request's sampling, checked by the library here rather than in the worker. Absent temperature
-        means 0: greedy, the model's argmax text whatever the method (``top_p`` and the rest change nothing)."""
-        given = {"temperature": temperature, "top_p": top_p, "seed": seed, "top_k": top_k, "min_p": min_p}
+    def sampling_for(self, given: Mapping[str, Any]) -> SamplingOptions:
+        """The request's sampling (``given``: `SamplingOptions` fields, None where unset), checked by the library
+        here rather than in the worker. Absent temperature means 0: greedy, the model's argmax text whatever the
+        method (``top_p`` and the rest change nothing; penalties still apply)."""
         try:
             return SamplingOptions(**{k: v for k, v in given.items() if v is not None})
         except LatticeError as exc:
