@@ -160,7 +160,9 @@ def test_draft_trees_equal_plain(arch):
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("hybrid-penalties") / "moe", init_std=0.05, head="echo", seed=5, moe=True)
+    return write_model(
+        tmp_path_factory.mktemp("hybrid-penalties") / "moe", init_std=0.05, head="echo", seed=5, moe=True
+    )
 
 
 def test_hybrid_every_method_equals_plain(hybrid):

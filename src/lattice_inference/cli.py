@@ -101,7 +101,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for name, help_text in PENALTY_FLAGS.items():
         default = getattr(SamplingOptions, name)
-        parser.add_argument("--" + name.replace("_", "-"), default=f"{default:g}", help=f"{help_text} ({default:g}: off)")
+        parser.add_argument(
+            "--" + name.replace("_", "-"), default=f"{default:g}", help=f"{help_text} ({default:g}: off)"
+        )
     parser.add_argument(
         "--argmax-draft", action="store_true", help="mtp: draft by argmax when sampling (default: coupled drafting)"
     )

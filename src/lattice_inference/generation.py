@@ -23,8 +23,8 @@ from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOpti
 class TokenLogprob:
     """An emitted token's log-probability under the target's own distribution at its index (the log-softmax, in
     float32, of the verification row that chose it, before penalties, temperature and the other processors, as
-    vLLM reports them by default), and the ``top`` most likely tokens there with theirs, most likely first. A decode-matched target's
-    rows equal plain decoding's steps bit for bit, so these equal plain decoding's."""
+    vLLM reports them by default), and the ``top`` most likely tokens there with theirs, most likely first. A
+    decode-matched target's rows equal plain decoding's steps bit for bit, so these equal plain decoding's."""
 
     token: int
     logprob: float

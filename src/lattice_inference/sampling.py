@@ -92,7 +92,9 @@ class SamplingOptions:
 
     def penalties(self) -> dict[str, float]:
         """The penalties that are on (not at their neutral default), by field name."""
-        return {name: getattr(self, name) for name in PENALTIES if getattr(self, name) != getattr(SamplingOptions, name)}
+        return {
+            name: getattr(self, name) for name in PENALTIES if getattr(self, name) != getattr(SamplingOptions, name)
+        }
 
     @property
     def penalised(self) -> bool:
