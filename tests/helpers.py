@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import random
+from collections import Counter
 from collections.abc import Sequence
 
 import pytest
@@ -67,6 +68,21 @@ class RecordingTarget(Target):
     def rollback(self, length: int) -> None:
         self.rollbacks.append(length)
         self.inner.rollback(length)
+
+    def clear(self) -> None:
+        """Forget the recorded forwards and rollbacks (before the next generation)."""
+        self.forwards.clear()
+        self.rollbacks.clear()
+
+    def round_shapes(self) -> Counter[str]:
+        """How many drafted verification rounds since `clear` kept the whole draft (``full``), part of it
+        (``partial``) or none (``rejected``), from the recorded forwards after the prefill and their rollbacks."""
+        shapes: Counter[str] = Counter()
+        for (start, fed), kept in zip(self.forwards[1:], self.rollbacks, strict=True):
+            drafted, accepted = len(fed) - 1, kept - start - 1
+            if drafted:
+                shapes["full" if accepted == drafted else "rejected" if accepted == 0 else "partial"] += 1
+        return shapes
 
 
 class ContextKeyedTarget(Target):
