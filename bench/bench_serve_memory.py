@@ -1,8 +1,8 @@
-"""Server memory over many requests that cycle through more speculation settings than the engine caches.
+"""Server memory over many requests that cycle through speculation settings, prompts and lengths.
 
 Starts ``lattice serve`` (its own process, as a user would) and sends ``--requests`` completions, request ``i``
-with setting ``i % --settings`` (ngram with ``max_draft`` 2, 3, ... and mtp with ``draft_length`` 2, 3, ...: more
-than the engine's cache of 8 generators, so settings are evicted and rebuilt), prompts and lengths varying. The
+with setting ``i % --settings`` (ngram with ``max_draft`` 2, 3, ... and mtp with ``draft_length`` 2, 3, ...: each
+its own generator, and many verification widths), prompts and lengths varying (many attention lengths). The
 server's RSS (``/proc/PID/status`` ``VmRSS``) is read after the warm-up (the first ``--warmup`` requests) and after
 every request; the report gives the warm-up level, the largest and the last reading and their growth over it.
 
@@ -21,6 +21,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import openai
 from bench_serve import free_port, start_server
+
+#: Environment variables that change the server's memory, echoed with the command.
+ENVIRONMENT = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_")
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
@@ -63,7 +66,8 @@ def rss_mb(pid: int) -> float:
 
 def main() -> None:
     args = parse_args()
-    print("$ " + shlex.join([sys.executable, *sys.argv]), flush=True)
+    env = [f"{k}={os.environ[k]}" for k in ENVIRONMENT if k in os.environ]  # the allocators' settings, where given
+    print("$ " + shlex.join([*env, sys.executable, *sys.argv]), flush=True)
     port = free_port()
     server = start_server(args, port)
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)

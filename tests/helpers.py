@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import random
+from collections import Counter
 from collections.abc import Sequence
 
 import pytest
@@ -67,6 +68,21 @@ class RecordingTarget(Target):
     def rollback(self, length: int) -> None:
         self.rollbacks.append(length)
         self.inner.rollback(length)
+
+    def clear(self) -> None:
+        """Forget the recorded forwards and rollbacks (before the next generation)."""
+        self.forwards.clear()
+        self.rollbacks.clear()
+
+    def round_shapes(self) -> Counter[str]:
+        """How many drafted verification rounds since `clear` kept the whole draft (``full``), part of it
+        (``partial``) or none (``rejected``), from the recorded forwards after the prefill and their rollbacks."""
+        shapes: Counter[str] = Counter()
+        for (start, fed), kept in zip(self.forwards[1:], self.rollbacks, strict=True):
+            drafted, accepted = len(fed) - 1, kept - start - 1
+            if drafted:
+                shapes["full" if accepted == drafted else "rejected" if accepted == 0 else "partial"] += 1
+        return shapes
 
 
 class ContextKeyedTarget(Target):
@@ -157,6 +173,33 @@ def hf_warpers(options) -> list:
     return out
 
 
+class OpenAIPenaltyProcessor:
+    """A transformers logits processor with OpenAI's presence and frequency penalties, an independent reference:
+    ``logit - frequency * count - presence * (count > 0)``, ``count`` a token's occurrences after the first
+    ``prompt_length`` ids (the generated ones)."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float) -> None:
+        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_length :]
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).float()
+
+
+def hf_penalties(options, prompt_length: int) -> list:
+    """transformers' ``RepetitionPenaltyLogitsProcessor`` and `OpenAIPenaltyProcessor` for ``options`` (a
+    `SamplingOptions`), those that are on, in the order they apply."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    out: list = []
+    if options.repetition_penalty != 1:
+        out.append(RepetitionPenaltyLogitsProcessor(options.repetition_penalty))
+    if options.presence_penalty or options.frequency_penalty:
+        out.append(OpenAIPenaltyProcessor(prompt_length, options.presence_penalty, options.frequency_penalty))
+    return out
+
+
 def hf_generate(model, prompt: Sequence[int], max_new: int, eos: int | None, processors: Sequence = ()) -> list[int]:
     """transformers' greedy search (after ``processors``), without the final EOS."""
     from transformers import LogitsProcessorList
@@ -178,9 +221,18 @@ def hf_generate(model, prompt: Sequence[int], max_new: int, eos: int | None, pro
 
 
 def hf_sampled(model, prompt: Sequence[int], max_new: int, eos: int | None, options) -> list[int]:
-    """Plain keyed sampling by transformers' ``generate`` (its warpers + our keyed noise + greedy search), without
-    the final EOS."""
-    return hf_generate(model, prompt, max_new, eos, [*hf_warpers(options), KeyedNoiseProcessor(options.seed)])
+    """Plain keyed sampling by transformers' ``generate`` (the penalties that are on, its warpers, our keyed
+    noise, greedy search), without the final EOS."""
+    processors = [*hf_penalties(options, len(prompt)), *hf_warpers(options), KeyedNoiseProcessor(options.seed)]
+    return hf_generate(model, prompt, max_new, eos, processors)
+
+
+def hf_plain(model, prompt: Sequence[int], max_new: int, eos: int | None, options) -> list[int]:
+    """Plain decoding with ``options`` (greedy or keyed sampling, penalties included) by transformers'
+    ``generate``, without the final EOS."""
+    if options.greedy:
+        return hf_generate(model, prompt, max_new, eos, hf_penalties(options, len(prompt)))
+    return hf_sampled(model, prompt, max_new, eos, options)
 
 
 class TreeOracleDrafter(OracleDrafter):

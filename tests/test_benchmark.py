@@ -65,6 +65,10 @@ def test_bench_json_reports_identical_outputs(tmp_path, capsys):
     assert "== copy: 1 prompts ==" in table and "== free: 1 prompts ==" in table and "== all prompts" in table
     assert main([*argv]) == 0
     assert "acceptance per position" in capsys.readouterr().out
+    assert main([*argv, "--repetition-penalty", "1.3", "--json", "--reps", "1"]) == 0
+    penalised = json.loads(capsys.readouterr().out)
+    assert all(r["identical_share"] == 1.0 for r in penalised["rows"])
+    assert "penalties: repetition_penalty 1.3" in format_table(penalised)
     assert main(["bench", "--model", str(model), "--prompts", str(prompts), "--methods", "beam"]) == 2
     assert "unknown method(s) beam" in capsys.readouterr().err
 

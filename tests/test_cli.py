@@ -58,6 +58,22 @@ def test_json_output_and_ngram_equals_greedy(model_dir, capsys):
     assert max(adaptive["metrics"]["draft_lengths"]) <= 6
 
 
+def test_penalties_reach_the_decoder_and_stay_lossless(model_dir, capsys):
+    """``--repetition-penalty`` etc. change the text the same way with and without speculation, and equal the
+    Python API's."""
+    from lattice_inference import Generator
+
+    common = ["--model", model_dir, "--prompt", PROMPT, "--max-new-tokens", "32", "--dtype", "float32", "--no-chat"]
+    flags = ["--repetition-penalty", "1.4", "--frequency-penalty", "0.5", "--presence-penalty", "0.3"]
+    plain = run_json(capsys, *common, "--method", "greedy")
+    greedy = run_json(capsys, *common, *flags, "--method", "greedy")
+    ngram = run_json(capsys, *common, *flags, "--method", "ngram")
+    assert ngram["token_ids"] == greedy["token_ids"] != plain["token_ids"]
+    api = Generator.from_pretrained(model_dir, dtype="float32", method="greedy")
+    penalties = dict(repetition_penalty=1.4, frequency_penalty=0.5, presence_penalty=0.3)
+    assert api.generate(PROMPT, 32, **penalties).token_ids == greedy["token_ids"]
+
+
 def test_streams_text_and_prints_one_metrics_line(model_dir, capsys):
     assert main(["generate", "--model", model_dir, "--prompt", PROMPT, "--max-new-tokens", "20"]) == 0
     captured = capsys.readouterr()
@@ -89,6 +105,9 @@ def test_prompt_file_and_chat(model_dir, tmp_path, capsys):
         (["--max-new-tokens", "5000"], "exceeds the model's 2048 positions"),
         (["--min-ngram", "4", "--max-ngram", "3"], "--min-ngram (4) is larger than --max-ngram (3)"),
         (["--method", "beam"], "unknown method 'beam'"),
+        (["--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
+        (["--presence-penalty", "3"], "presence_penalty must be a number in [-2, 2]"),
+        (["--frequency-penalty", "lots"], "--frequency-penalty must be a number"),
     ],
 )
 def test_bad_input_one_line_error(model_dir, tmp_path, capsys, args, message):

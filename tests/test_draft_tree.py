@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from helpers import TreeOracleDrafter, hf_generate, hf_sampled
+from helpers import TreeOracleDrafter, hf_generate, hf_plain
 from test_hybrid_target import build_model
 
 from lattice_inference.decode import SpeculativeDecoder
@@ -164,15 +164,23 @@ def test_tree_decoding_equals_greedy(arch):
         assert leaves == on_leaf == 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "phi3"])
-def test_tree_decoding_equals_keyed_sampling(arch):
+#: Penalties on: each tree row is penalised by its own path (`lattice_inference.penalties`).
+PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.6)
+
+
+@pytest.mark.parametrize(
+    ("arch", "penalties"), [("qwen3", {}), ("llama", {}), ("phi3", {}), ("qwen3", PENALTIES), ("llama", PENALTIES)]
+)
+def test_tree_decoding_equals_keyed_sampling(arch, penalties):
+    """Keyed sampling (and, with penalties, greedy decoding too) through trees equals transformers' plain run."""
     model = toy_model(toy_config(arch), init_std=0.3, seed=11)
     rng = random.Random(arch)
+    temperatures = (0.7, 0.0, 1.5, 0.0) if penalties else (0.7, 1.0, 1.5, 0.3)
     on_leaf = 0
     for i in range(4):
         prompt = [rng.randrange(256) for _ in range(rng.randint(3, 30))]
-        opts = SamplingOptions(temperature=(0.7, 1.0, 1.5, 0.3)[i], top_k=(0, 40, 0, 0)[i], seed=50 + i)
-        free = hf_sampled(model, prompt, 30, None, opts)
+        opts = SamplingOptions(temperature=temperatures[i], top_k=(0, 40, 0, 0)[i], seed=50 + i, **penalties)
+        free = hf_plain(model, prompt, 30, None, opts)
         got = _oracle_run(model, prompt, free, None, opts, seed=i)
         assert got.token_ids == free, (arch, i)
         on_leaf += got.metrics.accepted_leaves

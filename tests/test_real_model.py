@@ -188,3 +188,21 @@ def test_shipped_head_drafts_trees_losslessly_and_its_hiddens_follow_the_kept_pa
         torch.testing.assert_close(rows, kept[0][start : start + rows.shape[0]], atol=2e-3, rtol=2e-3)
         assert start + rows.shape[0] == len(seq) - 1
     assert on_leaf > 0
+
+
+def test_repetition_penalty_equals_transformers_and_speculation(loaded, generators) -> None:
+    """SmolLM2 with ``repetition_penalty`` 1.3 (it loops without one): plain decoding equals transformers'
+    ``generate(repetition_penalty=1.3)``, and prompt lookup emits it token for token, greedy and seeded."""
+    prompts = [p for p in load_prompts(GROUNDED_TASKS) if p.set == "grounded"][1::7][:3]
+    for i, p in enumerate(prompts):
+        ids = encode_prompt(generators["greedy"], p)
+        want = loaded.model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=BUDGET,
+            do_sample=False, repetition_penalty=1.3, eos_token_id=2, pad_token_id=2,
+        )[0, len(ids) :].tolist()  # fmt: skip
+        want = want[: want.index(2)] if 2 in want else want
+        assert generators["greedy"].generate(ids, BUDGET, repetition_penalty=1.3).token_ids == want, i
+        assert generators["ngram10"].generate(ids, BUDGET, repetition_penalty=1.3).token_ids == want, i
+        sampled = dict(temperature=0.8, seed=i, repetition_penalty=1.3, presence_penalty=0.5)
+        reference = generators["greedy"].generate(ids, BUDGET, **sampled).token_ids
+        assert generators["ngram"].generate(ids, BUDGET, **sampled).token_ids == reference, i

@@ -9,6 +9,8 @@ and argmax drafting) and ``ngram+mtp``; temperatures 0.3, 0.7, 1.0 and 1.5 with 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from helpers import OracleDrafter, RecordingTarget, hf_sampled
@@ -47,7 +49,7 @@ def test_attention_models(arch):
     """n-gram and corrupted-oracle drafts on attention models: identical to plain sampling with the seed."""
     model = toy_model(toy_config(arch), init_std=0.3, seed=11)
     target = RecordingTarget(TransformersTarget(model))
-    shapes = {"full": 0, "partial": 0, "rejected": 0}
+    shapes: Counter[str] = Counter()
     eos_stops = 0
     for i, prompt in enumerate(make_prompts(len(arch))):
         opts = options_for(i, len(arch))
@@ -61,16 +63,12 @@ def test_attention_models(arch):
         assert ngram.generate(prompt, NEW, opts).token_ids == want, (arch, i, "ngram")
         oracle = OracleDrafter(prompt + free, vocab=TOY_VOCAB, corrupt=0.2, seed=i)
         dec = SpeculativeDecoder(target, oracle, max_draft=5, eos_token_ids=eos_ids)
-        target.forwards.clear()
-        target.rollbacks.clear()
+        target.clear()
         got = dec.generate(prompt, NEW, opts)
         assert got.token_ids == want, (arch, i, "oracle")
         eos_stops += got.stop_reason == "eos"
-        for (start, fed), kept in zip(target.forwards[1:], target.rollbacks, strict=True):
-            drafted, accepted = len(fed) - 1, kept - start - 1
-            if drafted:
-                shapes["full" if accepted == drafted else "rejected" if accepted == 0 else "partial"] += 1
-    assert all(shapes.values()), shapes
+        shapes += target.round_shapes()
+    assert all(shapes[k] for k in ("full", "partial", "rejected")), shapes
     assert eos_stops > 0
 
 

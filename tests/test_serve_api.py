@@ -243,3 +243,37 @@ def test_sampling_with_a_seed_equals_generator(server, reference, method, stream
         text, metrics = out.choices[0].text, out.speculative_metrics
     assert text == want.text
     assert metrics["seed"] == 7
+
+
+@pytest.mark.parametrize(("method", "stream", "chat"), [("ngram", False, False), ("ngram+mtp", True, True)])
+def test_penalties_equal_generator(server, reference, method, stream, chat):
+    """OpenAI's presence/frequency penalties and vLLM's ``repetition_penalty`` extension, greedy and seeded."""
+    penalties = {"presence_penalty": 0.6, "frequency_penalty": 0.4}
+    sampling = {"temperature": 0.7, "seed": 3} if chat else {}
+    prompt = PROMPTS[0]
+    encoded = reference.encode(prompt, chat)
+    want = reference.generate(encoded, MAX_TOKENS, repetition_penalty=1.3, **penalties, **sampling)
+    assert want.text != reference.generate(encoded, MAX_TOKENS, **sampling).text  # the penalties change the text
+    extra = {"speculative": {"method": method}, "repetition_penalty": 1.3}
+    api = client(server)
+    if chat:
+        out = api.chat.completions.create(
+            model=MODEL_NAME, messages=chat_messages(prompt), max_tokens=MAX_TOKENS, stream=stream,
+            extra_body=extra, **penalties, **sampling,
+        )  # fmt: skip
+    else:
+        out = api.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, stream=stream, extra_body=extra, **penalties
+        )
+    text = stream_text(out, chat)[0] if stream else out.choices[0].text
+    assert text == want.text
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0}, {"repetition_penalty": -1}],
+)
+def test_penalties_out_of_range_are_400_naming_them(server, fields):
+    with pytest.raises(openai.BadRequestError) as info:
+        client(server).completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, extra_body=fields)
+    assert next(iter(fields)) in str(info.value)

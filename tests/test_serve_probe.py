@@ -3,6 +3,8 @@ values accepted, tiny temperatures, and 415 for a body that is not JSON."""
 
 from __future__ import annotations
 
+import os
+
 import openai
 import pytest
 from serve_harness import MODEL_NAME, PROMPTS, client, greedy, load_tiny, request, running_server
@@ -145,3 +147,29 @@ def test_415_through_the_openai_client(server):
             model=MODEL_NAME, prompt="x", max_tokens=2, extra_headers={"Content-Type": "text/plain"}
         )  # fmt: skip
     assert info.value.status_code == 415
+
+
+def test_serve_caps_the_onednn_primitive_cache_before_loading(monkeypatch):
+    """oneDNN's primitive cache (1024 JIT-compiled shapes by default) was the server's RSS growth: ``lattice serve``
+    bounds it before the first forward, and leaves a value the environment sets alone."""
+    import lattice_inference.loading
+    from lattice_inference.cli import build_parser
+    from lattice_inference.errors import ConfigError
+    from lattice_inference.serve.command import build_engine
+    from lattice_inference.serve.engine import ONEDNN_CACHE_CAPACITY, cap_onednn_cache
+
+    name = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+    monkeypatch.delenv(name, raising=False)
+    seen: list[str | None] = []
+
+    def load_model(model, dtype):
+        seen.append(os.environ.get(name))
+        raise ConfigError("not loading in this test")
+
+    monkeypatch.setattr(lattice_inference.loading, "load_model", load_model)
+    with pytest.raises(ConfigError, match="not loading"):
+        build_engine(build_parser().parse_args(["serve", "--model", "bundled"]))
+    assert seen == [str(ONEDNN_CACHE_CAPACITY)]
+    monkeypatch.setenv(name, "16")
+    cap_onednn_cache()
+    assert os.environ[name] == "16"

@@ -96,6 +96,13 @@ def test_sampling_params():
         "seed": 11,
         "max_tokens": 8,
     }
+    penalised = SamplingOptions(repetition_penalty=1.2, presence_penalty=0.0, frequency_penalty=-0.5)
+    assert mapping.sampling_params(penalised, 4) == {
+        "temperature": 0.0,
+        "max_tokens": 4,
+        "repetition_penalty": 1.2,
+        "frequency_penalty": -0.5,
+    }
 
 
 def test_engine_argv_and_passthrough():

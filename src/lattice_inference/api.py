@@ -70,6 +70,9 @@ class SamplingArgs(TypedDict, total=False):
     top_p: float | None
     min_p: float | None
     seed: int | None
+    repetition_penalty: float | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
 
 
 #: The earlier name of the API's result type: the API and the decoder return the same `GenerationResult`.
@@ -297,8 +300,9 @@ class Generator:
         and the ``N`` most likely tokens at its index (``.logprobs``; see `TokenLogprob`).
 
         Sampling keywords: ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` (1: off), ``min_p``
-        (0: off), ``seed`` (None: drawn at random when sampling, reported as ``.seed``); those not given take the
-        generator's defaults (`DecodeOptions.sampling`, greedy unless set).
+        (0: off), ``seed`` (None: drawn at random when sampling, reported as ``.seed``), ``repetition_penalty``
+        (1: off), ``presence_penalty`` and ``frequency_penalty`` (0: off; see `SamplingOptions`); those not given
+        take the generator's defaults (`DecodeOptions.sampling`, greedy unless set).
 
         ``suffix_index`` (suffix methods): the cross-request index to draft from and add this generation to, in
         place of the generator's own (``lattice serve`` passes each tenant's)."""

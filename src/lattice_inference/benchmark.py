@@ -26,6 +26,7 @@ from lattice_inference.api import Generator
 from lattice_inference.errors import ConfigError
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.model_source import ModelSource
+from lattice_inference.sampling import SamplingOptions
 
 #: The grounded task set shipped with the package (the default prompts of models without their own).
 GROUNDED_TASKS = Path(__file__).parent / "tasks" / "grounded.jsonl"
@@ -370,6 +371,9 @@ def format_table(report: dict[str, Any]) -> str:
             f"sampled ({knobs}), prompt i with seed {sampling['seed']} + i; 'greedy' is plain sampling, the "
             "reference of 'identical'"
         )
+    penalties = SamplingOptions(**sampling).penalties() if sampling else {}
+    if penalties:
+        lines.append("penalties: " + ", ".join(f"{k} {v}" for k, v in penalties.items()))
     return "\n".join(lines)
 
 

@@ -93,9 +93,18 @@ def add_suffix_budget(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: The penalty flags: ``SamplingOptions`` field, help. Defaults (off) and ranges are `SamplingOptions`'.
+PENALTY_FLAGS = {
+    "repetition_penalty": "divide positive / multiply negative logits of tokens already in the text, prompt included "
+    "(transformers' definition)",
+    "presence_penalty": "subtract from the logit of every token generated so far (OpenAI's definition)",
+    "frequency_penalty": "subtract this times how often each token was generated so far (OpenAI's definition)",
+}
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--temperature --top-k --top-p --min-p --seed --argmax-draft``; values are checked by `SamplingOptions`
-    (so a bad one is one ``lattice: error:`` line)."""
+    """``--temperature --top-k --top-p --min-p --seed --argmax-draft`` and the penalties; values are checked by
+    `SamplingOptions` (so a bad one is one ``lattice: error:`` line)."""
     parser.add_argument("--temperature", default="0", help="0 (default) is greedy; above 0 samples")
     parser.add_argument("--top-k", default="0", help="sample among the k most likely tokens (0: off)")
     parser.add_argument("--top-p", default="1", help="sample within this probability mass, in (0, 1] (1: off)")
@@ -103,6 +112,11 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", help="sampling seed: the same seed gives the same text with any method (default: random, reported)"
     )
+    for name, help_text in PENALTY_FLAGS.items():
+        default = getattr(SamplingOptions, name)
+        parser.add_argument(
+            "--" + name.replace("_", "-"), default=f"{default:g}", help=f"{help_text} ({default:g}: off)"
+        )
     parser.add_argument(
         "--argmax-draft", action="store_true", help="mtp: draft by argmax when sampling (default: coupled drafting)"
     )
@@ -124,6 +138,7 @@ def sampling_options(args: argparse.Namespace) -> SamplingOptions:
         top_p=_number("--top-p", args.top_p, float),
         min_p=_number("--min-p", args.min_p, float),
         seed=None if args.seed is None else int(_number("--seed", args.seed, int)),
+        **{name: _number("--" + name.replace("_", "-"), getattr(args, name), float) for name in PENALTY_FLAGS},
     )
 
 

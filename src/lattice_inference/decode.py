@@ -8,7 +8,9 @@ logits, the seed and that index). The longest draft prefix equal to those choice
 the choice after it (the correction, or the bonus) is emitted too, and the cache is rolled back to ``p + 1 + a``.
 So every token is fed exactly once, at the position equal to its index, and each emitted token is exactly the
 choice plain decoding makes at that index: the output is token for token plain decoding's, greedy or sampled
-with the same seed.
+with the same seed. Penalties (`lattice_inference.penalties`) are applied to each row by its own history (the
+emitted tokens and the draft tokens fed before it), so they keep this: an accepted row's penalised logits are
+plain decoding's.
 
 With ``adaptive`` (`Generator`'s default) a `DraftPlanner` decides each round how many drafted tokens to verify (up to
 ``max_draft``; 0 makes the round a plain decoding step) from the acceptance it has seen in this generation and
@@ -160,6 +162,8 @@ class SpeculativeDecoder:
             if len(tokens) == budget:
                 gen.stop_reason = "length"
         gen.metrics.new_tokens += len(tokens)
+        if gen.penalties is not None:
+            gen.penalties.extend(tokens)
         if gen.top_logprobs is not None:
             gen.logprobs.extend(row_logprob(logits[path[i]], t, gen.top_logprobs) for i, t in enumerate(tokens))
         return tokens
@@ -202,11 +206,12 @@ class SpeculativeDecoder:
                     tree = DraftTree(draft, planned.alternatives)
                     tokens, parents, depths = tree.rows(pending)
                     logits = target.forward_tree(tokens, parents)
-                    verdict = tree.verify(sampler.choose_at(logits, [position + 1 + d for d in depths]))
+                    scores = gen.penalised(logits, tokens, parents)
+                    verdict = tree.verify(sampler.choose_at(scores, [position + 1 + d for d in depths]))
                 else:
                     tokens = [pending, *draft]
                     logits = target.forward(tokens)
-                    verdict = verify_prefix(draft, sampler.choose(logits, position + 1))
+                    verdict = verify_prefix(draft, sampler.choose(gen.penalised(logits, tokens), position + 1))
                 if gen.planner is not None and self.costs is None:  # given costs stand as given
                     gen.planner.observe_forward_seconds(len(tokens), time.perf_counter() - forward_start)
                 hidden = self._hidden_rows(verdict.path)  # before rollback, which may run the model
@@ -299,11 +304,12 @@ class SpeculativeDecoder:
         budget = gen.max_new_tokens
         if drafter is None or self._wants_hidden or not target.fuses_prefill_and_draft or budget < 2:
             logits = target.prefill(prompt).unsqueeze(0)
-            return gen.sampler.choose(logits, len(prompt)), self._hidden_rows(len(prompt)), logits
+            first = gen.sampler.choose(gen.penalised(logits, prompt[-1:]), len(prompt))
+            return first, self._hidden_rows(len(prompt)), logits
         planned = self._draft(gen, budget - 1)
         draft = planned.verify
         logits = target.prefill_with_draft(prompt, draft)
-        verdict = verify_prefix(draft, gen.sampler.choose(logits, len(prompt)))
+        verdict = verify_prefix(draft, gen.sampler.choose(gen.penalised(logits, [prompt[-1], *draft]), len(prompt)))
         target.rollback(len(prompt) + verdict.accepted)
         self._learn(gen, planned, verdict)
         if draft:

@@ -8,7 +8,7 @@ generations in turn.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,15 +16,16 @@ import torch
 from lattice_inference.draft_planner import DraftPlanner
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.metrics import GenerationMetrics
+from lattice_inference.penalties import Penalties
 from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOptions, make_sampler
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
     """An emitted token's log-probability under the target's own distribution at its index (the log-softmax, in
-    float32, of the verification row that chose it, before temperature and the other processors, as vLLM reports
-    them), and the ``top`` most likely tokens there with theirs, most likely first. A decode-matched target's
-    rows equal plain decoding's steps bit for bit, so these equal plain decoding's."""
+    float32, of the verification row that chose it, before penalties, temperature and the other processors, as
+    vLLM reports them by default), and the ``top`` most likely tokens there with theirs, most likely first. A
+    decode-matched target's rows equal plain decoding's steps bit for bit, so these equal plain decoding's."""
 
     token: int
     logprob: float
@@ -79,6 +80,8 @@ class Generation:
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling.seeded()
         self.sampler: GreedySampler | KeyedSampler = make_sampler(self.sampling, vocab)
+        self.penalties = Penalties(self.sampling, prompt_ids) if self.sampling.penalised else None
+        """The history-dependent penalties (None: all off), counting each emitted token."""
         self.metrics = GenerationMetrics(prompt_tokens=len(prompt_ids))
         self.stop_reason = ""
         self.planner: DraftPlanner | None = None
@@ -91,6 +94,14 @@ class Generation:
         self.logprobs: list[TokenLogprob] = []
         """One `TokenLogprob` per emitted token (where ``top_logprobs`` is set), appended as rounds accept them."""
         self._chunks: Generator[list[int], None, None] = _no_chunks()
+
+    def penalised(
+        self, logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """The logits the sampler chooses from: ``logits`` (rows fed as ``tokens``, a chain or a tree with
+        ``parents``) with each row penalised by its own history (`Penalties.apply`), or as they are when no
+        penalty is on."""
+        return logits if self.penalties is None else self.penalties.apply(logits, tokens, parents)
 
     @property
     def seed(self) -> int | None:

@@ -1,5 +1,9 @@
 """Sampling options, transformers' logits processors, and the keyed Gumbel-max sampler.
 
+Penalties (``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``) change the raw logits before
+everything below, as transformers and vLLM apply them; they depend on the history, so the decode loop applies
+them per verification row (`lattice_inference.penalties`) and the samplers here see the penalised logits.
+
 **Keyed sampling.** The token at sequence index ``t`` (its index in the full sequence, prompt included: the
 first generated token of a ``P``-token prompt has index ``P``) is ``argmax(processed_logits_t + g_t)``, where
 ``processed_logits_t`` are the model's logits after temperature, top-k, top-p and min-p (transformers'
@@ -31,6 +35,11 @@ from lattice_inference.errors import ConfigError
 _MASK64 = (1 << 64) - 1
 _TINY = float(np.finfo(np.float32).tiny)
 
+#: The history-dependent penalties of `SamplingOptions` (see `lattice_inference.penalties`).
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+#: OpenAI's range for ``presence_penalty`` and ``frequency_penalty`` (vLLM's too).
+PENALTY_RANGE = (-2.0, 2.0)
+
 
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
@@ -41,13 +50,24 @@ class SamplingOptions:
     """How each token is chosen. ``temperature == 0`` (the default) is greedy decoding; above 0 the token is
     sampled from the logits processed by temperature, then ``top_k`` (0: off), ``top_p`` (1: off), ``min_p``
     (0: off), as transformers' ``generate`` applies them. ``seed`` makes sampling reproducible: the same seed
-    gives the same tokens with or without speculation (None: a random seed is drawn per generation)."""
+    gives the same tokens with or without speculation (None: a random seed is drawn per generation).
+
+    Penalties apply to the raw logits first, greedy or sampled (greedy then takes the argmax of the penalised
+    logits): ``repetition_penalty`` (transformers' definition, 1: off, > 0) divides the positive logits and
+    multiplies the negative ones of every token already in the sequence, **prompt included**;
+    ``frequency_penalty`` and ``presence_penalty`` (OpenAI's definitions, 0: off, -2..2) subtract
+    ``frequency_penalty * count + presence_penalty * (count > 0)`` from each token's logit, where ``count`` is
+    how often it was **generated** so far (the prompt does not count). Log-probabilities stay those of the raw
+    logits."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         t, k, p, m, s = self.temperature, self.top_k, self.top_p, self.min_p, self.seed
@@ -61,6 +81,25 @@ class SamplingOptions:
             raise ConfigError(f"min_p must be in [0, 1] (0 disables it), got {m!r}")
         if s is not None and (isinstance(s, bool) or not isinstance(s, int)):
             raise ConfigError(f"seed must be an integer or None, got {s!r}")
+        r = self.repetition_penalty
+        if not _is_real(r) or not 0 < r < float("inf"):
+            raise ConfigError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {r!r}")
+        low, high = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not low <= value <= high:
+                raise ConfigError(f"{name} must be a number in [{low:g}, {high:g}] (0 disables it), got {value!r}")
+
+    def penalties(self) -> dict[str, float]:
+        """The penalties that are on (not at their neutral default), by field name."""
+        return {
+            name: getattr(self, name) for name in PENALTIES if getattr(self, name) != getattr(SamplingOptions, name)
+        }
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty is on (the decode loop then penalises each row's logits by its history)."""
+        return bool(self.penalties())
 
     @property
     def greedy(self) -> bool:

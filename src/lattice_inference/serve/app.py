@@ -218,7 +218,7 @@ class Server:
                 prompt_ids, body.requested_max_tokens, default_max_tokens, "messages" if chat else "prompt"
             ),
             settings=engine.settings_for(body.speculative),
-            sampling=engine.sampling_for(body.temperature, body.top_p, body.seed, body.top_k, body.min_p),
+            sampling=engine.sampling_for(body.sampling_fields()),
             stops=body.stops,
             logprobs=body.top_logprobs_count,
             tenant=tenant_of(engine.suffix_scopes.mode, key, spec.scope if spec else None),

@@ -109,8 +109,9 @@ def default_options(args: argparse.Namespace) -> DecodeOptions:
 def build_engine(args: argparse.Namespace) -> Engine:
     """Load the model once and wrap it in an `Engine` with the command's default speculation settings."""
     from lattice_inference.loading import load_model
-    from lattice_inference.serve.engine import Engine
+    from lattice_inference.serve.engine import Engine, cap_onednn_cache
 
+    cap_onednn_cache()  # before the first forward, when oneDNN reads it
     settings = default_options(args)
     name = args.served_model_name or served_name(args.model)
     loaded = load_model(args.model, dtype=args.dtype)

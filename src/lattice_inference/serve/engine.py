@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,16 @@ from lattice_inference.targets import make_target
 from lattice_inference.targets.base import Target
 
 #: Speculation settings whose generators the engine keeps. A generator is a drafter over the shared model and
-#: target (tens of kilobytes), so keeping many is cheap, while rebuilding evicted ones churns the C heap: cycling
-#: 12 settings through a cache of 8 grew RSS by about 100 MB over 360 requests, through one of 32 by under 25 MB.
+#: target (tens of kilobytes), so keeping many is cheap.
 GENERATOR_CACHE = 32
+
+#: oneDNN primitives a server process keeps (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; oneDNN's default is 1024). Each
+#: bfloat16 matmul shape (every attention length, prompt length and draft width) gets its own JIT-compiled
+#: primitive of about 0.3 MB, kept in that cache, so a server's RSS grew by some 350 MB as the cache filled over
+#: hundreds of requests (`bench/bench_serve_memory.py`; glibc's in-use bytes grew with it, so not fragmentation).
+#: 128 holds every shape a decode step reuses; lengths not seen lately are compiled again (well under a
+#: millisecond each).
+ONEDNN_CACHE_CAPACITY = 128
 
 
 @dataclass
@@ -110,6 +118,13 @@ def return_free_memory() -> None:
         _MALLOC_TRIM(0)
 
 
+def cap_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """Bound oneDNN's primitive cache to ``capacity`` entries (see `ONEDNN_CACHE_CAPACITY`), unless the
+    environment already sets ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``. oneDNN reads it when it creates its first
+    primitive, so this must run before the process's first forward."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
+
+
 def _check_text(text: str, param: str) -> None:
     """400 for text that is not valid Unicode (JSON can carry lone surrogates; tokenizers refuse them)."""
     try:
@@ -178,17 +193,10 @@ class Engine:
             )
         return settings
 
-    def sampling_for(
-        self,
-        temperature: float | None,
-        top_p: float | None,
-        seed: int | None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-    ) -> SamplingOptions:
-        """The request's sampling, checked by the library here rather than in the worker. Absent temperature
-        means 0: greedy, the model's argmax text whatever the method (``top_p`` and the rest change nothing)."""
-        given = {"temperature": temperature, "top_p": top_p, "seed": seed, "top_k": top_k, "min_p": min_p}
+    def sampling_for(self, given: Mapping[str, Any]) -> SamplingOptions:
+        """The request's sampling (``given``: `SamplingOptions` fields, None where unset), checked by the library
+        here rather than in the worker. Absent temperature means 0: greedy, the model's argmax text whatever the
+        method (``top_p`` and the rest change nothing; penalties still apply)."""
         try:
             return SamplingOptions(**{k: v for k, v in given.items() if v is not None})
         except LatticeError as exc:

@@ -1,17 +1,19 @@
 """Request bodies of the OpenAI endpoints, validated with pydantic (strict types: ``"5"`` is not a number).
 
 Fields this server cannot honour are refused with a 400 that names them rather than silently ignored, unless
-they hold the value that means "off" (``echo: false``, ``presence_penalty: 0``, ...).
+they hold the value that means "off" (``echo: false``, ``best_of: 1``, ...).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lattice_inference.api import METHODS
+from lattice_inference.sampling import SamplingOptions
 from lattice_inference.serve.errors import APIError, bad_request
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -23,9 +25,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
     "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -98,6 +97,13 @@ class _Generation(_Strict):
     """Extension (as vLLM): sample among the k most likely tokens (0: off)."""
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     """Extension (as vLLM): drop tokens below ``min_p`` x the top probability (0: off)."""
+    presence_penalty: float | None = None
+    """OpenAI's: subtracted from the logit of each token generated so far (0: off; range checked by
+    `SamplingOptions`, as every sampling value)."""
+    frequency_penalty: float | None = None
+    """OpenAI's: subtracted, times the token's count so far, from its logit (0: off)."""
+    repetition_penalty: float | None = None
+    """Extension (as vLLM; transformers' definition, prompt included): 1 is off."""
     stop: str | list[str] | None = None
     n: int = 1
     speculative: Speculative | None = None
@@ -130,6 +136,10 @@ class _Generation(_Strict):
         if any(len(s) > MAX_STOP_LENGTH for s in stops):
             raise ValueError(f"stop strings may have at most {MAX_STOP_LENGTH} characters")
         return stop
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The request's values of `SamplingOptions`' fields (None where the request leaves one unset)."""
+        return {f.name: getattr(self, f.name) for f in fields(SamplingOptions)}
 
     @property
     def stops(self) -> list[str]:

@@ -117,9 +117,12 @@ def mtp_layers_of(config: Mapping[str, Any]) -> int:
 
 def sampling_params(sampling: SamplingOptions, max_tokens: int) -> dict[str, Any]:
     """Keyword arguments of vLLM's ``SamplingParams``: greedy is temperature 0; sampling passes temperature,
-    top-k (0: off in both), top-p, min-p and the seed (vLLM seeds each request's own generator)."""
+    top-k (0: off in both), top-p, min-p and the seed (vLLM seeds each request's own generator). Penalties that
+    are on pass as they are (vLLM's definitions are ours: repetition over prompt and output, presence and
+    frequency over the output)."""
+    penalties = {name: float(value) for name, value in sampling.penalties().items()}
     if sampling.greedy:
-        return {"temperature": 0.0, "max_tokens": max_tokens}
+        return {"temperature": 0.0, "max_tokens": max_tokens, **penalties}
     return {
         "temperature": float(sampling.temperature),
         "top_k": sampling.top_k,
@@ -127,6 +130,7 @@ def sampling_params(sampling: SamplingOptions, max_tokens: int) -> dict[str, Any
         "min_p": float(sampling.min_p),
         "seed": sampling.seed,
         "max_tokens": max_tokens,
+        **penalties,
     }
 
 
