@@ -246,11 +246,17 @@ def main() -> None:
         if missing or python is None:
             print(f"[peers] llama.cpp skipped: {missing}", file=sys.stderr)
         else:
-            results.update(run_llamacpp(python, args.llamacpp_gguf, encoded, n, args.reps, skipped))
+            try:
+                results.update(run_llamacpp(python, args.llamacpp_gguf, encoded, n, args.reps, skipped))
+            except (OSError, subprocess.SubprocessError, ValueError) as exc:
+                print(f"[peers] llama.cpp failed: {exc!r}", file=sys.stderr)
     else:
         print("[peers] llama.cpp skipped: no --llamacpp-gguf given", file=sys.stderr)
     if not args.no_vllm:
-        results.update(run_vllm(args.vllm_python, args, encoded, loaded.eos_token_ids, skipped))
+        try:  # a peer that fails loses its own rows only, never the rows measured before it
+            results.update(run_vllm(args.vllm_python, args, encoded, loaded.eos_token_ids, skipped))
+        except Exception as exc:  # noqa: BLE001 (report any failure of the peer and go on)
+            print(f"[peers] vLLM failed: {exc!r}", file=sys.stderr)
     table = summarise(results, prompts, "transformers greedy")
     print("command: python " + " ".join(sys.argv))
     print(f"model {loaded.source} ({args.dtype}), {n} new tokens, {args.reps} reps, {torch.get_num_threads()} threads")
