@@ -8,3 +8,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+import pytest  # noqa: E402  (after the environment and path set-up above)
+from serve_harness import greedy, load_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """The tiny served model (`serve_harness.load_tiny`), once per module; modules on another model define their own."""
+    return load_tiny()
+
+
+@pytest.fixture(scope="module")
+def reference(loaded):
+    """Plain greedy decoding over ``loaded``: what every served method must reproduce."""
+    return greedy(loaded)

@@ -8,24 +8,13 @@ import math
 import pytest
 import torch
 from helpers import OracleDrafter, TreeOracleDrafter
-from serve_harness import MODEL_NAME, PROMPTS, client, greedy, load_tiny, running_server
+from serve_harness import MODEL_NAME, PROMPTS, client, running_server
 
 from lattice_inference import Generator, SamplingOptions
 from lattice_inference.api import mtp_head_for
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.targets.transformers import TransformersTarget
 from lattice_inference.toy import toy_config, toy_model
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return load_tiny()
-
-
-@pytest.fixture(scope="module")
-def reference(loaded):
-    return greedy(loaded)
-
 
 SAMPLING = [SamplingOptions(), SamplingOptions(temperature=0.9, top_p=0.95, seed=5)]
 

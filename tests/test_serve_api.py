@@ -4,19 +4,9 @@ from __future__ import annotations
 
 import openai
 import pytest
-from serve_harness import MODEL_NAME, PROMPTS, client, greedy, load_tiny, request, running_server
+from serve_harness import MODEL_NAME, PROMPTS, client, request, running_server
 
 MAX_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return load_tiny()
-
-
-@pytest.fixture(scope="module")
-def reference(loaded):
-    return greedy(loaded)
 
 
 @pytest.fixture(scope="module")

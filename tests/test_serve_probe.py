@@ -7,19 +7,9 @@ import os
 
 import openai
 import pytest
-from serve_harness import MODEL_NAME, PROMPTS, client, greedy, load_tiny, request, running_server
+from serve_harness import MODEL_NAME, PROMPTS, client, request, running_server
 
 from lattice_inference.streaming import TextStream
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return load_tiny()
-
-
-@pytest.fixture(scope="module")
-def reference(loaded):
-    return greedy(loaded)
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
 """``lattice train-mtp``: train one MTP head on a frozen target and write it where ``--mtp-head`` loads it.
 
-Stages, each resumable from ``--out``: gather ``--data``; answer the prompts with the target itself
-(``--self-distill``; cached in ``OUT/work/distill.jsonl``); pack documents into windows; compute the trunk's
-states shard by shard while training (``OUT/work/shards``); train (``OUT/work/checkpoint.pt``); export
-``OUT/mtp_head.safetensors`` + ``.json`` at every checkpoint, so the newest head is always usable.
+Stages, each resumable from ``--out`` (intermediate files in its ``work`` subfolder): gather ``--data``; answer
+the prompts with the target itself (``--self-distill``; cached as ``distill.jsonl``); pack documents into windows;
+compute the trunk's states shard by shard while training (``shards``); train (``checkpoint.pt``); export
+``mtp_head.safetensors`` + ``.json`` into ``--out`` at every checkpoint, so the newest head is always usable.
 """
 
 from __future__ import annotations
