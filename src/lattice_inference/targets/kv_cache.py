@@ -67,6 +67,16 @@ class GrowableLayer(DynamicLayer):
         self._expose()
         return self._k[..., :length, :], self._v[..., :length, :]
 
+    def append_in_place(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grow the length by ``rows`` (the buffers first, as needed) and return the whole key and value buffers,
+        ``[batch, kv_heads, capacity, dim]``, for a caller that writes those rows itself (the native lean step)."""
+        assert self._k is not None and self._v is not None, "append_in_place needs a prefilled layer"
+        self._reserve(self._filled + rows, self._k, self._v)
+        self._filled += rows
+        self._expose()
+        assert self._k is not None and self._v is not None
+        return self._k, self._v
+
     def get_seq_length(self) -> int:
         return self._filled
 

@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from lattice_inference.errors import ConfigError
-from lattice_inference.targets import decode_matched
+from lattice_inference.targets import decode_matched, native_ops
 from lattice_inference.targets.block_attention import Block, block_attention, plan_blocks
 from lattice_inference.targets.decode_matched import Product
 from lattice_inference.targets.packed_linear import products
@@ -70,7 +70,9 @@ class LeanTarget(TransformersTarget):
     """`TransformersTarget` whose forwards run the lean decoder loop (see the module docstring); only for models
     `lean_supported` accepts."""
 
-    def __init__(self, model: PreTrainedModel, *, packed_weights: bool = True, decode_matched: bool = True) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, packed_weights: bool = True, decode_matched: bool = True, native: bool = True
+    ) -> None:
         reason = lean_supported(model)
         if reason is not None:
             raise ConfigError(f"the lean forward cannot run this model: {reason}")
@@ -80,6 +82,8 @@ class LeanTarget(TransformersTarget):
         text = model.config
         self._head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self._groups = text.num_attention_heads // text.num_key_value_heads
+        self._heads, self._kv_heads = text.num_attention_heads, text.num_key_value_heads
+        self._native = native_ops.ops() if native and self._native_fits(model) else None
 
     def _logits(
         self, ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: int
@@ -92,8 +96,58 @@ class LeanTarget(TransformersTarget):
         elif mask is None and 1 < n and start > 0:
             # rows at once over a cache: the causal mask transformers' sdpa_mask builds for this case
             mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)[None, None]
-        hidden = self._decoder(ids, positions, mask, blocks)
+        if blocks is not None and self._native is not None:
+            hidden = self._native_decoder(ids, positions, _visible_keys(start, n, mask, self.device))
+        else:
+            hidden = self._decoder(ids, positions, mask, blocks)
         return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+
+    @property
+    def native(self) -> bool:
+        """Whether matched forwards run the native row-wise ops (`native_ops`) rather than the PyTorch path."""
+        return self._native is not None
+
+    def _native_fits(self, model: PreTrainedModel) -> bool:
+        """Whether the native ops compute this model's layers: SiLU MLPs, the standard RMSNorm, float32 or
+        bfloat16 weights, a head dimension that is a multiple of 8."""
+        layer = model.model.layers[0]
+        return (
+            getattr(model.config, "hidden_act", None) == "silu"
+            and type(layer.input_layernorm).__name__.endswith("RMSNorm")
+            and model.dtype in (torch.float32, torch.bfloat16)
+            and self._head_dim % 8 == 0
+            and self.device.type == "cpu"
+        )
+
+    def _native_decoder(
+        self, ids: torch.Tensor, positions: torch.Tensor, visible: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """`_decoder` for matched forwards through the native ops: per layer a fused norm, the products, one call
+        for q/k norms, rotary embedding and the cache write, one for attention (each row over exactly the keys
+        ``visible`` gives it), one for the gated activation."""
+        ops, decoder = self._native, self.model.model
+        assert ops is not None and self._cache is not None
+        n, start = ids.shape[1], self._length
+        x = decoder.embed_tokens(ids)[0]
+        cos, sin = decoder.rotary_emb(x, positions)
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        keys, offsets = visible
+        h = ops.rms_norm(x, *self._layers[0].input_weight)
+        last = len(self._layers) - 1
+        for index, (layer, cache) in enumerate(zip(self._layers, self._cache.layers, strict=True)):
+            k_buf, v_buf = cache.append_in_place(n)
+            q = ops.rope_qk_cache(
+                _product(layer.qkv, h), layer.q_weight, layer.k_weight, layer.qk_eps, cos, sin,
+                k_buf[0], v_buf[0], start, self._heads, self._kv_heads,
+            )  # fmt: skip
+            out = ops.attention(q, k_buf[0], v_buf[0], keys, offsets, layer.attn.scaling)
+            h = ops.add_rms_norm(x, _product(layer.o, out), *layer.post_weight)
+            down = _product(layer.down, ops.silu_mul(_product(layer.gate_up, h)))
+            if index == last:
+                x = x + down
+            else:
+                h = ops.add_rms_norm(x, down, *self._layers[index + 1].input_weight)
+        return decoder.norm(x[None])
 
     def _decoder(
         self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, blocks: list[Block] | None
@@ -143,6 +197,12 @@ class _Layer:
     o: list[Product]
     gate_up: list[Product]
     down: list[Product]
+    input_weight: tuple[torch.Tensor, float]
+    """The input norm's weight and epsilon (for the native ops), as is each ``*_weight`` below."""
+    post_weight: tuple[torch.Tensor, float]
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    qk_eps: float
 
     @classmethod
     def of(cls, layer: torch.nn.Module) -> _Layer:
@@ -159,7 +219,38 @@ class _Layer:
             o=products([attn.o_proj]),
             gate_up=products([mlp.gate_proj, mlp.up_proj]),
             down=products([mlp.down_proj]),
+            input_weight=_norm_weight(layer.input_layernorm),
+            post_weight=_norm_weight(layer.post_attention_layernorm),
+            q_weight=None if q_norm is None else q_norm.weight.detach(),
+            k_weight=None if q_norm is None else attn.k_norm.weight.detach(),
+            qk_eps=1e-6 if q_norm is None else _norm_weight(q_norm)[1],
         )
+
+
+def _norm_weight(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """An RMSNorm's weight and epsilon (transformers names it ``variance_epsilon`` or ``eps``)."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.weight.detach(), float(getattr(norm, "eps", 1e-6) if eps is None else eps)
+
+
+def _visible_keys(
+    start: int, rows: int, mask: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache rows each new row attends to, flat, and each row's offsets into them (``[rows + 1]``): the
+    whole cache and the chain up to itself, or for a draft tree's ``mask`` the cache and its ancestors."""
+    seen = [list(range(i + 1)) for i in range(rows)] if mask is None else _seen_rows(mask, start)
+    cache = list(range(start))
+    flat = [key for row in seen for key in (*cache, *(start + r for r in row))]
+    offsets = [0]
+    for row in seen:
+        offsets.append(offsets[-1] + start + len(row))
+    return torch.tensor(flat, dtype=torch.long, device=device), torch.tensor(offsets, dtype=torch.long, device=device)
+
+
+def _product(group: list[Product], x: torch.Tensor) -> torch.Tensor:
+    """The whole output of ``group``'s projections of ``x`` (one fused product, or the members' side by side)."""
+    outputs = [decode_matched.matched_product(key, kernel, x) for key, kernel, _ in group]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 
 def _seen_rows(mask: torch.Tensor, start: int) -> list[list[int]]:

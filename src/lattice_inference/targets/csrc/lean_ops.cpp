@@ -1,0 +1,348 @@
+// The row-wise parts of a Llama/Qwen decoder layer as single calls, for the lean forward's decode-matched steps.
+//
+// Each op computes every row (and every head of a row) with one fixed sequence of float operations that depends
+// only on that row's data and the keys it may see, never on how many rows came with it: a k-row call equals k
+// 1-row calls bit for bit. Roundings follow transformers' modules (Llama/Qwen RMSNorm, rotary embedding, SiLU
+// MLP in the model dtype; attention in float32 as the block attention computes it), so the logits stay within
+// float rounding of the model's own forward. Reductions use 8 float lanes (GCC vector extensions: the same
+// order on every x86 CPU and compiler target), combined pairwise in a fixed order.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float f8 __attribute__((vector_size(32)));
+constexpr int L = 8;
+
+inline f8 load8(const float* p) { f8 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof v); }
+inline float sum8(f8 v) {
+  float s[L]; std::memcpy(s, &v, sizeof s);
+  float a = (s[0] + s[4]) + (s[2] + s[6]);
+  float b = (s[1] + s[5]) + (s[3] + s[7]);
+  return a + b;
+}
+
+typedef int32_t i8v __attribute__((vector_size(32)));
+typedef uint32_t u8v __attribute__((vector_size(32)));
+typedef uint16_t h8v __attribute__((vector_size(16)));
+
+inline f8 splat(float v) { return f8{v, v, v, v, v, v, v, v}; }
+inline f8 vmin(f8 a, f8 b) { return a < b ? a : b; }
+inline f8 vmax(f8 a, f8 b) { return a > b ? a : b; }
+
+// 8 numbers of type T (float or bfloat16) as floats.
+inline f8 widen8(const float* p) { return load8(p); }
+inline f8 widen8(const c10::BFloat16* p) {
+  h8v h; std::memcpy(&h, p, sizeof h);
+  u8v u = __builtin_convertvector(h, u8v) << 16;
+  f8 v; std::memcpy(&v, &u, sizeof v); return v;
+}
+
+// exp of 8 floats (Cephes' expf polynomial, within 2 ulp over the float range; exp(-88.4 or less) underflows
+// to ~0): the same value for a number whichever lane it sits in.
+inline f8 vexp(f8 x) {
+  x = vmax(vmin(x, splat(88.3762626647949f)), splat(-88.3762626647949f));
+  f8 fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  i8v t = __builtin_convertvector(fx, i8v);
+  f8 ft = __builtin_convertvector(t, f8);
+  fx = ft > fx ? ft - splat(1.0f) : ft;  // floor
+  x = x - fx * splat(0.693359375f);
+  x = x - fx * splat(-2.12194440e-4f);
+  f8 z = x * x;
+  f8 y = splat(1.9875691500E-4f);
+  y = y * x + splat(1.3981999507E-3f);
+  y = y * x + splat(8.3334519073E-3f);
+  y = y * x + splat(4.1665795894E-2f);
+  y = y * x + splat(1.6666665459E-1f);
+  y = y * x + splat(5.0000001201E-1f);
+  y = y * z + x + splat(1.0f);
+  i8v e = (__builtin_convertvector(fx, i8v) + 127) << 23;
+  f8 scale; std::memcpy(&scale, &e, sizeof scale);
+  return y * scale;
+}
+
+// x rounded to the storage type T, back as float (identity for float).
+template <typename T> inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
+template <typename T> inline float wide(T x) { return static_cast<float>(x); }
+
+// Dot product of n floats (n a multiple of 8 or not): lane-wise, tail in order, fixed combination.
+inline float dot(const float* a, const float* b, int64_t n) {
+  f8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + L <= n; i += L) acc += load8(a + i) * load8(b + i);
+  float s = sum8(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Sum of squares of n floats (the RMSNorm variance numerator).
+inline float sumsq(const float* a, int64_t n) { return dot(a, a, n); }
+
+// transformers' RMSNorm of one row of n values (already float): w * to_T(h * rsqrt(mean(h^2) + eps)).
+template <typename T>
+inline void norm_row(const float* h, const T* w, double eps, int64_t n, T* out) {
+  const float var = sumsq(h, n) / static_cast<float>(n);
+  const float r = 1.0f / std::sqrt(var + static_cast<float>(eps));
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(wide(w[i]) * rnd<T>(h[i] * r));
+}
+
+template <typename T>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, double eps, torch::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  std::vector<float> h(n);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < n; ++i) h[i] = wide(xp[r * n + i]);
+    norm_row<T>(h.data(), wp, eps, n, op + r * n);
+  }
+}
+
+template <typename T>
+void add_rms_norm_impl(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w, double eps,
+                       torch::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  T* xp = x.data_ptr<T>();
+  const T* yp = y.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  std::vector<float> h(n);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      const T s = static_cast<T>(wide(xp[r * n + i]) + wide(yp[r * n + i]));
+      xp[r * n + i] = s;
+      h[i] = wide(s);
+    }
+    norm_row<T>(h.data(), wp, eps, n, op + r * n);
+  }
+}
+
+// One head's rotary embedding (transformers' apply_rotary_pos_emb with rotate_half), in place on ``v`` (float
+// values of type-T numbers): v * cos + rotate_half(v) * sin, each product and the sum rounded to T.
+template <typename T>
+inline void rotate(float* v, const T* cos, const T* sin, int64_t d) {
+  const int64_t half = d / 2;
+  float out[512];
+  for (int64_t i = 0; i < d; ++i) {
+    const float rot = i < half ? -v[i + half] : v[i - half];
+    const float a = rnd<T>(v[i] * wide(cos[i]));
+    const float b = rnd<T>(rnd<T>(rot) * wide(sin[i]));
+    out[i] = rnd<T>(a + b);
+  }
+  std::memcpy(v, out, d * sizeof(float));
+}
+
+// qkv: [n, (H + 2K) * D] (the fused projection's output); norms: per-head q/k RMSNorm weights [D] or undefined;
+// cos/sin: [n, D]; caches: [K, capacity, D] written at rows start..start+n-1. Returns q as float [H, n, D].
+template <typename T>
+torch::Tensor rope_impl(const torch::Tensor& qkv, const c10::optional<torch::Tensor>& q_norm,
+                        const c10::optional<torch::Tensor>& k_norm, double eps, const torch::Tensor& cos,
+                        const torch::Tensor& sin, torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t start,
+                        int64_t heads, int64_t kv_heads) {
+  const int64_t n = qkv.size(0), d = cos.size(1), width = qkv.size(1);
+  const int64_t cap = k_cache.size(1);
+  TORCH_CHECK(width == (heads + 2 * kv_heads) * d, "qkv width ", width, " != (heads + 2 kv_heads) * head_dim");
+  TORCH_CHECK(d <= 512 && d % 2 == 0, "head_dim must be even and at most 512");
+  TORCH_CHECK(start + n <= cap, "the cache holds ", cap, " rows, ", start + n, " needed");
+  auto q = torch::empty({heads, n, d}, qkv.options().dtype(torch::kFloat32));
+  const T* src = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  float* qp = q.data_ptr<float>();
+  const T* qn = q_norm.has_value() ? q_norm->data_ptr<T>() : nullptr;
+  const T* kn = k_norm.has_value() ? k_norm->data_ptr<T>() : nullptr;
+  float h[512];
+  T normed[512];
+  for (int64_t r = 0; r < n; ++r) {
+    const T* row = src + r * width;
+    for (int64_t head = 0; head < heads + kv_heads; ++head) {
+      const bool is_q = head < heads;
+      const T* in = row + head * d;
+      const T* nw = is_q ? qn : kn;
+      if (nw != nullptr) {
+        for (int64_t i = 0; i < d; ++i) h[i] = wide(in[i]);
+        norm_row<T>(h, nw, eps, d, normed);
+        for (int64_t i = 0; i < d; ++i) h[i] = wide(normed[i]);
+      } else {
+        for (int64_t i = 0; i < d; ++i) h[i] = wide(in[i]);
+      }
+      rotate<T>(h, cp + r * d, sp + r * d, d);
+      if (is_q) {
+        std::memcpy(qp + (head * n + r) * d, h, d * sizeof(float));
+      } else {
+        T* dst = kc + ((head - heads) * cap + start + r) * d;
+        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(h[i]);
+      }
+    }
+    for (int64_t kv = 0; kv < kv_heads; ++kv) {
+      std::memcpy(vc + (kv * cap + start + r) * d, row + (heads + kv_heads + kv) * d, d * sizeof(T));
+    }
+  }
+  return q;
+}
+
+// Attention of each row and key-value head (its ``groups`` query heads together): q [H, n, D] float, caches
+// [K, capacity, D] of T; row r sees the cache rows keys[offsets[r] .. offsets[r + 1]) in that order. Scores,
+// softmax and the value sum in float32, each (row, head) by the same sequence at any width; output [n, H * D] in T.
+template <typename T>
+torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                             const torch::Tensor& keys, const torch::Tensor& offsets, double scaling) {
+  const int64_t heads = q.size(0), n = q.size(1), d = q.size(2);
+  const int64_t kv_heads = k_cache.size(0), cap = k_cache.size(1), groups = heads / kv_heads;
+  TORCH_CHECK(d % L == 0 && d <= 256, "head_dim must be a multiple of 8, at most 256");
+  TORCH_CHECK(groups <= 16, "at most 16 query heads per key-value head");
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  const int64_t* op = offsets.data_ptr<int64_t>();
+  for (int64_t i = 0; i < op[n]; ++i) TORCH_CHECK(kp[i] >= 0 && kp[i] < cap, "key row ", kp[i], " outside ", cap);
+  auto out = torch::empty({n, heads * d}, q.options().dtype(k_cache.scalar_type()));
+  const float* qp = q.data_ptr<float>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  T* outp = out.data_ptr<T>();
+  const float scale = static_cast<float>(scaling);
+  const int64_t dv = d / L;
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    f8 kf[32];
+    f8 acc[16][32];
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t r = unit / kv_heads, kv = unit % kv_heads;
+      const int64_t first = op[r], count = op[r + 1] - op[r], padded = (count + L - 1) / L * L;
+      scores.assign(groups * padded, 0.f);
+      const float* qs = qp + (kv * groups * n + r) * d;  // query head kv * groups + g at qs + g * n * d
+      for (int64_t j = 0; j < count; ++j) {
+        const T* k = kc + (kv * cap + kp[first + j]) * d;
+        for (int64_t c = 0; c < dv; ++c) kf[c] = widen8(k + c * L);
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* qv = qs + g * n * d;
+          f8 a = splat(0.f);
+          for (int64_t c = 0; c < dv; ++c) a += load8(qv + c * L) * kf[c];
+          scores[g * padded + j] = sum8(a) * scale;
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        float* sc = scores.data() + g * padded;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < count; ++j) m = sc[j] > m ? sc[j] : m;
+        f8 total = splat(0.f);
+        for (int64_t j = 0; j < padded; j += L) {
+          f8 e = vexp(load8(sc + j) - splat(m));
+          if (j + L > count) {  // the last chunk: lanes past the row's keys count zero
+            float lanes[L]; std::memcpy(lanes, &e, sizeof lanes);
+            for (int64_t t = count - j; t < L; ++t) lanes[t] = 0.f;
+            std::memcpy(&e, lanes, sizeof e);
+          }
+          store8(sc + j, e);
+          total += e;
+        }
+        const float inv = sum8(total);
+        for (int64_t j = 0; j < padded; j += L) store8(sc + j, load8(sc + j) / splat(inv));
+        for (int64_t c = 0; c < dv; ++c) acc[g][c] = splat(0.f);
+      }
+      for (int64_t j = 0; j < count; ++j) {
+        const T* v = vc + (kv * cap + kp[first + j]) * d;
+        for (int64_t c = 0; c < dv; ++c) kf[c] = widen8(v + c * L);
+        for (int64_t g = 0; g < groups; ++g) {
+          const f8 p = splat(scores[g * padded + j]);
+          for (int64_t c = 0; c < dv; ++c) acc[g][c] += p * kf[c];
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        T* dst = outp + r * heads * d + (kv * groups + g) * d;
+        for (int64_t c = 0; c < dv; ++c) {
+          float lanes[L]; std::memcpy(lanes, &acc[g][c], sizeof lanes);
+          for (int t = 0; t < L; ++t) dst[c * L + t] = static_cast<T>(lanes[t]);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// gate_up: [n, 2I] (gate then up); returns [n, I] = to_T(silu(gate)) * up, rounded to T.
+template <typename T>
+torch::Tensor silu_mul_impl(const torch::Tensor& gu) {
+  const int64_t n = gu.size(0), inter = gu.size(1) / 2;
+  auto out = torch::empty({n, inter}, gu.options());
+  const T* g = gu.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  float x[L];
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t i = 0; i < inter; i += L) {
+      const int64_t m = std::min<int64_t>(L, inter - i);
+      for (int64_t t = 0; t < L; ++t) x[t] = t < m ? wide(g[r * 2 * inter + i + t]) : 0.f;
+      f8 xv = load8(x);
+      f8 s = xv / (splat(1.0f) + vexp(-xv));
+      store8(x, s);
+      for (int64_t t = 0; t < m; ++t)
+        o[r * inter + i + t] = static_cast<T>(rnd<T>(x[t]) * wide(g[r * 2 * inter + inter + i + t]));
+    }
+  return out;
+}
+
+void check2d(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.device().is_cpu(), name, " must be a contiguous 2-d CPU tensor");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,
+              " must be float32 or bfloat16");
+}
+
+#define DISPATCH(dtype, ...)                                     \
+  if ((dtype) == torch::kBFloat16) {                             \
+    using T = c10::BFloat16;                                     \
+    __VA_ARGS__;                                                 \
+  } else {                                                       \
+    using T = float;                                             \
+    __VA_ARGS__;                                                 \
+  }
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check2d(x, "x");
+  auto out = torch::empty_like(x);
+  DISPATCH(x.scalar_type(), rms_norm_impl<T>(x, w, eps, out));
+  return out;
+}
+
+torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w, double eps) {
+  check2d(x, "x");
+  check2d(y, "y");
+  auto out = torch::empty_like(x);
+  DISPATCH(x.scalar_type(), add_rms_norm_impl<T>(x, y, w, eps, out));
+  return out;
+}
+
+torch::Tensor rope_qk_cache(const torch::Tensor& qkv, const c10::optional<torch::Tensor>& q_norm,
+                            const c10::optional<torch::Tensor>& k_norm, double eps, const torch::Tensor& cos,
+                            const torch::Tensor& sin, torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t start,
+                            int64_t heads, int64_t kv_heads) {
+  check2d(qkv, "qkv");
+  DISPATCH(qkv.scalar_type(),
+           return rope_impl<T>(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, start, heads, kv_heads));
+}
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                        const torch::Tensor& keys, const torch::Tensor& offsets, double scaling) {
+  DISPATCH(k_cache.scalar_type(), return attention_impl<T>(q, k_cache, v_cache, keys, offsets, scaling));
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gu) {
+  check2d(gu, "gate_up");
+  DISPATCH(gu.scalar_type(), return silu_mul_impl<T>(gu));
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("rope_qk_cache", &rope_qk_cache);
+  m.def("attention", &attention);
+  m.def("silu_mul", &silu_mul);
+}

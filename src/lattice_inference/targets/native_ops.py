@@ -1,0 +1,88 @@
+"""The lean forward's native row-wise ops (``csrc/lean_ops.cpp``), built once per machine and cached.
+
+Why: a decode step of a small model is a few hundred tiny operations around its matrix products (norms, rotary
+embedding, cache writes, attention, activations, residuals), and PyTorch runs each as a dispatched op with its
+own allocations: on SmolLM2-135M that is as much time as the products themselves. The extension does each
+layer's row-wise work in four calls (`rms_norm`/`add_rms_norm`, `rope_qk_cache`, `attention`, `silu_mul`), each
+computing every row by one fixed sequence of float operations, so a k-row call equals k 1-row calls bit for bit
+(the target's exactness self-check confirms it at load).
+
+It is compiled with the machine's C++ compiler for its own CPU (``-O3 -march=native``) on first use, through
+``torch.utils.cpp_extension`` (needs a C++ compiler and ninja), into the cache directory
+(``$LATTICE_CACHE_DIR``, else ``~/.cache/lattice-inference``) under a key of the source, torch version and CPU
+flags; later starts load the built library. ``LATTICE_NATIVE=0`` turns it off; where it cannot be built the lean
+forward runs its PyTorch path (`block_attention`) and `unavailable` says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from lattice_inference.gguf import cache_root
+
+SOURCE = Path(__file__).with_name("csrc") / "lean_ops.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp")
+"""Compiler flags: the host CPU's instruction set; OpenMP pragmas bind to the runtime torch already loaded."""
+
+
+def enabled() -> bool:
+    """False when ``LATTICE_NATIVE`` is ``0``/``false``/``no``/``off``."""
+    return os.environ.get("LATTICE_NATIVE", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return flags
+
+
+def build_directory() -> Path:
+    """Where this machine's build lives: keyed by the source, the flags, Python, torch and the CPU's flags."""
+    key = hashlib.sha256(
+        "\n".join([SOURCE.read_text(), *FLAGS, sys.version, torch.__version__, _cpu_key()]).encode()
+    ).hexdigest()[:16]
+    return cache_root() / "native" / key
+
+
+@functools.cache
+def _load() -> tuple[ModuleType | None, str | None]:
+    if not enabled():
+        return None, "LATTICE_NATIVE=0"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"the native ops are built for x86-64 CPUs, this is {platform.machine()}"
+    try:
+        from torch.utils import cpp_extension
+
+        directory = build_directory()
+        directory.mkdir(parents=True, exist_ok=True)
+        module = cpp_extension.load(
+            name="lattice_lean_ops",
+            sources=[str(SOURCE)],
+            extra_cflags=list(FLAGS),
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except Exception as exc:  # a missing compiler or ninja, a failed build: the PyTorch path runs instead
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return None, f"could not build the native ops ({first})"
+    return module, None
+
+
+def ops() -> ModuleType | None:
+    """The built extension, or None where it is off or cannot be built (see `unavailable`)."""
+    return _load()[0]
+
+
+def unavailable() -> str | None:
+    """Why `ops` is None (one phrase), else None."""
+    return _load()[1]
