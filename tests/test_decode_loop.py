@@ -37,7 +37,9 @@ def test_output_equals_greedy_and_every_token_fed_once(prompt, max_new, seed, co
     reference = prompt + model.greedy(prompt, max_new + 10)
     rec = RecordingTarget(ContextKeyedTarget(vocab=12, seed=seed))
     drafter = OracleDrafter(reference, vocab=12, corrupt=corrupt, seed=seed)
-    dec = SpeculativeDecoder(rec, drafter, max_draft=max_draft, eos_token_ids=[] if eos is None else [eos])
+    dec = SpeculativeDecoder(
+        rec, drafter, max_draft=max_draft, eos_token_ids=[] if eos is None else [eos], adaptive=False
+    )
     result = dec.generate(prompt, max_new)
     assert result.token_ids == expected
     assert len(result.token_ids) <= max_new
@@ -68,7 +70,7 @@ def test_bonus_token_emitted_on_full_acceptance():
     rec = RecordingTarget(ContextKeyedTarget(vocab=12, seed=1))
     drafter = OracleDrafter(reference, vocab=12, corrupt=0.0)
     drafter.rng.randint = lambda a, b: b  # always draft the full allowance
-    dec = SpeculativeDecoder(rec, drafter, max_draft=4)
+    dec = SpeculativeDecoder(rec, drafter, max_draft=4, adaptive=False)
     result = dec.generate(prompt, 21)
     assert result.token_ids == reference[3:24]
     # 1 token from prefill, then 4 rounds of 4 drafts + 1 bonus = 21 tokens in 4 forwards.
@@ -86,7 +88,7 @@ def test_budget_ends_inside_a_draft():
         drafter = OracleDrafter(reference, vocab=12, corrupt=0.0)
         drafter.rng.randint = lambda a, b: b
         rec = RecordingTarget(ContextKeyedTarget(vocab=12, seed=2))
-        result = SpeculativeDecoder(rec, drafter, max_draft=4).generate(prompt, budget)
+        result = SpeculativeDecoder(rec, drafter, max_draft=4, adaptive=False).generate(prompt, budget)
         assert result.token_ids == reference[2 : 2 + budget]
         # Never drafts past what the budget can emit.
         assert all(len(t) <= budget for _, t in rec.forwards[1:])
@@ -100,7 +102,11 @@ def test_eos_inside_a_draft_stops_exactly_there():
     drafter = OracleDrafter(prompt + greedy, vocab=12, corrupt=0.0)
     drafter.rng.randint = lambda a, b: b
     result = SpeculativeDecoder(
-        ContextKeyedTarget(vocab=12, seed=3, forced=model.forced), drafter, max_draft=4, eos_token_ids=[9]
+        ContextKeyedTarget(vocab=12, seed=3, forced=model.forced),
+        drafter,
+        max_draft=4,
+        eos_token_ids=[9],
+        adaptive=False,
     ).generate(prompt, 20)
     assert result.token_ids == [4, 5]
     assert result.stop_reason == "eos"
@@ -111,7 +117,9 @@ def test_draft_rejected_at_once_still_emits_target_token():
     prompt = [7, 7, 7]
     reference = prompt + model.greedy(prompt, 30)
     drafter = OracleDrafter(reference, vocab=12, corrupt=1.0)
-    result = SpeculativeDecoder(ContextKeyedTarget(vocab=12, seed=4), drafter, max_draft=3).generate(prompt, 30)
+    result = SpeculativeDecoder(ContextKeyedTarget(vocab=12, seed=4), drafter, max_draft=3, adaptive=False).generate(
+        prompt, 30
+    )
     assert result.token_ids == reference[3:]
     assert result.metrics.accepted_tokens == 0
     assert result.metrics.drafts > 0
@@ -129,7 +137,7 @@ def test_verify_greedy_rules():
 
 def test_bad_input_is_rejected_before_any_forward():
     rec = RecordingTarget(ContextKeyedTarget(vocab=12))
-    dec = SpeculativeDecoder(rec)
+    dec = SpeculativeDecoder(rec, adaptive=False, max_draft=4)
     with pytest.raises(TokenError, match="empty"):
         dec.generate([], 5)
     with pytest.raises(TokenError, match="id 12, outside the vocabulary of size 12"):
@@ -139,5 +147,5 @@ def test_bad_input_is_rejected_before_any_forward():
     with pytest.raises(ConfigError, match="max_new_tokens"):
         dec.generate([1], -1)
     with pytest.raises(ConfigError, match="max_draft"):
-        SpeculativeDecoder(rec, max_draft=0)
+        SpeculativeDecoder(rec, max_draft=0, adaptive=False)
     assert rec.forwards == []

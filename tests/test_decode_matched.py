@@ -181,7 +181,11 @@ def test_hybrid_rows_are_one_token_steps(moe, dtype):
 
 
 def _plain(target, prompt, new, eos, sampling=None):
-    return SpeculativeDecoder(target, None, eos_token_ids=eos).generate(prompt, new, sampling).token_ids
+    return (
+        SpeculativeDecoder(target, None, eos_token_ids=eos, adaptive=False, max_draft=4)
+        .generate(prompt, new, sampling)
+        .token_ids
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -205,7 +209,7 @@ def test_low_precision_speculation_equals_plain_decoding(arch, dtype):
             assert dec.generate(prompt, 32).token_ids == want, (arch, i, "ngram", adaptive)
             assert dec.metrics.exact is True
         oracle = SpeculativeDecoder(
-            target, OracleDrafter(prompt + free, TOY_VOCAB, 0.3, seed=i), max_draft=6, eos_token_ids=eos
+            target, OracleDrafter(prompt + free, TOY_VOCAB, 0.3, seed=i), max_draft=6, eos_token_ids=eos, adaptive=False
         )
         got = oracle.generate(prompt, 32)
         assert got.token_ids == want, (arch, i, "oracle")
@@ -226,7 +230,9 @@ def test_low_precision_speculation_equals_plain_decoding(arch, dtype):
         options = SamplingOptions(temperature=0.9, top_p=0.95, seed=100 + i)
         sampled = _plain(target, prompt, 32, eos, options)
         drafter = NgramDrafter(max_ngram=4, min_ngram=1, max_draft=8)
-        got = SpeculativeDecoder(target, drafter, max_draft=8, eos_token_ids=eos).generate(prompt, 32, options)
+        got = SpeculativeDecoder(target, drafter, max_draft=8, eos_token_ids=eos, adaptive=False).generate(
+            prompt, 32, options
+        )
         assert got.token_ids == sampled, (arch, i, "sampled")
     assert eos_stops > 0 and accepted > 0 and rejected > 0
     assert arch == "mistral" or leaves > 0

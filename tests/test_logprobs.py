@@ -26,7 +26,11 @@ def test_speculative_logprobs_equal_plain_decodings(sampling, tree):
     log-probabilities bit for bit, chains and draft trees, greedy and seeded."""
     model = toy_model(toy_config("llama"), init_std=0.3, seed=11)
     prompt = list(range(3, 40, 3))
-    plain = SpeculativeDecoder(TransformersTarget(model)).start(prompt, 48, sampling, logprobs=3).result()
+    plain = (
+        SpeculativeDecoder(TransformersTarget(model), adaptive=False, max_draft=4)
+        .start(prompt, 48, sampling, logprobs=3)
+        .result()
+    )
     assert plain.logprobs is not None and len(plain.logprobs) == 48
     reference = prompt + plain.token_ids
     vocab = model.config.vocab_size

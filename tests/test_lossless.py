@@ -62,7 +62,9 @@ def test_ngram_equals_greedy(arch, models, std, match):
         eos = None if i % 2 == 0 else 256
         expected = hf_greedy(model, prompt, NEW_TOKENS, eos)
         drafter = NgramDrafter(max_ngram=4, min_ngram=1 + i % 2, max_draft=3 + i, match=match)
-        dec = SpeculativeDecoder(target, drafter, max_draft=3 + i, eos_token_ids=[] if eos is None else [eos])
+        dec = SpeculativeDecoder(
+            target, drafter, max_draft=3 + i, eos_token_ids=[] if eos is None else [eos], adaptive=False
+        )
         result = dec.generate(prompt, NEW_TOKENS)
         assert result.token_ids == expected, f"{arch} std={std} prompt {i}"
     if std == 0.02:
@@ -82,7 +84,7 @@ def test_oracle_drafts_full_partial_rejected_and_eos(arch, models):
         budget = NEW_TOKENS if i < 3 else 7
         expected = hf_greedy(model, prompt, budget, eos)
         drafter = OracleDrafter(reference, vocab=VOCAB, corrupt=0.25, seed=i)
-        dec = SpeculativeDecoder(rec, drafter, max_draft=5, eos_token_ids=[] if eos is None else [eos])
+        dec = SpeculativeDecoder(rec, drafter, max_draft=5, eos_token_ids=[] if eos is None else [eos], adaptive=False)
         rec.forwards.clear()
         rec.rollbacks.clear()
         result = dec.generate(prompt, budget)
@@ -110,7 +112,9 @@ def test_cache_length_after_each_round(arch, models):
         # Fusing the first draft into the prefill scores it as a prompt row: only without decode matching.
         target = TransformersTarget(model, decode_matched=not fused)
         rec = None if fused else RecordingTarget(target)
-        dec = SpeculativeDecoder(rec or target, NgramDrafter(max_ngram=3, min_ngram=1, max_draft=4), max_draft=4)
+        dec = SpeculativeDecoder(
+            rec or target, NgramDrafter(max_ngram=3, min_ngram=1, max_draft=4), max_draft=4, adaptive=False
+        )
         emitted, chunks = 0, []
         for chunk in dec.stream(prompt, NEW_TOKENS):
             emitted += len(chunk)

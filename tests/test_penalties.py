@@ -118,15 +118,21 @@ def test_plain_equals_transformers_and_speculation_equals_plain(arch):
         want = hf_plain(model, prompt, NEW, eos, opts)
         changed += want != hf_plain(model, prompt, NEW, eos, SamplingOptions(**SAMPLING[i % len(SAMPLING)]))
         eos_ids = [] if eos is None else [eos]
-        plain = SpeculativeDecoder(TransformersTarget(model), eos_token_ids=eos_ids)
+        plain = SpeculativeDecoder(TransformersTarget(model), eos_token_ids=eos_ids, adaptive=False, max_draft=4)
         assert plain.generate(prompt, NEW, opts).token_ids == want, (arch, i, "plain")
         ngram = SpeculativeDecoder(
-            TransformersTarget(model), NgramDrafter(max_ngram=3, min_ngram=1), max_draft=4, eos_token_ids=eos_ids
+            TransformersTarget(model),
+            NgramDrafter(max_ngram=3, min_ngram=1),
+            max_draft=4,
+            eos_token_ids=eos_ids,
+            adaptive=False,
         )
         assert ngram.generate(prompt, NEW, opts).token_ids == want, (arch, i, "ngram")
         oracle = OracleDrafter(prompt + free, vocab=TOY_VOCAB, corrupt=0.25, seed=i)
         target.clear()
-        got = SpeculativeDecoder(target, oracle, max_draft=5, eos_token_ids=eos_ids).generate(prompt, NEW, opts)
+        got = SpeculativeDecoder(target, oracle, max_draft=5, eos_token_ids=eos_ids, adaptive=False).generate(
+            prompt, NEW, opts
+        )
         assert got.token_ids == want, (arch, i, "oracle")
         eos_stops += got.stop_reason == "eos"
         shapes += target.round_shapes()

@@ -58,11 +58,15 @@ def test_attention_models(arch):
         want = hf_sampled(model, prompt, NEW, eos, opts)
         eos_ids = [] if eos is None else [eos]
         ngram = SpeculativeDecoder(
-            TransformersTarget(model), NgramDrafter(max_ngram=3, min_ngram=1), max_draft=4, eos_token_ids=eos_ids
+            TransformersTarget(model),
+            NgramDrafter(max_ngram=3, min_ngram=1),
+            max_draft=4,
+            eos_token_ids=eos_ids,
+            adaptive=False,
         )
         assert ngram.generate(prompt, NEW, opts).token_ids == want, (arch, i, "ngram")
         oracle = OracleDrafter(prompt + free, vocab=TOY_VOCAB, corrupt=0.2, seed=i)
-        dec = SpeculativeDecoder(target, oracle, max_draft=5, eos_token_ids=eos_ids)
+        dec = SpeculativeDecoder(target, oracle, max_draft=5, eos_token_ids=eos_ids, adaptive=False)
         target.clear()
         got = dec.generate(prompt, NEW, opts)
         assert got.token_ids == want, (arch, i, "oracle")
@@ -106,7 +110,9 @@ def test_hybrid_models_every_method(hybrids, kind):
             assert got.token_ids == want, (kind, i, name)
             accepted[name] += got.metrics.accepted_tokens
         oracle = OracleDrafter(prompt + hf_sampled(plain.model, prompt, NEW + 4, None, opts), TOY_VOCAB, 0.2, seed=i)
-        got = SpeculativeDecoder(oracle_target, oracle, max_draft=4, eos_token_ids=[256]).generate(prompt, NEW, opts)
+        got = SpeculativeDecoder(oracle_target, oracle, max_draft=4, eos_token_ids=[256], adaptive=False).generate(
+            prompt, NEW, opts
+        )
         assert got.token_ids == want, (kind, i, "oracle")
         accepted["oracle"] += got.metrics.accepted_tokens
         rejected += got.metrics.drafted_tokens - got.metrics.accepted_tokens

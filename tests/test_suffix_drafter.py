@@ -122,7 +122,7 @@ def test_later_requests_draft_from_earlier_ones_only_through_the_shared_index():
     target = ContextKeyedTarget(vocab=50, seed=3)
     prompt = [1, 2, 3, 4]
     drafter = SuffixDrafter(1000, max_draft=8)
-    dec = SpeculativeDecoder(target, drafter, max_draft=8)
+    dec = SpeculativeDecoder(target, drafter, max_draft=8, adaptive=False)
     shared = SuffixIndex(1000)
     first = dec.start(prompt, 60, suffix_index=shared).result()
     again = dec.start(prompt, 60, suffix_index=shared).result()

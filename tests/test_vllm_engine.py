@@ -17,11 +17,11 @@ import urllib.request
 
 import pytest
 
-from lattice_inference.engines.encoder import PromptEncoder, eos_token_ids
 from lattice_inference.engines.sweep import free_port
 from lattice_inference.engines.vllm.runtime import find_runtime, vllm_model
 from lattice_inference.errors import ConfigError, ModelLoadError
 from lattice_inference.options import DecodeOptions
+from lattice_inference.prompt_codec import PromptCodec, folder_eos_ids
 from lattice_inference.sampling import SamplingOptions
 
 pytestmark = pytest.mark.vllm
@@ -50,7 +50,7 @@ MAX_NEW = 48
 
 @pytest.fixture(scope="module")
 def encoder():
-    return PromptEncoder.from_folder(MODEL.location)
+    return PromptCodec.from_folder(MODEL.location)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def outputs(prompts, encoder):
     job = job_of(MODEL, runs, ENGINE_ARGS, RUNTIME.cpu)
     job["runs"][0]["requests"].append({"prompt_token_ids": prompts[0], "sampling": SAMPLED_BY_HAND})
     result = run_job(RUNTIME, job, threads=2)
-    plain, ngram = outputs_of(result, eos_token_ids(MODEL.location, encoder.tokenizer))
+    plain, ngram = outputs_of(result, folder_eos_ids(MODEL.location, encoder.tokenizer))
     return {"greedy": plain, "ngram": ngram}
 
 

@@ -23,11 +23,7 @@ from typing import TypedDict, Unpack
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.decode import SpeculativeDecoder
-from lattice_inference.drafters.base import Drafter
-from lattice_inference.drafters.fallback import FallbackDrafter
-from lattice_inference.drafters.mtp import MtpDrafter
-from lattice_inference.drafters.ngram import NgramDrafter
-from lattice_inference.drafters.suffix import SuffixDrafter
+from lattice_inference.drafters.build import build_drafter
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
 from lattice_inference.generation import Generation, GenerationResult
@@ -43,6 +39,7 @@ from lattice_inference.options import (
     check_draft_vocab,
     needs_mtp_head,
 )
+from lattice_inference.prompt_codec import PromptCodec
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.streaming import TextStream
 from lattice_inference.targets import make_target
@@ -152,46 +149,18 @@ class Generator:
         **settings: object,
     ) -> None:
         options = (options or DecodeOptions()).updated(**settings)
-        if options.needs_mtp_head and mtp_head is None:
-            raise ConfigError(
-                f"method {options.method!r} needs an MTP head: pass mtp_head=load_mtp_head(dir) or use from_pretrained"
-            )
         if eos_token_ids is None:
             eos_token_ids = eos_token_ids_of(model, tokenizer)
         self.model = model
         self.tokenizer = tokenizer
         self.options = options
         self.eos_token_ids = [int(t) for t in eos_token_ids]
-        drafters: list[Drafter] = []
-        max_draft = options.max_draft
-        if "ngram" in options.drafters:
-            drafters.append(
-                NgramDrafter(
-                    max_ngram=options.max_ngram,
-                    min_ngram=options.min_ngram,
-                    max_draft=options.max_draft,
-                    match=options.match,  # type: ignore[arg-type]
-                    eos_token_ids=self.eos_token_ids,
-                )
-            )
-        self.suffix_index: SuffixIndex | None = None
+        self.codec = PromptCodec(tokenizer, self.eos_token_ids)
+        """The prompt encoding (tokenizer, chat template, EOS) this generator shares with the other front-ends."""
+        drafter, max_draft = build_drafter(options, self.eos_token_ids, mtp_head)
+        self.suffix_index = SuffixIndex(options.suffix_budget) if "suffix" in options.drafters else None
         """The cross-request index of the suffix methods: every generation of this generator drafts from what the
         earlier ones read and wrote (`clear_suffix_index` forgets it)."""
-        if "suffix" in options.drafters:
-            self.suffix_index = SuffixIndex(options.suffix_budget)
-            drafters.append(SuffixDrafter(options.suffix_budget, options.max_draft, self.eos_token_ids))
-        if "mtp" in options.drafters:
-            assert mtp_head is not None
-            num = options.draft_length - 1
-            drafters.append(
-                MtpDrafter(mtp_head, num_drafts=num, eos_token_ids=self.eos_token_ids, coupled=options.coupled_draft)
-            )
-            max_draft = max(max_draft, num) if len(options.drafters) > 1 else num
-        drafter: Drafter | None = None
-        if len(drafters) == 1:
-            drafter = drafters[0]
-        elif drafters:
-            drafter = FallbackDrafter(drafters)
         if target is None:
             target = make_target(model, decode_matched=not options.batched_verify, forward=options.forward)
         self.decoder = SpeculativeDecoder(
@@ -250,32 +219,17 @@ class Generator:
     @property
     def has_chat_template(self) -> bool:
         """Whether the tokenizer defines a chat template (instruct models do)."""
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return self.codec.has_chat_template
 
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
-        """Token ids of ``prompt``; text is wrapped in the chat template first when ``chat`` is true."""
-        if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
-        if not prompt.strip():
-            raise ConfigError("the prompt is empty")
-        if chat:
-            return self.encode_messages([{"role": "user", "content": prompt}])
-        return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+        """Token ids of ``prompt``; text is wrapped in the chat template first when ``chat`` is true
+        (`PromptCodec.encode`)."""
+        return self.codec.encode(prompt, chat)
 
     def encode_messages(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Token ids of a conversation (``[{"role", "content"}, ...]``) through the tokenizer's chat template,
-        ending with the assistant's turn opened (``add_generation_prompt``)."""
-        if not self.has_chat_template:
-            raise ConfigError("chat: this tokenizer has no chat template")
-        if not messages:
-            raise ConfigError("the message list is empty")
-        for i, msg in enumerate(messages):
-            if not isinstance(msg, Mapping) or not isinstance(msg.get("content"), str) or "role" not in msg:
-                raise ConfigError(f"message {i} must be an object with string 'role' and 'content', got {msg!r}")
-        ids = self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return [int(t) for t in ids]
+        ending with the assistant's turn opened (`PromptCodec.encode_messages`)."""
+        return self.codec.encode_messages(messages)
 
     def sampling(self, **given: Unpack[SamplingArgs]) -> SamplingOptions:
         """The generator's default `SamplingOptions` with the given values (None: keep) replaced; validated

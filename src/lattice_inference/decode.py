@@ -24,12 +24,13 @@ from collections.abc import Generator, Iterable, Iterator, Sequence
 
 import torch
 
-from lattice_inference.draft_planner import MAX_LEAVES, DraftPlanner
+from lattice_inference.draft_planner import DraftPlanner
 from lattice_inference.drafters.base import Drafter, PlannedDraft
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.generation import Generation, GenerationResult, row_logprob
 from lattice_inference.metrics import GenerationMetrics
+from lattice_inference.options import MAX_LEAVES, DecodeOptions
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets.base import Target
 from lattice_inference.targets.exactness import Exactness, exactness
@@ -45,8 +46,8 @@ class SpeculativeDecoder:
     """Generates from a `Target`, using a `Drafter` (or none: plain decoding) to skip forwards.
 
     ``max_draft`` caps the tokens proposed per round; ``adaptive`` lets a `DraftPlanner` choose fewer (the
-    first generation then measures the target's forward costs, once; `Generator` turns it on by default, here
-    it is off so that every proposal is verified as drafted), and, where the target verifies trees and the
+    first generation then measures the target's forward costs, once; on by default, as in `DecodeOptions`; off,
+    every proposal is verified as drafted), and, where the target verifies trees and the
     drafter ranks its tokens, up to ``max_leaves`` runners-up beside them (a draft tree). ``costs`` gives the
     planner forward costs instead of measuring them (they stand as given; measured ones are corrected by each
     generation's timed forwards).
@@ -60,9 +61,9 @@ class SpeculativeDecoder:
         target: Target,
         drafter: Drafter | None = None,
         *,
-        max_draft: int = 4,
+        max_draft: int = DecodeOptions.max_draft,
         eos_token_ids: Iterable[int] = (),
-        adaptive: bool = False,
+        adaptive: bool = DecodeOptions.adaptive,
         costs: ForwardCosts | None = None,
         max_leaves: int = MAX_LEAVES,
     ) -> None:

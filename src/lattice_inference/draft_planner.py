@@ -56,8 +56,6 @@ ALT_PRIORS = (0.15, 0.08, 0.04)
 """Chance assumed that the runner-up of each rank (the last for any later one) holds where the draft token failed,
 before anything is observed: less for each rank down (the shipped SmolLM2 head's second choice, teacher-forced on
 chat: 0.19; third 0.11; fourth 0.06)."""
-MAX_LEAVES = 4
-"""Most runners-up verified beside a draft in one round (the planner's default cap on a tree's leaves)."""
 PROBE_EVERY = 16
 """After this many plain rounds in a row, a drafter whose proposals cost a forward drafts one token anyway, so
 the planner sees whether its acceptance came back (lookup drafters need no probe: their unverified proposals

@@ -12,7 +12,14 @@ class LatticeError(ValueError):
 
 
 class ConfigError(LatticeError):
-    """An option or a combination of options is invalid (e.g. ``min_ngram > max_ngram``)."""
+    """An option or a combination of options is invalid (e.g. ``min_ngram > max_ngram``).
+
+    ``param`` names the option at fault where the message is about one of a pair (``min_ngram``), so that a
+    front-end can point at it (the server's 400 ``param``)."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(LatticeError):

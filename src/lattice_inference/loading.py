@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from lattice_inference.errors import ConfigError, ModelLoadError
 from lattice_inference.gguf import load_gguf
 from lattice_inference.model_source import ModelSource, resolve_model
+from lattice_inference.prompt_codec import eos_ids
 
 DTYPES = {"auto": "auto", "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -30,17 +31,9 @@ class LoadedModel:
 
 
 def eos_token_ids_of(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """EOS ids from the generation config, falling back to the model config, then the tokenizer."""
-    for value in (
-        getattr(model.generation_config, "eos_token_id", None),
-        getattr(model.config, "eos_token_id", None),
-        tokenizer.eos_token_id,
-    ):
-        if value is None:
-            continue
-        ids = value if isinstance(value, list | tuple) else [value]
-        return tuple(int(i) for i in ids)
-    return ()
+    """EOS ids of a loaded model (`eos_ids`: the generation config's, the model config's, the tokenizer's)."""
+    declared = (getattr(model.generation_config, "eos_token_id", None), getattr(model.config, "eos_token_id", None))
+    return eos_ids(declared, tokenizer)
 
 
 def check_safetensors_file(path: Path) -> None:

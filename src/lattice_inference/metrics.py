@@ -7,7 +7,7 @@ token; *acceptance rate* is accepted drafted tokens over drafted tokens; *mean a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -23,11 +23,11 @@ class GenerationMetrics:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     """Drafted tokens the target accepted (excludes the target's own correction or bonus token)."""
-    accepted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list, metadata={"merge": "by_position"})
     """``accepted_per_position[i]``: rounds in which draft position ``i`` was accepted."""
-    drafted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list, metadata={"merge": "by_position"})
     """``drafted_per_position[i]``: rounds whose draft had a token at position ``i``."""
-    draft_lengths: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list, metadata={"merge": "concatenate"})
     """Tokens verified in each round, in order (0: a plain decoding step); the adaptive planner's choices."""
     leaves: int = 0
     """Runners-up verified as a draft tree's leaves beside the drafted tokens, over all rounds (not counted in
@@ -42,10 +42,10 @@ class GenerationMetrics:
     calibration_s: float = 0.0
     """Time spent measuring the target's forward costs for the draft planner and checking that its verification
     is decode-matched (first generation of a target only; counted in neither prefill nor decode)."""
-    exact: bool | None = None
+    exact: bool | None = field(default=None, metadata={"merge": "all_known"})
     """Whether the target's self-check found every row of a k-token forward equal, bitwise, to the 1-token step
     (None: not checked: no drafter, or a target that does not claim it)."""
-    exactness: str = ""
+    exactness: str = field(default="", metadata={"merge": "first"})
     """The self-check's one-line report (which operation broke the identity, where one did)."""
 
     def record_round(
@@ -71,6 +71,31 @@ class GenerationMetrics:
             self.drafted_per_position[i] += 1
         for i in range(accepted):
             self.accepted_per_position[i] += 1
+
+    def add(self, other: GenerationMetrics) -> None:
+        """Add ``other``'s counts to these (several generations' totals, as ``lattice bench`` reports them).
+
+        Every field is merged by the rule in its ``metadata["merge"]``, numbers by default (summed), so a new
+        field is either summed or names its rule; one that is neither fails here rather than being dropped.
+        """
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            rule = f.metadata.get("merge", "sum")
+            if rule == "sum" and isinstance(mine, int | float) and not isinstance(mine, bool):
+                setattr(self, f.name, mine + theirs)
+            elif rule == "by_position":
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for i, value in enumerate(theirs):
+                    mine[i] += value
+            elif rule == "concatenate":
+                mine.extend(theirs)
+            elif rule == "all_known":
+                known = [v for v in (mine, theirs) if v is not None]
+                setattr(self, f.name, all(known) if known else None)
+            elif rule == "first":
+                setattr(self, f.name, mine or theirs)
+            else:
+                raise TypeError(f"GenerationMetrics.{f.name} has no merge rule")
 
     @property
     def acceptance_rate(self) -> float:

@@ -7,12 +7,11 @@ invalid value raises `ConfigError` naming it, before any model is loaded or any 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Literal
 
-from lattice_inference.draft_planner import MAX_LEAVES
-from lattice_inference.drafters.suffix_index import check_budget
 from lattice_inference.errors import ConfigError
+from lattice_inference.mtp.config import MAX_DRAFT_LENGTH, MIN_DRAFT_LENGTH
 from lattice_inference.sampling import SamplingOptions
-from lattice_inference.targets.lean import check_forward
 
 #: Each method and the drafters it asks, in order of preference.
 METHOD_DRAFTERS: dict[str, tuple[str, ...]] = {
@@ -25,7 +24,27 @@ METHOD_DRAFTERS: dict[str, tuple[str, ...]] = {
 }
 METHODS = tuple(METHOD_DRAFTERS)
 
-MATCH_POLICIES = ("first", "recent")
+#: Which earlier occurrence prompt lookup copies: the leftmost (vLLM's and transformers' choice) or the latest.
+MatchPolicy = Literal["first", "recent"]
+MATCH_POLICIES: tuple[MatchPolicy, ...] = ("first", "recent")
+
+#: Most runners-up verified beside a draft in one round, by default (``max_leaves``: 0..`MAX_LEAVES_LIMIT`).
+MAX_LEAVES = 4
+MAX_LEAVES_LIMIT = 16
+
+#: Default token budget of a suffix index (about 20 MB).
+SUFFIX_BUDGET = 262_144
+
+#: ``lattice serve --suffix-scope``: which requests share a suffix index (see `lattice_inference.serve.tenants`).
+SUFFIX_SCOPES = ("tenant", "shared", "request")
+
+#: ``forward``: ``lean`` (our decoder loop over the model's modules), ``transformers`` (the model's forward), or
+#: ``auto`` (lean where it applies; see `lattice_inference.targets.lean`).
+FORWARDS = ("auto", "lean", "transformers")
+
+#: Seconds ``lattice serve`` lets running generations finish after SIGTERM/SIGINT (``--shutdown-timeout``): under
+#: the 30 s that process managers (Kubernetes, systemd) commonly wait before they kill.
+SHUTDOWN_TIMEOUT = 10.0
 
 
 def needs_mtp_head(method: str) -> bool:
@@ -33,10 +52,44 @@ def needs_mtp_head(method: str) -> bool:
     return "mtp" in METHOD_DRAFTERS.get(method, ())
 
 
+def parse_methods(text: str | None, default: tuple[str, ...]) -> list[str]:
+    """The comma-separated methods of ``text`` (None: ``default``), greedy, the reference, first and always there;
+    `ConfigError` naming unknown ones. ``lattice bench`` and the engine comparison read ``--methods`` with it."""
+    methods = [m.strip() for m in text.split(",") if m.strip()] if text is not None else list(default)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    return ["greedy", *(m for m in methods if m != "greedy")]
+
+
+def check_positive(name: str, value: object) -> None:
+    """``value`` (of the option ``name``) must be an int >= 1 (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ConfigError(f"{name} must be >= 1, got {value}")
+
+
+def check_ngram_range(min_ngram: int, max_ngram: int) -> None:
+    """The n-gram lengths tried: both ints >= 1, ``min_ngram <= max_ngram`` (the error's ``param`` names
+    ``min_ngram``, so the server can point at it)."""
+    check_positive("max_ngram", max_ngram)
+    check_positive("min_ngram", min_ngram)
+    if min_ngram > max_ngram:
+        raise ConfigError(f"min_ngram ({min_ngram}) is larger than max_ngram ({max_ngram})", param="min_ngram")
+
+
+def check_match(match: str) -> None:
+    """``match`` must be one of `MATCH_POLICIES`."""
+    if match not in MATCH_POLICIES:
+        raise ConfigError(f"match must be one of {', '.join(map(repr, MATCH_POLICIES))}; got {match!r}")
+
+
 def check_draft_length(draft_length: int) -> None:
-    """The reference's MTP draft length counts the target's own token: 2..8."""
-    if isinstance(draft_length, bool) or not isinstance(draft_length, int) or not 2 <= draft_length <= 8:
-        raise ConfigError(f"draft_length counts the target token and must be 2..8, got {draft_length!r}")
+    """The reference's MTP draft length counts the target's own token: `MIN_DRAFT_LENGTH`..`MAX_DRAFT_LENGTH`."""
+    low, high = MIN_DRAFT_LENGTH, MAX_DRAFT_LENGTH
+    if isinstance(draft_length, bool) or not isinstance(draft_length, int) or not low <= draft_length <= high:
+        raise ConfigError(f"draft_length counts the target token and must be {low}..{high}, got {draft_length!r}")
 
 
 def check_draft_vocab(draft_vocab: int | None) -> None:
@@ -47,9 +100,22 @@ def check_draft_vocab(draft_vocab: int | None) -> None:
         raise ConfigError(f"draft_vocab must be a positive number of token ids or None, got {draft_vocab!r}")
 
 
-#: Seconds ``lattice serve`` lets running generations finish after SIGTERM/SIGINT (``--shutdown-timeout``): under
-#: the 30 s that process managers (Kubernetes, systemd) commonly wait before they kill.
-SHUTDOWN_TIMEOUT = 10.0
+def check_max_leaves(max_leaves: int) -> None:
+    """``max_leaves`` must be an integer 0..`MAX_LEAVES_LIMIT`."""
+    if isinstance(max_leaves, bool) or not isinstance(max_leaves, int) or not 0 <= max_leaves <= MAX_LEAVES_LIMIT:
+        raise ConfigError(f"max_leaves must be an integer 0..{MAX_LEAVES_LIMIT}, got {max_leaves!r}")
+
+
+def check_budget(budget: int) -> None:
+    """A suffix index budget is a positive number of tokens."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ConfigError(f"suffix_budget must be a number of tokens >= 1, got {budget!r}")
+
+
+def check_forward(forward: str) -> None:
+    """``forward`` must be one of `FORWARDS`."""
+    if forward not in FORWARDS:
+        raise ConfigError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
 
 
 def check_shutdown_timeout(seconds: float) -> None:
@@ -58,19 +124,10 @@ def check_shutdown_timeout(seconds: float) -> None:
         raise ConfigError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {seconds!r}")
 
 
-#: ``lattice serve --suffix-scope``: which requests share a suffix index (see `lattice_inference.serve.tenants`).
-SUFFIX_SCOPES = ("tenant", "shared", "request")
-
-
 def check_suffix_scope(mode: str) -> None:
     """``--suffix-scope`` must be one of `SUFFIX_SCOPES`."""
     if mode not in SUFFIX_SCOPES:
         raise ConfigError(f"--suffix-scope must be one of {', '.join(SUFFIX_SCOPES)}, got {mode!r}")
-
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -107,13 +164,13 @@ class DecodeOptions:
     max_ngram: int = 5
     min_ngram: int = 2
     max_draft: int = 10
-    match: str = "first"
+    match: MatchPolicy = "first"
     draft_length: int = 4
     draft_vocab: int | None = None
     coupled_draft: bool = True
     adaptive: bool = True
     max_leaves: int = MAX_LEAVES
-    suffix_budget: int = 262_144
+    suffix_budget: int = SUFFIX_BUDGET
     batched_verify: bool = False
     forward: str = "auto"
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
@@ -121,16 +178,12 @@ class DecodeOptions:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
-        for name in ("max_ngram", "min_ngram", "max_draft"):
-            _check_positive(name, getattr(self, name))
-        if self.min_ngram > self.max_ngram:
-            raise ConfigError(f"min_ngram ({self.min_ngram}) is larger than max_ngram ({self.max_ngram})")
-        if self.match not in MATCH_POLICIES:
-            raise ConfigError(f"match must be one of {', '.join(MATCH_POLICIES)}, got {self.match!r}")
+        check_ngram_range(self.min_ngram, self.max_ngram)
+        check_positive("max_draft", self.max_draft)
+        check_match(self.match)
         check_draft_length(self.draft_length)
         check_draft_vocab(self.draft_vocab)
-        if isinstance(self.max_leaves, bool) or not isinstance(self.max_leaves, int) or not 0 <= self.max_leaves <= 16:
-            raise ConfigError(f"max_leaves must be an integer 0..16, got {self.max_leaves!r}")
+        check_max_leaves(self.max_leaves)
         check_forward(self.forward)
         check_budget(self.suffix_budget)
         if not isinstance(self.sampling, SamplingOptions):
@@ -143,6 +196,7 @@ class DecodeOptions:
 
     @property
     def needs_mtp_head(self) -> bool:
+        """Whether this method drafts with the model's MTP head (a `Generator` then needs one)."""
         return needs_mtp_head(self.method)
 
     def updated(self, **changes: object) -> DecodeOptions:

@@ -117,6 +117,12 @@ class SamplingOptions:
         return asdict(self)
 
 
+def prompt_seed(seed: int | None, index: int) -> int | None:
+    """The seed prompt ``index`` of a benchmark samples with: ``seed + index`` (None: greedy), the same for every
+    method and engine, so each method's output can be compared with plain sampling's on that prompt."""
+    return None if seed is None else seed + index
+
+
 def divide_by_temperature(x: torch.Tensor, temperature: float) -> torch.Tensor:
     """``x / temperature`` (float32 ``[..., vocab]``) as transformers' ``TemperatureLogitsWarper`` computes it, but
     without overflow: in a row where that quotient leaves the float32 range (a tiny temperature: 1e-38 is tiny

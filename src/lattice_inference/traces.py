@@ -109,7 +109,7 @@ def run_traces(
         raise ConfigError("the trace benchmark needs the greedy method as its reference")
     methods = list(generators)
     greedy = generators["greedy"]
-    first = encode_prompt(greedy, traces[0].requests[0])
+    first = encode_prompt(greedy.codec, traces[0].requests[0])
     for gen in generators.values():  # warm-up: the self-check and the first forwards of each shape
         gen.generate(first, max_new_tokens=min(16, max_new_tokens))
     overall = {m: MethodStats(m) for m in methods}
@@ -126,7 +126,7 @@ def run_traces(
                 history += request.messages
                 ids = greedy.encode_messages(history)
             else:
-                ids = encode_prompt(greedy, request)
+                ids = encode_prompt(greedy.codec, request)
             budget = (trace.budgets or [None] * len(trace.requests))[i] or max_new_tokens
             order = methods[turn % len(methods) :] + methods[: turn % len(methods)]
             turn += 1

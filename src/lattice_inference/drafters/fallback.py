@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from lattice_inference.draft_planner import KEY_GROUP
 from lattice_inference.drafters.base import Drafter, Plan, PlannedDraft
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
@@ -69,12 +70,12 @@ class FallbackDrafter(Drafter):
 
     def propose(self, max_tokens: int) -> list[int]:
         """The first non-empty proposal of ``drafters``, in order (empty if none proposes). Its
-        ``proposal_key`` is the proposing drafter's, offset by 100 per place in the order (keys stay apart)."""
+        ``proposal_key`` is the proposing drafter's, offset by `KEY_GROUP` per place in the order (keys stay apart)."""
         for i, d in enumerate(self.drafters):
             draft = d.propose(max_tokens)
             if draft:
                 self.proposals_by[i] += 1
-                self.proposal_key = 100 * i + d.proposal_key
+                self.proposal_key = KEY_GROUP * i + d.proposal_key
                 return draft
         return []
 
@@ -84,9 +85,9 @@ class FallbackDrafter(Drafter):
         to the next drafter, and is kept in ``skipped`` so the planner still learns whether it would have held."""
         skipped: list[tuple[list[int], int]] = []
         for i, d in enumerate(self.drafters):
-            sub = d.propose_planned(max_tokens, _KeyOffset(plan, 100 * i))
-            key = 100 * i + sub.key
-            skipped += [(tokens, 100 * i + k) for tokens, k in sub.skipped]
+            sub = d.propose_planned(max_tokens, _KeyOffset(plan, KEY_GROUP * i))
+            key = KEY_GROUP * i + sub.key
+            skipped += [(tokens, KEY_GROUP * i + k) for tokens, k in sub.skipped]
             if sub.verify:
                 self.proposals_by[i] += 1
                 self.proposal_key = key

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Literal, overload
+from typing import overload
 
 from lattice_inference.drafters.base import Drafter
 from lattice_inference.errors import ConfigError, TokenError
+from lattice_inference.options import DecodeOptions, MatchPolicy, check_match, check_positive
 
 __all__ = ["MatchPolicy", "NgramDrafter", "NgramIndex", "TokenView", "validate_token_ids"]
-
-MatchPolicy = Literal["first", "recent"]
-_POLICIES: tuple[str, ...] = ("first", "recent")
 
 
 def validate_token_ids(token_ids: Iterable[int], what: str = "token ids") -> list[int]:
@@ -47,19 +45,13 @@ def validate_token_ids(token_ids: Iterable[int], what: str = "token ids") -> lis
     return out
 
 
-def _check_ngram_range(min_ngram: int, max_ngram: int) -> None:
-    for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name} must be an int, got {value!r}")
-        if value < 1:
-            raise ConfigError(f"{name} must be >= 1, got {value}")
+def _check_lengths(min_ngram: int, max_ngram: int) -> None:
+    """The index's own invariant, for callers that build one directly (`DecodeOptions` checks the same range for
+    every front-end, with its own wording, `check_ngram_range`)."""
+    check_positive("max_ngram", max_ngram)
+    check_positive("min_ngram", min_ngram)
     if min_ngram > max_ngram:
         raise ConfigError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
-
-
-def _check_policy(match: str) -> None:
-    if match not in _POLICIES:
-        raise ConfigError(f"match must be one of {', '.join(map(repr, _POLICIES))}; got {match!r}")
 
 
 class TokenView(Sequence[int]):
@@ -105,8 +97,8 @@ class NgramIndex:
     __slots__ = ("_maps", "_tokens", "keep", "max_ngram", "min_ngram")
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 5, keep: MatchPolicy = "first") -> None:
-        _check_ngram_range(min_ngram, max_ngram)
-        _check_policy(keep)
+        _check_lengths(min_ngram, max_ngram)
+        check_match(keep)
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
         self.keep: MatchPolicy = keep
@@ -183,18 +175,15 @@ class NgramDrafter(Drafter):
 
     def __init__(
         self,
-        max_ngram: int = 5,
-        min_ngram: int = 2,
-        max_draft: int = 4,
-        match: MatchPolicy = "first",
+        max_ngram: int = DecodeOptions.max_ngram,
+        min_ngram: int = DecodeOptions.min_ngram,
+        max_draft: int = DecodeOptions.max_draft,
+        match: MatchPolicy = DecodeOptions.match,
         eos_token_ids: Iterable[int] = (),
     ) -> None:
-        _check_ngram_range(min_ngram, max_ngram)
-        if isinstance(max_draft, bool) or not isinstance(max_draft, int):
-            raise ConfigError(f"max_draft must be an int, got {max_draft!r}")
-        if max_draft < 1:
-            raise ConfigError(f"max_draft must be >= 1, got {max_draft}")
-        _check_policy(match)
+        _check_lengths(min_ngram, max_ngram)
+        check_positive("max_draft", max_draft)
+        check_match(match)
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.max_draft = max_draft

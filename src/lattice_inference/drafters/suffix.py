@@ -18,8 +18,8 @@ from collections.abc import Iterable, Sequence
 
 from lattice_inference.drafters.base import Drafter, Plan, PlannedDraft
 from lattice_inference.drafters.ngram import validate_token_ids
-from lattice_inference.drafters.suffix_index import MAX_MATCH, SuffixIndex, SuffixMatch, check_budget
-from lattice_inference.errors import ConfigError
+from lattice_inference.drafters.suffix_index import MAX_MATCH, SuffixIndex, SuffixMatch
+from lattice_inference.options import DecodeOptions, check_budget, check_positive
 
 #: Match depths at which the planner key changes: deeper matches copy better, and keep their own statistics.
 DEPTH_EDGES = (3, 4, 8, 16, MAX_MATCH)
@@ -43,10 +43,11 @@ class SuffixDrafter(Drafter):
 
     proposes_trees = True
 
-    def __init__(self, budget: int, max_draft: int = 10, eos_token_ids: Iterable[int] = ()) -> None:
+    def __init__(
+        self, budget: int, max_draft: int = DecodeOptions.max_draft, eos_token_ids: Iterable[int] = ()
+    ) -> None:
         check_budget(budget)
-        if isinstance(max_draft, bool) or not isinstance(max_draft, int) or max_draft < 1:
-            raise ConfigError(f"max_draft must be an int >= 1, got {max_draft!r}")
+        check_positive("max_draft", max_draft)
         self.budget = budget
         self.max_draft = max_draft
         self.eos_token_ids: frozenset[int] = frozenset(validate_token_ids(eos_token_ids, "eos_token_ids"))

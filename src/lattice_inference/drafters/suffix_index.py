@@ -28,9 +28,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from lattice_inference.errors import ConfigError
+from lattice_inference.options import check_budget
 
-__all__ = ["ANCHORS", "KEEP", "MAX_MATCH", "SuffixIndex", "SuffixMatch", "check_budget"]
+__all__ = ["ANCHORS", "KEEP", "MAX_MATCH", "SuffixIndex", "SuffixMatch"]
 
 ANCHORS = (2, 8)
 """Anchor lengths indexed at every position: the shortest match the index proposes from, and a long one."""
@@ -41,12 +41,6 @@ MAX_MATCH = 32
 RUNNERS_UP = 3
 """Other continuations kept per draft depth, most frequent first (candidate leaves of a draft tree)."""
 _SHIFT = 32  # a position is (sequence id << _SHIFT) | offset
-
-
-def check_budget(budget: int) -> None:
-    """A suffix index budget is a positive number of tokens."""
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ConfigError(f"suffix_budget must be a number of tokens >= 1, got {budget!r}")
 
 
 @dataclass

@@ -18,12 +18,13 @@ from typing import Any
 from lattice_inference import benchmark
 from lattice_inference.engines import parse_engines
 from lattice_inference.engines.compare_report import format_report, plot_report
-from lattice_inference.engines.encoder import PromptEncoder, eos_token_ids
 from lattice_inference.engines.sweep import sweep
 from lattice_inference.errors import ConfigError
+from lattice_inference.flags import bench_options
 from lattice_inference.loading import LoadedModel
-from lattice_inference.options import METHODS, DecodeOptions
-from lattice_inference.sampling import SamplingOptions
+from lattice_inference.options import DecodeOptions, parse_methods
+from lattice_inference.prompt_codec import PromptCodec
+from lattice_inference.sampling import SamplingOptions, prompt_seed
 
 #: One generation: (token ids, wall seconds, drafted tokens, accepted tokens).
 Run = tuple[list[int], float, int, int]
@@ -39,18 +40,10 @@ def _levels(text: str) -> list[int]:
     return [n for n in levels if n > 0]
 
 
-def _methods(args: argparse.Namespace) -> list[str]:
-    methods = [m.strip() for m in (args.methods or "greedy,ngram").split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    return ["greedy", *(m for m in methods if m != "greedy")]
-
-
 def _seeds(base: DecodeOptions, n: int) -> list[SamplingOptions]:
-    """Per-prompt sampling: prompt ``i`` gets seed ``seed + i`` when sampling (as ``lattice bench``)."""
+    """Per-prompt sampling: prompt ``i`` samples with `prompt_seed` (as ``lattice bench``)."""
     s = base.sampling
-    return [s if s.greedy else replace(s, seed=s.seed + i) for i in range(n)]  # type: ignore[operator]
+    return [s if s.greedy else replace(s, seed=prompt_seed(s.seed, i)) for i in range(n)]
 
 
 def run_local(
@@ -136,14 +129,13 @@ def _serve_args(args: argparse.Namespace, engine: str) -> list[str]:
 def compare(args: argparse.Namespace) -> int:
     """Run the comparison ``args`` asks for and print it (or ``--json``); ``--plot`` draws it where matplotlib
     is installed."""
-    from lattice_inference.cli import bench_options
     from lattice_inference.engines.vllm.mapping import check_mtp_head, check_sampling, refuse_unsupported
     from lattice_inference.engines.vllm.runtime import find_runtime
     from lattice_inference.model_source import resolve_model
     from lattice_inference.serve.command import served_name
 
     engines = parse_engines(args.engine, several=True)
-    methods, levels = _methods(args), _levels(args.sweep)
+    methods, levels = parse_methods(args.methods, ("greedy", "ngram")), _levels(args.sweep)
     base = bench_options(args)
     if "vllm" in engines:  # every refusal before anything runs
         check_mtp_head(getattr(args, "mtp_head", None))
@@ -164,16 +156,15 @@ def compare(args: argparse.Namespace) -> int:
         from lattice_inference.loading import load_model
 
         loaded = load_model(args.model, dtype=args.dtype)
-        encoder = PromptEncoder(loaded.tokenizer)
-        eos = loaded.eos_token_ids
+        encoder = PromptCodec(loaded.tokenizer, loaded.eos_token_ids)
         report["dtype"] = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     else:
         from lattice_inference.engines.vllm.runtime import vllm_model
 
         folder = vllm_model(args.model, args.dtype).location
-        encoder = PromptEncoder.from_folder(folder)
-        eos = eos_token_ids(folder, encoder.tokenizer)
-    ids = [benchmark.encode_prompt(encoder, p, bool(args.chat)) for p in prompts]  # type: ignore[arg-type]
+        encoder = PromptCodec.from_folder(folder)
+    ids = [benchmark.encode_prompt(encoder, p, bool(args.chat)) for p in prompts]
+    eos = encoder.eos_token_ids
     report |= {"prompts": len(ids), "reps": args.reps, "max_new_tokens": args.max_new_tokens}
     for engine in engines if not args.sweep_only else ():
         benchmark.log(f"batch 1 on {engine}: {len(ids)} prompts x {args.reps} reps, methods {', '.join(methods)}")

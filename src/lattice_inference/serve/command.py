@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lattice_inference.flags import MODEL_HELP, add_decode_arguments, decode_options, positive_int
 from lattice_inference.options import SHUTDOWN_TIMEOUT, SUFFIX_SCOPES, check_shutdown_timeout
 
 if TYPE_CHECKING:
@@ -19,22 +19,13 @@ DEFAULT_MAX_QUEUE = 16
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
 
 
-def add_parser(
-    sub: argparse._SubParsersAction,
-    positive_int: Callable[[str], int],
-    add_draft_options: Callable[[argparse.ArgumentParser], None],
-    model_help: str,
-) -> None:
-    """Add ``serve`` to the ``lattice`` command's sub-parsers (``add_draft_options``: those ``generate`` has)."""
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``serve`` to the ``lattice`` command's sub-parsers, with the decoding flags ``generate`` has (their
+    values are the server's defaults, which a request's ``speculative`` and sampling fields override)."""
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    serve.add_argument("--model", help=model_help)
+    serve.add_argument("--model", help=MODEL_HELP)
     serve.add_argument(
         "--served-model-name", help="the model id clients send (default: --model's name, or its file/folder name)"
-    )
-    serve.add_argument(
-        "--method",
-        default="ngram",
-        help="default method: greedy, ngram (default), mtp, ngram+mtp, suffix or suffix+mtp",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
@@ -65,7 +56,7 @@ def add_parser(
         help=f"on SIGTERM/SIGINT: seconds running generations may finish before they are ended (default "
         f"{SHUTDOWN_TIMEOUT:g})",
     )
-    add_draft_options(serve)
+    add_decode_arguments(serve)
     serve.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
     serve.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
@@ -83,27 +74,9 @@ def served_name(model: str | None) -> str:
     return source.name if source.kind == "hub" else Path(source.name).name
 
 
-#: The ``lattice serve`` options that make up its default `DecodeOptions`.
-DRAFT_OPTIONS = (
-    "method",
-    "max_ngram",
-    "min_ngram",
-    "max_draft",
-    "match",
-    "draft_length",
-    "draft_vocab",
-    "max_leaves",
-    "batched_verify",
-    "forward",
-    "suffix_budget",
-)
-
-
 def default_options(args: argparse.Namespace) -> DecodeOptions:
-    """The server's default draft settings (`ConfigError` for a bad one, before anything loads)."""
-    from lattice_inference.options import DecodeOptions
-
-    return DecodeOptions(**{name: getattr(args, name) for name in DRAFT_OPTIONS}, adaptive=not args.fixed_draft)
+    """The server's default decoding settings (`ConfigError` for a bad one, before anything loads)."""
+    return decode_options(args)
 
 
 def build_engine(args: argparse.Namespace) -> Engine:

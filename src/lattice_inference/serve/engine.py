@@ -13,19 +13,20 @@ import ctypes.util
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 
 from lattice_inference.api import Generator, mtp_head_for
-from lattice_inference.errors import LatticeError
+from lattice_inference.errors import ConfigError, LatticeError
 from lattice_inference.generation import Generation
 from lattice_inference.loading import LoadedModel
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.mtp import MtpHead
 from lattice_inference.options import DecodeOptions
+from lattice_inference.prompt_codec import PromptCodec
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.serve.errors import bad_request
 from lattice_inference.serve.schemas import SCOPE_FIELDS, Message, Speculative
@@ -152,6 +153,8 @@ class Engine:
         """The tenants' suffix indexes (``--suffix-scope``), under the default settings' ``suffix_budget``."""
         self.mtp_head_path = mtp_head_path
         self.tokenizer = loaded.tokenizer
+        self.codec = PromptCodec(loaded.tokenizer, loaded.eos_token_ids)
+        """The prompt encoding shared with `Generator` and the engines."""
         self.defaults = settings
         self.name = name or Path(loaded.source).name
         self.cache_size = cache_size
@@ -176,16 +179,10 @@ class Engine:
         naming what cannot be served."""
         given = spec.model_dump(exclude=SCOPE_FIELDS) if spec is not None else {}
         changes = {k: v for k, v in given.items() if v is not None}
-        merged = {**{k: getattr(self.defaults, k) for k in ("min_ngram", "max_ngram")}, **changes}
-        if merged["min_ngram"] > merged["max_ngram"]:
-            raise bad_request(
-                f"min_ngram ({merged['min_ngram']}) is larger than max_ngram ({merged['max_ngram']})",
-                param="speculative.min_ngram",
-            )
         try:
             settings = self.defaults.updated(**changes)
-        except LatticeError as exc:
-            raise bad_request(str(exc), param="speculative") from None
+        except ConfigError as exc:
+            raise bad_request(str(exc), param="speculative" + (f".{exc.param}" if exc.param else "")) from None
         if settings.needs_mtp_head and self.mtp_error is not None:
             raise bad_request(
                 f"method {settings.method!r} needs an MTP head, which this model lacks: {self.mtp_error}",
@@ -195,27 +192,25 @@ class Engine:
 
     def sampling_for(self, given: Mapping[str, Any]) -> SamplingOptions:
         """The request's sampling (``given``: `SamplingOptions` fields, None where unset), checked by the library
-        here rather than in the worker. Absent temperature means 0: greedy, the model's argmax text whatever the
-        method (``top_p`` and the rest change nothing; penalties still apply)."""
+        here rather than in the worker. Unset fields take the server's (``lattice serve --temperature ...``); its
+        default temperature is 0: greedy, the model's argmax text whatever the method (``top_p`` and the rest
+        change nothing; penalties still apply)."""
         try:
-            return SamplingOptions(**{k: v for k, v in given.items() if v is not None})
+            return replace(self.defaults.sampling, **{k: v for k, v in given.items() if v is not None})
         except LatticeError as exc:
             raise bad_request(str(exc)) from None
 
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
         """Token ids of ``messages`` through the tokenizer's chat template, ready for the assistant's turn."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not self.codec.has_chat_template:
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
         turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
         for i, turn in enumerate(turns):
             _check_text(turn["content"], f"messages.{i}.content")
         try:
-            ids = self.tokenizer.apply_chat_template(
-                turns, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            return self.codec.chat_ids(turns)
         except TemplateError as exc:
             raise bad_request(f"the chat template refused these messages: {exc}", param="messages") from None
-        return [int(t) for t in ids]
 
     def encode_prompt(self, prompt: str | list[str] | list[int]) -> list[int]:
         """Token ids of a text completion's prompt (a string, a list of one string, or token ids)."""
@@ -228,7 +223,7 @@ class Engine:
         _check_text(text, "prompt")
         if not text.strip():
             raise bad_request("the prompt is empty", param="prompt")
-        return list(self.tokenizer(text, add_special_tokens=True).input_ids)
+        return self.codec.text_ids(text)
 
     def budget(
         self, prompt_ids: Sequence[int], requested: int | None, default: int | None, prompt_param: str = "prompt"
@@ -285,7 +280,7 @@ class Engine:
                 self.tokenizer,
                 settings,
                 mtp_head=head,
-                eos_token_ids=self.loaded.eos_token_ids,
+                eos_token_ids=self.codec.eos_token_ids,
                 target=self._target(settings),
             )
             self._generators[settings] = gen

@@ -12,7 +12,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lattice_inference.api import METHODS
+from lattice_inference.mtp.config import MAX_DRAFT_LENGTH, MIN_DRAFT_LENGTH
+from lattice_inference.options import METHODS
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.serve.errors import APIError, bad_request
 
@@ -57,7 +58,7 @@ class Speculative(_Strict):
     max_ngram: int | None = Field(None, ge=1, le=64)
     min_ngram: int | None = Field(None, ge=1, le=64)
     match: Literal["first", "recent"] | None = None
-    draft_length: int | None = Field(None, ge=2, le=8)
+    draft_length: int | None = Field(None, ge=MIN_DRAFT_LENGTH, le=MAX_DRAFT_LENGTH)
     adaptive: bool | None = None
     """False verifies every drafted token (``--fixed-draft``); True lets the draft planner choose."""
     scope: str | None = Field(None, min_length=1, max_length=200)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from lattice_inference.errors import ConfigError
+from lattice_inference.options import FORWARDS, check_forward
 from lattice_inference.targets.base import Target
 from lattice_inference.targets.hybrid import HybridTarget, is_hybrid
-from lattice_inference.targets.lean import FORWARDS, LeanTarget, check_forward, lean_supported
+from lattice_inference.targets.lean import LeanTarget, lean_supported
 from lattice_inference.targets.transformers import TransformersTarget
 
 __all__ = ["FORWARDS", "HybridTarget", "LeanTarget", "Target", "TransformersTarget", "make_target"]

@@ -34,17 +34,6 @@ from lattice_inference.targets.decode_matched import Product
 from lattice_inference.targets.packed_linear import products
 from lattice_inference.targets.transformers import TransformersTarget
 
-FORWARDS = ("auto", "lean", "transformers")
-"""How a target runs the model: ``lean`` (`LeanTarget`), ``transformers`` (the model's own forward), ``auto`` (lean
-where `lean_supported`)."""
-
-
-def check_forward(forward: str) -> None:
-    """``forward`` must be one of `FORWARDS`."""
-    if forward not in FORWARDS:
-        raise ConfigError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
-
-
 LEAN_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 """``model_type`` values whose decoder `LeanTarget` runs (full attention only, rotary positions, RMSNorm)."""
 

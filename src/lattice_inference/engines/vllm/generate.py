@@ -10,11 +10,11 @@ import argparse
 import json
 import sys
 
-from lattice_inference.engines.encoder import PromptEncoder, eos_token_ids
 from lattice_inference.engines.vllm.batch import VllmRequest, VllmRun, run_batch
 from lattice_inference.engines.vllm.mapping import check_mtp_head, refuse_unsupported
 from lattice_inference.engines.vllm.runtime import find_runtime, vllm_model
 from lattice_inference.options import DecodeOptions
+from lattice_inference.prompt_codec import PromptCodec
 
 
 def generate(args: argparse.Namespace, options: DecodeOptions, text: str) -> int:
@@ -23,11 +23,11 @@ def generate(args: argparse.Namespace, options: DecodeOptions, text: str) -> int
     check_mtp_head(getattr(args, "mtp_head", None))
     runtime = find_runtime(args.vllm_python)
     model = vllm_model(args.model, args.dtype)
-    encoder = PromptEncoder.from_folder(model.location)
+    encoder = PromptCodec.from_folder(model.location)
     ids = encoder.encode(text, chat=encoder.has_chat_template if args.chat is None else args.chat)
     sampling = options.sampling if options.sampling.greedy else options.sampling.seeded()
     request = VllmRequest(ids, args.max_new_tokens, sampling)
-    eos = eos_token_ids(model.location, encoder.tokenizer)
+    eos = encoder.eos_token_ids
     run = VllmRun(options, [request])
     ((out,),) = run_batch(runtime, model, [run], eos, engine_args=args.engine_args, threads=args.threads)
     drafted, accepted = out.spec.get("drafted_tokens", 0), out.spec.get("accepted_tokens", 0)

@@ -1,0 +1,114 @@
+"""The package's import graph has no cycle: every module imports only modules below it.
+
+Imports are read from the source with `ast` (module-level and function-level ones alike, since a lazy import
+closes a circle too; those under ``if TYPE_CHECKING:`` do not run and are left out). ``from pkg import name``
+counts as an import of ``pkg.name`` where that is a module, else of ``pkg``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lattice_inference
+
+PACKAGE = Path(lattice_inference.__file__).parent
+ROOT = PACKAGE.name
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, whether it is a package's ``__init__``)."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(name: str, path: Path, is_package: bool, modules: set[str]) -> set[str]:
+    """The package's modules that ``name`` imports."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for other in child.orelse:
+                    visit(other)
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    here = name.split(".") if is_package else name.split(".")[:-1]
+                    here = here[: len(here) - (child.level - 1)]
+                    base = ".".join([*here, base] if base else here)
+                found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in child.names)
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return {m for m in found if m in modules and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package and the package modules it imports."""
+    modules = _modules()
+    return {name: _imports(name, path, is_package, set(modules)) for name, (path, is_package) in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (or a module importing itself): the cycles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_the_graph_is_read():
+    graph = import_graph()
+    assert f"{ROOT}.engines.compare" in graph[f"{ROOT}.cli"]
+    assert f"{ROOT}.options" in graph[f"{ROOT}.flags"]
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle():
+    found = cycles(import_graph())
+    assert found == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
