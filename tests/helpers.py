@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from lattice_inference.drafters.base import Drafter, PlannedDraft
+from lattice_inference.drafters.base import Drafter, DrafterState, PlannedDraft, Proposal
 from lattice_inference.targets.base import Target
 
 
@@ -26,16 +26,18 @@ class OracleDrafter(Drafter):
         self.vocab = vocab
         self.corrupt = corrupt
         self.rng = random.Random(seed)
-        self.history: list[int] = []
 
-    def reset(self, prompt_ids: Sequence[int]) -> None:
-        self.history = list(prompt_ids)
+    def new_state(self, prompt_ids: Sequence[int], sampler=None, suffix_index=None) -> OracleState:
+        return OracleState(self, prompt_ids)
 
-    def extend(self, token_ids: Sequence[int]) -> None:
-        self.history.extend(token_ids)
+    @property
+    def history(self) -> list[int]:
+        state = self._current()
+        assert isinstance(state, OracleState)
+        return state.history
 
-    def propose(self, max_tokens: int) -> list[int]:
-        n = len(self.history)
+    def draft(self, history: list[int], max_tokens: int) -> list[int]:
+        n = len(history)
         draft = []
         for i in range(self.rng.randint(0, max_tokens)):
             true = self.reference[n + i] if n + i < len(self.reference) else self.rng.randrange(self.vocab)
@@ -43,6 +45,32 @@ class OracleDrafter(Drafter):
                 true = (true + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
             draft.append(true)
         return draft
+
+    def planned(self, history: list[int], max_tokens: int) -> PlannedDraft | None:
+        """A planned draft of its own (None: the default planning of `draft`)."""
+        return None
+
+
+class OracleState(DrafterState):
+    """An oracle drafter's generation: its history (the drafter's random choices are shared by its generations)."""
+
+    def __init__(self, drafter: OracleDrafter, prompt_ids: Sequence[int]) -> None:
+        self.drafter = drafter
+        self.history = list(prompt_ids)
+
+    @property
+    def proposes_for_free(self) -> bool:  # set per drafter by some tests
+        return self.drafter.proposes_for_free
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        self.history.extend(token_ids)
+
+    def propose(self, max_tokens: int) -> Proposal:
+        return Proposal(self.drafter.draft(self.history, max_tokens))
+
+    def propose_planned(self, max_tokens: int, plan) -> PlannedDraft:
+        own = self.drafter.planned(self.history, max_tokens)
+        return own if own is not None else super().propose_planned(max_tokens, plan)
 
 
 class RecordingTarget(Target):
@@ -268,11 +296,11 @@ class TreeOracleDrafter(OracleDrafter):
             if token not in avoid:
                 return token
 
-    def propose(self, max_tokens: int) -> list[int]:
-        return self._tree(max_tokens)[0]
+    def draft(self, history: list[int], max_tokens: int) -> list[int]:
+        return self._tree(history, max_tokens)[0]
 
-    def _tree(self, max_tokens: int) -> tuple[list[int], list[list[int]]]:
-        n = len(self.history)
+    def _tree(self, history: list[int], max_tokens: int) -> tuple[list[int], list[list[int]]]:
+        n = len(history)
         draft, alternatives = [], []
         for i in range(self.rng.randint(1, max(1, max_tokens))):
             true = self._true(n + i)
@@ -286,8 +314,8 @@ class TreeOracleDrafter(OracleDrafter):
             alternatives.append(leaves)
         return draft, alternatives
 
-    def propose_planned(self, max_tokens: int, plan) -> PlannedDraft:
-        draft, alternatives = self._tree(max_tokens)
+    def planned(self, history: list[int], max_tokens: int) -> PlannedDraft:
+        draft, alternatives = self._tree(history, max_tokens)
         return PlannedDraft(draft, draft, 1, runners_up=alternatives, alternatives=alternatives)
 
 

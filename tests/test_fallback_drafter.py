@@ -5,24 +5,41 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lattice_inference.drafters.base import Drafter
+from lattice_inference.drafters.base import Drafter, DrafterState, Proposal
 from lattice_inference.drafters.fallback import FallbackDrafter
 from lattice_inference.errors import ConfigError
 
 
 class Scripted(Drafter):
-    """Proposes from a script of answers and records everything it is told."""
+    """Proposes from a script of answers (under ``proposal_key``) and records everything it is told."""
+
+    proposal_key = 0
 
     def __init__(self, answers: list[list[int]], hidden: bool = False) -> None:
         self.answers = answers
         self.uses_hidden_states = hidden
-        self.history: list[int] = []
-        self.observed: list[tuple[int, int]] = []
         self.asked = 0
-        self.forward_count = 0 if not hidden else 3
+        self.forwards = 0 if not hidden else 3
 
-    def reset(self, prompt_ids):
+    def new_state(self, prompt_ids, sampler=None, suffix_index=None):
+        return ScriptedState(self, prompt_ids)
+
+    @property
+    def history(self) -> list[int]:
+        return self._current().history
+
+    @property
+    def observed(self) -> list[tuple[int, int]]:
+        return self._current().observed
+
+
+class ScriptedState(DrafterState):
+    def __init__(self, drafter: Scripted, prompt_ids) -> None:
+        self.drafter = drafter
         self.history = list(prompt_ids)
+        self.observed: list[tuple[int, int]] = []
+        self.forwards = drafter.forwards
+        self.proposes_for_free = drafter.proposes_for_free
 
     def extend(self, token_ids):
         self.history.extend(token_ids)
@@ -31,9 +48,10 @@ class Scripted(Drafter):
         self.observed.append((hidden_states.shape[0], start_position))
 
     def propose(self, max_tokens):
-        answer = self.answers[self.asked][:max_tokens]
-        self.asked += 1
-        return answer
+        drafter = self.drafter
+        answer = drafter.answers[drafter.asked][:max_tokens]
+        drafter.asked += 1
+        return Proposal(answer, drafter.proposal_key)
 
 
 def test_first_non_empty_proposal_wins_and_all_drafters_follow():

@@ -23,7 +23,7 @@ from transformers import (
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from lattice_inference.decode import SpeculativeDecoder
-from lattice_inference.drafters.base import Drafter
+from lattice_inference.drafters.base import Drafter, DrafterState, Proposal
 from lattice_inference.errors import ConfigError, TokenError, UnsupportedModelError
 from lattice_inference.targets import hybrid
 from lattice_inference.targets.hybrid import HybridTarget, is_hybrid, recurrent_gated_delta_rule_with_states
@@ -430,31 +430,36 @@ class OracleDrafter(Drafter):
     def __init__(self, reference: Sequence[int], seed: int) -> None:
         self.reference = list(reference)
         self.rng = random.Random(seed)
-        self.history: list[int] = []
-        self.pending: list[int] | None = None
         self.outcomes: list[tuple[int, int]] = []
         """(drafted, accepted) per verification round with a draft."""
 
-    def reset(self, prompt_ids: Sequence[int]) -> None:
+    def new_state(self, prompt_ids: Sequence[int], sampler=None, suffix_index=None) -> OracleState:
+        return OracleState(self, prompt_ids)
+
+
+class OracleState(DrafterState):
+    def __init__(self, drafter: OracleDrafter, prompt_ids: Sequence[int]) -> None:
+        self.drafter = drafter
         self.history = list(prompt_ids)
-        self.pending = None
+        self.pending: list[int] | None = None
 
     def extend(self, token_ids: Sequence[int]) -> None:
         if self.pending:
-            self.outcomes.append((len(self.pending), len(token_ids) - 1))
+            self.drafter.outcomes.append((len(self.pending), len(token_ids) - 1))
         self.pending = None
         self.history.extend(token_ids)
 
-    def propose(self, max_tokens: int) -> list[int]:
+    def propose(self, max_tokens: int) -> Proposal:
+        rng = self.drafter.rng
         h = len(self.history)
-        draft = self.reference[h : h + max_tokens]
-        draft += [self.rng.randrange(VOCAB) for _ in range(max_tokens - len(draft))]
-        mode = self.rng.choice(("full", "reject", "partial"))
+        draft = self.drafter.reference[h : h + max_tokens]
+        draft += [rng.randrange(VOCAB) for _ in range(max_tokens - len(draft))]
+        mode = rng.choice(("full", "reject", "partial"))
         if mode != "full":
-            at = 0 if mode == "reject" or len(draft) < 2 else self.rng.randrange(1, len(draft))
-            draft[at] = (draft[at] + 1 + self.rng.randrange(VOCAB - 1)) % VOCAB
+            at = 0 if mode == "reject" or len(draft) < 2 else rng.randrange(1, len(draft))
+            draft[at] = (draft[at] + 1 + rng.randrange(VOCAB - 1)) % VOCAB
         self.pending = draft
-        return list(draft)
+        return Proposal(draft)
 
 
 @pytest.mark.parametrize("kernel", hybrid.KERNELS)

@@ -125,7 +125,7 @@ class SpeculativeDecoder:
         defaults to greedy decoding; when it samples without a seed, a seed is drawn (``Generation.seed``).
         ``logprobs=N`` records each emitted token's log-probability and the ``N`` most likely tokens at its
         index (``Generation.logprobs``, from the rows that chose them). ``suffix_index``: the cross-request index
-        the drafter may draft from and add this generation to (`Drafter.use_suffix_index`; None: this request only).
+        the drafter may draft from and add this generation to (`Drafter.start`; None: this request only).
         """
         prompt_ids = [int(t) for t in prompt_ids]
         self._validate(prompt_ids, max_new_tokens)
@@ -178,8 +178,6 @@ class SpeculativeDecoder:
         if target.capture_hidden != self._wants_hidden:  # a target shared with another decoder may have it on
             target.capture_hidden = self._wants_hidden
         if drafter is not None:
-            drafter.use_suffix_index(gen.suffix_index)
-            drafter.use_sampler(sampler)
             start = time.perf_counter()
             costs = self._calibrate()  # once per target: a no-op here where `prepare` ran at load
             m.calibration_s = time.perf_counter() - start
@@ -193,7 +191,7 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         try:
             out = self._emit(gen, first, rows, range(len(first)))
-            self._inform_drafter(first, hidden, 0)
+            self._inform_drafter(gen, first, hidden, 0)
             if out:
                 yield out
             pending = first[-1]
@@ -221,13 +219,13 @@ class SpeculativeDecoder:
                 m.record_round(len(draft), verdict.accepted, leaves=leaves, on_leaf=verdict.rows is not None)
                 self._learn(gen, planned, verdict)
                 out = self._emit(gen, verdict.tokens, logits, verdict.path)
-                self._inform_drafter(verdict.tokens, hidden, position)
+                self._inform_drafter(gen, verdict.tokens, hidden, position)
                 pending = verdict.tokens[-1]
                 if out:
                     yield out
         finally:
             m.decode_s = time.perf_counter() - start
-            m.drafter_forwards = drafter.forward_count if drafter is not None else 0
+            m.drafter_forwards = gen.drafter_state.forward_count if gen.drafter_state is not None else 0
 
     def prepare(self) -> float:
         """Run now what the first drafted generation would otherwise run before its prefill: the target's
@@ -261,16 +259,18 @@ class SpeculativeDecoder:
         return self.max_draft + 1 + self._leaves()
 
     def _draft(self, gen: Generation, room: int) -> PlannedDraft:
-        """This round's draft (at most ``room`` tokens fit the budget): without a planner the whole proposal is
-        verified; with one, the drafter plans it (`Drafter.propose_planned`)."""
-        drafter = self.drafter
+        """This round's draft (at most ``room`` tokens fit the budget), from the generation's drafter state:
+        without a planner the whole proposal is verified; with one, the drafter plans it
+        (`DrafterState.propose_planned`)."""
+        state = gen.drafter_state
         cap = min(self.max_draft, room)
-        if drafter is None or cap < 1:
+        if state is None or cap < 1:
             return PlannedDraft([], [])
         if gen.planner is None:
-            proposal = drafter.propose(cap)[:cap]
-            return PlannedDraft(proposal, proposal, drafter.proposal_key)
-        return drafter.propose_planned(cap, gen.planner)
+            proposal = state.propose(cap)
+            tokens = proposal[:cap]
+            return PlannedDraft(tokens, tokens, proposal.key)
+        return state.propose_planned(cap, gen.planner)
 
     @staticmethod
     def _learn(gen: Generation, planned: PlannedDraft, verdict: Verdict) -> None:
@@ -301,7 +301,7 @@ class SpeculativeDecoder:
         """
         target, drafter, prompt = self.target, self.drafter, gen.prompt_ids
         if drafter is not None:
-            drafter.reset(prompt)
+            gen.drafter_state = drafter.start(prompt, sampler=gen.sampler, suffix_index=gen.suffix_index)
         budget = gen.max_new_tokens
         if drafter is None or self._wants_hidden or not target.fuses_prefill_and_draft or budget < 2:
             logits = target.prefill(prompt).unsqueeze(0)
@@ -328,10 +328,13 @@ class SpeculativeDecoder:
             return hidden[:rows]
         return hidden[: len(rows)] if rows == list(range(len(rows))) else hidden[rows]
 
-    def _inform_drafter(self, tokens: list[int], hidden: torch.Tensor | None, position: int) -> None:
-        """Hand accepted tokens (and the target hiddens of the positions that produced them) to the drafter."""
-        if self.drafter is None:
+    @staticmethod
+    def _inform_drafter(gen: Generation, tokens: list[int], hidden: torch.Tensor | None, position: int) -> None:
+        """Hand accepted tokens (and the target hiddens of the positions that produced them) to the generation's
+        drafter state."""
+        state = gen.drafter_state
+        if state is None:
             return
-        self.drafter.extend(tokens)
+        state.extend(tokens)
         if hidden is not None:
-            self.drafter.observe(hidden, position)
+            state.observe(hidden, position)

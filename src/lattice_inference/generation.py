@@ -1,9 +1,9 @@
 """One generation: its per-generation state while it runs, and its result.
 
 Everything that belongs to a single generation (the prompt, the budget, the sampling options with the seed
-actually used, the sampler and its noise cache, the metrics, the stop reason and the tokens emitted so far) lives
-in one `Generation` object, never on the decoder or the model, so one loaded model can serve several
-generations in turn.
+actually used, the sampler and its noise cache, the drafter's state, the metrics, the stop reason and the tokens
+emitted so far) lives in one `Generation` object, never on the decoder, the drafter or the model, so one loaded
+model can serve several generations in turn.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lattice_inference.draft_planner import DraftPlanner
+from lattice_inference.drafters.base import DrafterState
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.penalties import Penalties
@@ -88,6 +89,8 @@ class Generation:
         """This generation's adaptive draft planner (None: fixed draft lengths, or no drafter)."""
         self.suffix_index: SuffixIndex | None = None
         """The cross-request index this generation drafts from and is added to (None: its own tokens only)."""
+        self.drafter_state: DrafterState | None = None
+        """What the drafter knows about this generation's sequence (`Drafter.start`; None: no drafter)."""
         self.token_ids: list[int] = []
         self.top_logprobs = logprobs
         """How many most likely tokens each `TokenLogprob` lists (None: log-probabilities are not computed)."""

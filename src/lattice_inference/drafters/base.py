@@ -1,17 +1,22 @@
 """The drafter protocol: where draft tokens come from.
 
-A drafter sees the whole token history (prompt, then every accepted token, in order) and proposes tokens that
-may follow it. The decode loop verifies every proposal against the target model, so a drafter can never change
-the output, only how many target forwards it takes to produce it.
+A drafter proposes tokens that may follow a sequence's token history (prompt, then every accepted token, in
+order). The decode loop verifies every proposal against the target model, so a drafter can never change the
+output, only how many target forwards it takes to produce it.
 
-Subclass `Drafter` to inherit the defaults of its optional parts (no hidden states, no model forwards, no use of
-the sampler); the decode loop reads them directly, never by probing.
+A `Drafter` is long-lived and holds configuration (and what is genuinely shared across requests: trained head
+weights, a tenant's suffix index passed in per generation); what it learns about one sequence lives in the
+`DrafterState` that `Drafter.start` returns, which the generation owns. So one drafter can serve several
+generations at once, each through its own state.
+
+Subclass `Drafter` and `DrafterState` to inherit the defaults of their optional parts (no hidden states, no model
+forwards, no use of the sampler); the decode loop reads them directly, never by probing.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -43,6 +48,19 @@ class Plan(Protocol):
         ...
 
 
+class Proposal(list[int]):
+    """Draft tokens (a plain list of them, as far as comparisons go) and the planner ``key`` they were proposed
+    under: a small integer grading how the proposal was made (n-gram lookup: the matched n-gram's length; a suffix
+    match: its depth band; an MTP head under the planner: its first draft's confidence band). The draft planner
+    keeps acceptance statistics per key."""
+
+    key: int
+
+    def __init__(self, tokens: Iterable[int] = (), key: int = 0) -> None:
+        super().__init__(tokens)
+        self.key = key
+
+
 @dataclass
 class PlannedDraft:
     """One round's draft under the planner: what was proposed, the part to verify, the key to learn under, and
@@ -62,22 +80,71 @@ class PlannedDraft:
     alternatives: list[list[int]] = field(default_factory=list)
 
 
+class DrafterState:
+    """What a drafter knows about one sequence (its history, indexes over it, a head's KV cache, counters), made by
+    `Drafter.start` and owned by the generation: alternately `propose` (or `propose_planned`) and `extend` with the
+    tokens the verifier accepted (including the target's own correction or bonus token); where the drafter
+    ``uses_hidden_states``, `observe` follows each `extend` (and the prompt) with the target's hidden states.
+    """
+
+    forwards: int = 0
+    """Model forwards a drafter that runs one has run for this sequence (it counts them here)."""
+
+    proposes_for_free: bool = True
+    """As `Drafter.proposes_for_free` (the default `propose_planned` reads it here)."""
+
+    @property
+    def forward_count(self) -> int:
+        """Model forwards drafted for this sequence so far (0 for lookup drafters)."""
+        return self.forwards
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append accepted tokens to the history."""
+        raise NotImplementedError
+
+    def propose(self, max_tokens: int) -> Proposal:
+        """Up to ``max_tokens`` tokens likely to follow the history (possibly none), with their planner key."""
+        raise NotImplementedError
+
+    def propose_planned(self, max_tokens: int, plan: Plan) -> PlannedDraft:
+        """This round's draft when a planner chooses its length. A free proposal is made at full length and the
+        planner picks how much of it to verify; a drafter that runs a model is asked for the planned length only,
+        and its time per drafted token is reported to the planner."""
+        if self.proposes_for_free:
+            proposal = self.propose(max_tokens)
+            tokens = proposal[:max_tokens]
+            return PlannedDraft(tokens, tokens[: plan.choose(len(tokens), proposal.key)], proposal.key)
+        k = plan.choose(max_tokens, 0, free=False)  # a costly proposal's key is known only once it is made
+        if k == 0:
+            return PlannedDraft([], [])
+        start = time.perf_counter()
+        proposal = self.propose(k)
+        tokens = proposal[:k]
+        if tokens:
+            plan.observe_drafter_seconds((time.perf_counter() - start) / len(tokens))
+        return PlannedDraft(tokens, tokens, proposal.key)
+
+    def observe(self, hidden_states: torch.Tensor, start_position: int) -> None:
+        """Hidden states ``[n, hidden]`` of positions ``start_position .. start_position + n - 1``, in position
+        order: after prefill (every prompt position) and after each verification (the accepted positions).
+        Called only when the drafter ``uses_hidden_states``; the default ignores them."""
+
+
 @runtime_checkable
 class Drafter(Protocol):
-    """Proposes draft tokens from the token history.
+    """Proposes draft tokens from a token history; its per-sequence knowledge lives in `DrafterState`s.
 
-    Lifecycle per generation: ``use_sampler(sampler)``, ``reset(prompt)``, then alternately ``propose(k)`` and
-    ``extend(tokens)`` with the tokens the verifier accepted (including the target's own correction or bonus
-    token); where ``uses_hidden_states``, ``observe`` follows each ``extend`` (and the prompt) with the target's
-    hidden states.
+    Per generation the decode loop calls ``start(prompt, sampler=..., suffix_index=...)`` once and then drives the
+    returned state (see `DrafterState`). The drafter itself keeps configuration only, so generations started on
+    it never share what they learn.
+
+    For a single sequence driven by hand (tests, the reference implementation) ``reset`` / ``extend`` /
+    ``propose`` / ``propose_planned`` / ``observe`` act on the most recently started state, ``last``.
     """
 
     uses_hidden_states: bool = False
     """Whether the decode loop must capture the target's post-final-norm hidden states and pass them to
-    `observe`."""
-
-    forward_count: int = 0
-    """Model forwards this drafter ran in the current generation (0 for lookup drafters)."""
+    `DrafterState.observe`."""
 
     proposes_for_free: bool = True
     """Whether a proposal costs no model forward (lookup drafters): the adaptive loop then asks for the most it
@@ -88,54 +155,75 @@ class Drafter(Protocol):
     """Whether a planned proposal may rank runners-up beside its draft tokens (`PlannedDraft.runners_up`), which the
     decoder may verify as a draft tree where the target can: it then lets the planner add leaves."""
 
-    proposal_key: int = 0
-    """A small integer grading how the latest proposal was made (n-gram lookup: the matched n-gram's length; an
-    MTP head under the planner: its first draft's confidence band); the draft planner keeps acceptance statistics
-    per key."""
+    _reset_sampler: Sampler | None = None
+    _reset_index: SuffixIndex | None = None
 
-    def reset(self, prompt_ids: Sequence[int]) -> None:
-        """Start a new generation whose history is ``prompt_ids``."""
+    last: DrafterState | None = None
+    """The most recently started state (as `SpeculativeDecoder.last`): what the single-sequence conveniences
+    act on and what ``forward_count`` reports. Nothing reads it to draft a generation."""
+
+    def new_state(
+        self, prompt_ids: Sequence[int], sampler: Sampler | None, suffix_index: SuffixIndex | None
+    ) -> DrafterState:
+        """A fresh state over ``prompt_ids`` (what `start` returns; implement this, call `start`)."""
         ...
 
-    def extend(self, token_ids: Sequence[int]) -> None:
-        """Append accepted tokens to the history."""
-        ...
+    def start(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        sampler: Sampler | None = None,
+        suffix_index: SuffixIndex | None = None,
+    ) -> DrafterState:
+        """Begin drafting for a generation whose history is ``prompt_ids`` and return its state.
 
-    def propose(self, max_tokens: int) -> list[int]:
-        """Return up to ``max_tokens`` tokens likely to follow the history (possibly none)."""
-        ...
+        ``sampler``: the generation's sampler (None: greedy); a drafter that scores tokens itself may draft with it
+        (coupled drafting: the same keyed noise the target samples with). ``suffix_index``: the generation's
+        cross-request index, earlier requests' tokens in its scope, which a drafter that reads them may draft from
+        and add the generation's tokens to (None: this request's tokens only). Drafters that use neither ignore
+        them."""
+        state = self.new_state(prompt_ids, sampler, suffix_index)
+        self.last = state
+        return state
 
-    def propose_planned(self, max_tokens: int, plan: Plan) -> PlannedDraft:
-        """This round's draft when a planner chooses its length. A free proposal is made at full length and the
-        planner picks how much of it to verify; a drafter that runs a model is asked for the planned length only,
-        and its time per drafted token is reported to the planner."""
-        if self.proposes_for_free:
-            proposal = self.propose(max_tokens)[:max_tokens]
-            return PlannedDraft(proposal, proposal[: plan.choose(len(proposal), self.proposal_key)], self.proposal_key)
-        k = plan.choose(max_tokens, self.proposal_key, free=False)
-        if k == 0:
-            return PlannedDraft([], [], self.proposal_key)
-        start = time.perf_counter()
-        proposal = self.propose(k)[:k]
-        if proposal:
-            plan.observe_drafter_seconds((time.perf_counter() - start) / len(proposal))
-        return PlannedDraft(proposal, proposal, self.proposal_key)
+    @property
+    def forward_count(self) -> int:
+        """Model forwards drafted in the most recently started generation (0 for lookup drafters)."""
+        return self.last.forward_count if self.last is not None else 0
 
-    def observe(self, hidden_states: torch.Tensor, start_position: int) -> None:
-        """Hidden states ``[n, hidden]`` of positions ``start_position .. start_position + n - 1``, in position
-        order: after prefill (every prompt position) and after each verification (the accepted positions).
-        Called only when ``uses_hidden_states``; the default ignores them."""
+    # Single-sequence conveniences: the most recent state, started by `reset` (with what `use_sampler` and
+    # `use_suffix_index` gave) or, on first use, over an empty history.
+
+    def use_sampler(self, sampler: Sampler | None) -> None:
+        """The sampler the next `reset` starts with (the decode loop passes its own to `start`)."""
+        self._reset_sampler = sampler
 
     def use_suffix_index(self, index: SuffixIndex | None) -> None:
-        """The cross-request index of the generation about to start (called before `reset`): earlier requests'
-        tokens in the generation's scope, which a drafter that reads them may draft from and adds its own tokens
-        to (None: this request's tokens only). The default ignores it."""
+        """The cross-request index the next `reset` starts with (the decode loop passes its own to `start`)."""
+        self._reset_index = index
 
-    def use_sampler(self, sampler: Sampler) -> None:
-        """The sampler of the generation about to start (called before `reset`). A drafter that scores tokens
-        itself may draft with it (coupled drafting: the same keyed noise the target samples with); the default
-        ignores it."""
+    def reset(self, prompt_ids: Sequence[int]) -> None:
+        """`start` a state over ``prompt_ids``, for the conveniences below."""
+        self.start(prompt_ids, sampler=self._reset_sampler, suffix_index=self._reset_index)
 
+    def _current(self) -> DrafterState:
+        if self.last is None:
+            self.reset([])
+        assert self.last is not None
+        return self.last
 
-#: Kept for callers of the earlier name: every drafter may read hidden states now (see `Drafter`).
-HiddenStateDrafter = Drafter
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """`DrafterState.extend` on the most recent state."""
+        self._current().extend(token_ids)
+
+    def propose(self, max_tokens: int) -> Proposal:
+        """`DrafterState.propose` on the most recent state."""
+        return self._current().propose(max_tokens)
+
+    def propose_planned(self, max_tokens: int, plan: Plan) -> PlannedDraft:
+        """`DrafterState.propose_planned` on the most recent state."""
+        return self._current().propose_planned(max_tokens, plan)
+
+    def observe(self, hidden_states: torch.Tensor, start_position: int) -> None:
+        """`DrafterState.observe` on the most recent state."""
+        self._current().observe(hidden_states, start_position)

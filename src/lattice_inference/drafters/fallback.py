@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from lattice_inference.draft_planner import KEY_GROUP
-from lattice_inference.drafters.base import Drafter, Plan, PlannedDraft
+from lattice_inference.drafters.base import Drafter, DrafterState, Plan, PlannedDraft, Proposal
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
 from lattice_inference.sampling import Sampler
@@ -23,7 +23,8 @@ from lattice_inference.sampling import Sampler
 class FallbackDrafter(Drafter):
     """Asks ``drafters`` in order and returns the first non-empty proposal.
 
-    ``proposals_by`` counts, per drafter (by position in ``drafters``), the rounds it drafted for.
+    A generation's `FallbackState` holds one state per drafter; ``proposals_by`` counts, per drafter (by position
+    in ``drafters``), the rounds it drafted for in the most recently started generation.
     """
 
     def __init__(self, drafters: Sequence[Drafter]) -> None:
@@ -33,68 +34,84 @@ class FallbackDrafter(Drafter):
         self.uses_hidden_states = any(d.uses_hidden_states for d in self.drafters)
         self.proposes_for_free = all(d.proposes_for_free for d in self.drafters)
         self.proposes_trees = any(d.proposes_trees for d in self.drafters)
-        self.proposals_by = [0] * len(self.drafters)
-        self.proposal_key = 0
+
+    def new_state(
+        self, prompt_ids: Sequence[int], sampler: Sampler | None = None, suffix_index: SuffixIndex | None = None
+    ) -> FallbackState:
+        """Start the generation in every drafter (each gets the sampler and the cross-request index)."""
+        states = [d.start(prompt_ids, sampler=sampler, suffix_index=suffix_index) for d in self.drafters]
+        return FallbackState(self, states)
+
+    def _state(self) -> FallbackState:
+        state = self._current()
+        assert isinstance(state, FallbackState)
+        return state
+
+    @property
+    def proposals_by(self) -> list[int]:
+        """Rounds each drafter drafted for in the most recently started generation."""
+        return self._state().proposals_by
+
+    @property
+    def proposal_key(self) -> int:
+        """The planner key of the most recent generation's latest proposal (inspection only)."""
+        return self._state().key
+
+
+class FallbackState(DrafterState):
+    """One generation's fallback drafting: a state per drafter (every one sees every accepted token and hidden
+    state, whether or not it drafted), and per drafter the rounds it drafted for."""
+
+    def __init__(self, drafter: FallbackDrafter, states: list[DrafterState]) -> None:
+        self.drafter = drafter
+        self.states = states
+        self.proposals_by = [0] * len(states)
+        self.key = 0
+        """The latest proposal's planner key."""
 
     @property
     def forward_count(self) -> int:
         """Model forwards the drafters ran (an n-gram lookup runs none)."""
-        return sum(d.forward_count for d in self.drafters)
-
-    def reset(self, prompt_ids: Sequence[int]) -> None:
-        """Start a new generation in every drafter."""
-        self.proposals_by = [0] * len(self.drafters)
-        for d in self.drafters:
-            d.reset(prompt_ids)
+        return sum(s.forward_count for s in self.states)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append accepted tokens in every drafter."""
-        for d in self.drafters:
-            d.extend(token_ids)
+        for s in self.states:
+            s.extend(token_ids)
 
     def observe(self, hidden_states: torch.Tensor, start_position: int) -> None:
         """Pass the target's hidden states to the drafters that read them."""
-        for d in self.drafters:
+        for d, s in zip(self.drafter.drafters, self.states, strict=True):
             if d.uses_hidden_states:
-                d.observe(hidden_states, start_position)
+                s.observe(hidden_states, start_position)
 
-    def use_suffix_index(self, index: SuffixIndex | None) -> None:
-        """Pass the generation's cross-request index to every drafter."""
-        for d in self.drafters:
-            d.use_suffix_index(index)
-
-    def use_sampler(self, sampler: Sampler) -> None:
-        """Pass the generation's sampler to every drafter."""
-        for d in self.drafters:
-            d.use_sampler(sampler)
-
-    def propose(self, max_tokens: int) -> list[int]:
-        """The first non-empty proposal of ``drafters``, in order (empty if none proposes). Its
-        ``proposal_key`` is the proposing drafter's, offset by `KEY_GROUP` per place in the order (keys stay apart)."""
-        for i, d in enumerate(self.drafters):
-            draft = d.propose(max_tokens)
+    def propose(self, max_tokens: int) -> Proposal:
+        """The first non-empty proposal of the drafters, in order (empty if none proposes). Its key is the
+        proposing drafter's, offset by `KEY_GROUP` per place in the order (keys stay apart)."""
+        for i, s in enumerate(self.states):
+            draft = s.propose(max_tokens)
             if draft:
                 self.proposals_by[i] += 1
-                self.proposal_key = KEY_GROUP * i + d.proposal_key
-                return draft
-        return []
+                self.key = KEY_GROUP * i + draft.key
+                return Proposal(draft, self.key)
+        return Proposal([], self.key)
 
     def propose_planned(self, max_tokens: int, plan: Plan) -> PlannedDraft:
         """The first drafter whose planned draft is non-empty drafts, each planned under its own keys (offset as
         in `propose`). A free proposal the planner declines (its kind of match has been failing) passes the round
         to the next drafter, and is kept in ``skipped`` so the planner still learns whether it would have held."""
         skipped: list[tuple[list[int], int]] = []
-        for i, d in enumerate(self.drafters):
-            sub = d.propose_planned(max_tokens, _KeyOffset(plan, KEY_GROUP * i))
+        for i, s in enumerate(self.states):
+            sub = s.propose_planned(max_tokens, _KeyOffset(plan, KEY_GROUP * i))
             key = KEY_GROUP * i + sub.key
             skipped += [(tokens, KEY_GROUP * i + k) for tokens, k in sub.skipped]
             if sub.verify:
                 self.proposals_by[i] += 1
-                self.proposal_key = key
+                self.key = key
                 return replace(sub, key=key, skipped=skipped)
             if sub.proposal:
                 skipped.append((sub.proposal, key))
-        return PlannedDraft([], [], self.proposal_key, skipped)
+        return PlannedDraft([], [], self.key, skipped)
 
 
 class _KeyOffset:

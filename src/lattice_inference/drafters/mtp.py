@@ -6,8 +6,8 @@ cache, one slot per position. Slots built from *target* hiddens are kept; slots 
 rolled back before the next proposal and rebuilt from the target hiddens of the positions that were accepted, so
 the head always sees exactly what it would see after plain decoding.
 
-This drafter needs the target's hidden states: the decode loop passes them through `observe` after prefill and
-after every verification (``uses_hidden_states`` tells it to).
+This drafter needs the target's hidden states: the decode loop passes them through `MtpState.observe` after
+prefill and after every verification (``uses_hidden_states`` tells it to).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from lattice_inference.drafters.base import Drafter, Plan, PlannedDraft
+from lattice_inference.drafters.base import Drafter, DrafterState, Plan, PlannedDraft, Proposal
+from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
 from lattice_inference.mtp.head import DraftStep, MtpHead
 from lattice_inference.sampling import Sampler
@@ -28,7 +29,8 @@ class MtpDrafter(Drafter):
 
     ``coupled`` (default): when the generation samples, each draft token is chosen from the head's logits with the
     keyed noise the target will use at that sequence index (`Sampler.choose_draft`), so the draft follows the
-    text being sampled; otherwise drafts are the head's argmax.
+    text being sampled; otherwise drafts are the head's argmax. The head's weights are shared by every generation;
+    each generation's history, target hiddens and head KV cache live in its `MtpState`.
     """
 
     uses_hidden_states = True
@@ -50,27 +52,34 @@ class MtpDrafter(Drafter):
         self.num_drafts = num_drafts
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.coupled = coupled
-        self.forward_count = 0
-        self._sampler: Sampler | None = None
-        self._history: list[int] = []
+
+    def new_state(
+        self, prompt_ids: Sequence[int], sampler: Sampler | None = None, suffix_index: SuffixIndex | None = None
+    ) -> MtpState:
+        """A generation over ``prompt_ids`` with its own head cache, drafting with ``sampler``'s keyed noise when
+        it samples and the drafter is ``coupled``, by argmax otherwise."""
+        coupled = sampler if self.coupled and sampler is not None and not sampler.greedy else None
+        return MtpState(self, list(prompt_ids), coupled)
+
+
+class MtpState(DrafterState):
+    """One generation's MTP drafting: its history, the target hiddens not yet built into the head's cache, that
+    cache (slots built from target hiddens are kept; those built while chaining drafts are rolled back before the
+    next proposal) and the planner's back-off count."""
+
+    proposes_for_free = False
+
+    def __init__(self, drafter: MtpDrafter, prompt: list[int], sampler: Sampler | None) -> None:
+        self.drafter = drafter
+        self.head = drafter.head
+        self.cache = drafter.head.new_cache()
+        self._sampler = sampler
+        self._history = prompt
         self._hidden: torch.Tensor | None = None  # target hiddens for positions _hidden_start ..
         self._hidden_start = 0
         self._committed = 0  # head cache slots built from target hiddens
         self._declined = 0  # planned rounds declined in a row
-
-    def use_sampler(self, sampler: Sampler) -> None:
-        """Draft with ``sampler``'s keyed noise when sampling and ``coupled``; by argmax otherwise."""
-        self._sampler = sampler if self.coupled and not sampler.greedy else None
-
-    def reset(self, prompt_ids: Sequence[int]) -> None:
-        """Start a new generation over ``prompt_ids``."""
-        self.head.reset_cache()
-        self._history = list(prompt_ids)
-        self._hidden = None
-        self._hidden_start = 0
-        self._committed = 0
-        self._declined = 0
-        self.forward_count = 0
+        self.forwards = 0
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append accepted tokens."""
@@ -91,19 +100,19 @@ class MtpDrafter(Drafter):
         assert self._hidden is not None
         return self._hidden[position - self._hidden_start]
 
-    def propose(self, max_tokens: int) -> list[int]:
+    def propose(self, max_tokens: int) -> Proposal:
         """Catch the head's cache up over newly accepted positions, then chain up to ``max_tokens`` drafts."""
-        drafts: list[int] = []
-        count = min(max_tokens, self.num_drafts)
+        drafts = Proposal()
+        count = min(max_tokens, self.drafter.num_drafts)
         if count < 1:
             return drafts
         steps = self._chain(count, 0)
         for step in steps:
             drafts.append(step.token)
-            if step.token in self.eos_token_ids or len(drafts) == count:
+            if step.token in self.drafter.eos_token_ids or len(drafts) == count:
                 break
         steps.close()
-        self.forward_count += len(drafts)
+        self.forwards += len(drafts)
         return drafts
 
     def propose_planned(self, max_tokens: int, plan: Plan) -> PlannedDraft:
@@ -122,7 +131,7 @@ class MtpDrafter(Drafter):
         head's second and third choices at the first draft are right in another 17 % of SmolLM2's chat positions,
         teacher-forced), and it learns from every round how often they would have held.
         """
-        count = min(max_tokens, self.num_drafts)
+        count = min(max_tokens, self.drafter.num_drafts)
         if count < 1:
             return PlannedDraft([], [])
         if self._declined >= BACK_OFF and self._declined % BACK_OFF:  # backing off: a plain round
@@ -136,13 +145,13 @@ class MtpDrafter(Drafter):
         key = confidence_key(first.confidence)
         k, leaves = plan.choose_tree(count, key, drafted=1, runners_up=len(first.runners_up))
         drafted = [first]
-        while len(drafted) < k and drafted[-1].token not in self.eos_token_ids:
+        while len(drafted) < k and drafted[-1].token not in self.drafter.eos_token_ids:
             step = next(steps, None)  # the chain is checked for room up to `count` steps; never None in practice
             if step is None:
                 break
             drafted.append(step)
         steps.close()
-        self.forward_count += len(drafted)
+        self.forwards += len(drafted)
         plan.observe_drafter_seconds((time.perf_counter() - start) / len(drafted))
         self._declined = 0 if k else self._declined + 1
         tokens = [step.token for step in drafted]
@@ -159,7 +168,7 @@ class MtpDrafter(Drafter):
         last = len(self._history) - 2  # position whose hidden predicted the pending token
         if self._hidden is None or last < self._committed:
             return
-        self.head.rollback_cache_to(self._committed)
+        self.cache.rollback_to(self._committed)
         catch_up = None
         if last > self._committed:  # slots for newly accepted positions, filled in the first draft forward
             lo, hi = self._committed - self._hidden_start, last - self._hidden_start
@@ -172,6 +181,7 @@ class MtpDrafter(Drafter):
             rank=self._sampler.rank_draft if self._sampler is not None else None,
             runners_up=runners_up,
             limit=limit,
+            cache=self.cache,
         )
         first = next(steps)  # the bookkeeping below must run even if the caller stops after this step
         self._committed = last + 1

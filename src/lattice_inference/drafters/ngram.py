@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Iterator, Sequence
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
-from lattice_inference.drafters.base import Drafter
+from lattice_inference.drafters.base import Drafter, DrafterState, Proposal
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.options import DecodeOptions, MatchPolicy, check_match, check_positive
 
-__all__ = ["MatchPolicy", "NgramDrafter", "NgramIndex", "TokenView", "validate_token_ids"]
+if TYPE_CHECKING:
+    from lattice_inference.drafters.suffix_index import SuffixIndex
+    from lattice_inference.sampling import Sampler
+
+__all__ = ["MatchPolicy", "NgramDrafter", "NgramIndex", "NgramState", "TokenView", "validate_token_ids"]
 
 
 def validate_token_ids(token_ids: Iterable[int], what: str = "token ids") -> list[int]:
@@ -159,7 +163,7 @@ class NgramDrafter(Drafter):
     tokens are looked up among the occurrences that end before the last history position (so the trailing
     self-match never counts). The first ``n`` with a match wins and the tokens that followed that occurrence
     are proposed, at most ``min(max_draft, max_tokens)`` of them, cut before the first EOS token (EOS must
-    only ever come from the target model).
+    only ever come from the target model). Each generation's history and index live in its `NgramState`.
 
     Args:
         max_ngram: longest suffix length tried (>= 1).
@@ -189,29 +193,47 @@ class NgramDrafter(Drafter):
         self.max_draft = max_draft
         self.match: MatchPolicy = match
         self.eos_token_ids: frozenset[int] = frozenset(validate_token_ids(eos_token_ids, "eos_token_ids"))
-        self._history: list[int] = []
+
+    def new_state(
+        self, prompt_ids: Sequence[int], sampler: Sampler | None = None, suffix_index: SuffixIndex | None = None
+    ) -> NgramState:
+        """A generation over ``prompt_ids``.
+
+        Raises:
+            TokenError: a token id is negative or not an integer.
+        """
+        return NgramState(self, validate_token_ids(prompt_ids, "prompt_ids"))
+
+    def _state(self) -> NgramState:
+        state = self._current()
+        assert isinstance(state, NgramState)
+        return state
+
+    @property
+    def history(self) -> TokenView:
+        """The most recent generation's token history: prompt followed by accepted tokens (read-only view)."""
+        return self._state().history
+
+    def __len__(self) -> int:
+        """Length of the most recent generation's history."""
+        return len(self._state().history)
+
+
+class NgramState(DrafterState):
+    """One generation's n-gram lookup: its history and the incremental index over it (the settings are the
+    drafter's, read at each proposal)."""
+
+    def __init__(self, drafter: NgramDrafter, prompt: list[int]) -> None:
+        self.drafter = drafter
+        self._history = prompt
         # Invariant after _catch_up(): the index holds history[:-1], i.e. only n-grams ending at positions
         # <= len(history) - 2, so every match found has at least one continuation token.
-        self._index = NgramIndex(min_ngram, max_ngram, keep=match)
+        self._index = NgramIndex(drafter.min_ngram, drafter.max_ngram, keep=drafter.match)
 
     @property
     def history(self) -> TokenView:
         """The token history: prompt followed by accepted tokens (read-only view)."""
         return TokenView(self._history)
-
-    def __len__(self) -> int:
-        """Length of the history."""
-        return len(self._history)
-
-    def reset(self, prompt_ids: Sequence[int]) -> None:
-        """Start a new generation whose history is ``prompt_ids``.
-
-        Raises:
-            TokenError: a token id is negative or not an integer.
-        """
-        prompt = validate_token_ids(prompt_ids, "prompt_ids")
-        self._history = prompt
-        self._index = NgramIndex(self.min_ngram, self.max_ngram, keep=self.match)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append accepted tokens to the history.
@@ -227,27 +249,28 @@ class NgramDrafter(Drafter):
         if done < target:
             self._index._extend_trusted(self._history[done:target])
 
-    def propose(self, max_tokens: int) -> list[int]:
-        """Return up to ``min(max_draft, max_tokens)`` tokens likely to follow the history (possibly none).
+    def propose(self, max_tokens: int) -> Proposal:
+        """Return up to ``min(max_draft, max_tokens)`` tokens likely to follow the history (possibly none), keyed
+        by the matched n-gram's length.
 
         ``max_tokens <= 0`` returns an empty list.
         """
-        k = min(self.max_draft, max_tokens)
+        drafter = self.drafter
+        k = min(drafter.max_draft, max_tokens)
         history = self._history
         size = len(history)
         if k <= 0 or size < 2:
-            return []
+            return Proposal()
         self._catch_up()
         maps = self._index._maps
-        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
+        for n in range(min(drafter.max_ngram, size - 1), drafter.min_ngram - 1, -1):
             end = maps[n].get(tuple(history[size - n :]))
             if end is not None:
-                self.proposal_key = n
                 draft = history[end + 1 : end + 1 + k]
-                eos = self.eos_token_ids
+                eos = drafter.eos_token_ids
                 if eos:
                     for i, tok in enumerate(draft):
                         if tok in eos:
-                            return draft[:i]
-                return draft
-        return []
+                            return Proposal(draft[:i], n)
+                return Proposal(draft, n)
+        return Proposal()

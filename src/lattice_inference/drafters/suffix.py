@@ -8,18 +8,22 @@ matched context was followed by different continuations, the most frequent one i
 ranked beside it (`PlannedDraft.runners_up`): where the target verifies trees, the planner may verify them as
 leaves in the same forward.
 
-The index comes from the generation (`Drafter.use_suffix_index`): a `Generator` keeps one for all its
+The index comes from the generation (``Drafter.start(..., suffix_index=...)``): a `Generator` keeps one for all its
 generations, ``lattice serve`` one per tenant; without one the drafter indexes the request alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-from lattice_inference.drafters.base import Drafter, Plan, PlannedDraft
+from lattice_inference.drafters.base import Drafter, DrafterState, Plan, PlannedDraft, Proposal
 from lattice_inference.drafters.ngram import validate_token_ids
 from lattice_inference.drafters.suffix_index import MAX_MATCH, SuffixIndex, SuffixMatch
 from lattice_inference.options import DecodeOptions, check_budget, check_positive
+
+if TYPE_CHECKING:
+    from lattice_inference.sampling import Sampler
 
 #: Match depths at which the planner key changes: deeper matches copy better, and keep their own statistics.
 DEPTH_EDGES = (3, 4, 8, 16, MAX_MATCH)
@@ -36,6 +40,7 @@ def match_key(match: SuffixMatch) -> int:
 class SuffixDrafter(Drafter):
     """Drafts the continuation that most often followed the context's longest matched suffix, in the
     generation's `SuffixIndex` (or, without one, a private index of ``budget`` tokens over the request alone).
+    Each generation's sequence in the index lives in its `SuffixState`; the drafter keeps its settings only.
 
     Cost: ``extend`` indexes each token in O(1); ``propose`` is O(KEEP x (MAX_MATCH + max_draft)), flat in what
     the index holds (see `lattice_inference.drafters.suffix_index`).
@@ -51,24 +56,27 @@ class SuffixDrafter(Drafter):
         self.budget = budget
         self.max_draft = max_draft
         self.eos_token_ids: frozenset[int] = frozenset(validate_token_ids(eos_token_ids, "eos_token_ids"))
-        self._given: SuffixIndex | None = None
-        self.index = SuffixIndex(budget)
-        """The index the current generation drafts from and adds to."""
-        self._history: list[int] = []
-        self._sequence = self.index.begin()
+
+    def new_state(
+        self, prompt_ids: Sequence[int], sampler: Sampler | None = None, suffix_index: SuffixIndex | None = None
+    ) -> SuffixState:
+        """A generation over ``prompt_ids``, drafting from (and adding its tokens to) ``suffix_index``; None: a
+        private index of this request."""
+        prompt = validate_token_ids(prompt_ids, "prompt_ids")
+        return SuffixState(self, suffix_index if suffix_index is not None else SuffixIndex(self.budget), prompt)
+
+
+class SuffixState(DrafterState):
+    """One generation's sequence in a `SuffixIndex`: its history, and its tokens added to the index as accepted."""
+
+    def __init__(self, drafter: SuffixDrafter, index: SuffixIndex, prompt: list[int]) -> None:
+        self.drafter = drafter
+        self.index = index
+        """The index this generation drafts from and adds to."""
+        self._history = prompt
+        self._sequence = index.begin(prompt)
         self.last_match = SuffixMatch()
         """The latest proposal's match (depth, support, runners-up)."""
-
-    def use_suffix_index(self, index: SuffixIndex | None) -> None:
-        """Draft from (and add this generation's tokens to) ``index``; None: a private index of this request."""
-        self._given = index
-
-    def reset(self, prompt_ids: Sequence[int]) -> None:
-        """Start a new generation: the prompt becomes a new sequence of the index."""
-        prompt = validate_token_ids(prompt_ids, "prompt_ids")
-        self.index = self._given if self._given is not None else SuffixIndex(self.budget)
-        self._history = prompt
-        self._sequence = self.index.begin(prompt)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append accepted tokens to the history and index them."""
@@ -77,20 +85,21 @@ class SuffixDrafter(Drafter):
         self.index.append(self._sequence, tokens)
 
     def _match(self, max_tokens: int) -> SuffixMatch:
-        match = self.index.match(self._history[-MAX_MATCH:], min(self.max_draft, max_tokens), self.eos_token_ids)
+        drafter = self.drafter
+        match = self.index.match(self._history[-MAX_MATCH:], min(drafter.max_draft, max_tokens), drafter.eos_token_ids)
         self.last_match = match
-        self.proposal_key = match_key(match)
         return match
 
-    def propose(self, max_tokens: int) -> list[int]:
+    def propose(self, max_tokens: int) -> Proposal:
         """The most frequent continuation of the context's longest matched suffix (possibly empty)."""
-        return self._match(max_tokens).draft
+        match = self._match(max_tokens)
+        return Proposal(match.draft, match_key(match))
 
     def propose_planned(self, max_tokens: int, plan: Plan) -> PlannedDraft:
         """The draft with its runners-up: the planner picks how much of the draft to verify and, where the target
         verifies trees, which runners-up to verify beside it (the proposal is free: its tokens count as drafted)."""
         match = self._match(max_tokens)
-        draft, key = match.draft, self.proposal_key
+        draft, key = match.draft, match_key(match)
         if not draft:
             return PlannedDraft([], [], key)
         width = max(len(r) for r in match.runners_up)

@@ -61,8 +61,41 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+class MtpCache:
+    """One sequence's position-indexed, single-layer MTP KV cache: slot ``p`` holds the keys and values built from
+    ``(h_p, x_{p+1})``; ``length`` slots are filled. Grows on demand up to ``max_seq_len``."""
+
+    def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, max_seq_len: int | None):
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+        self.max_seq_len = max_seq_len
+
+    def reserve(self, needed: int) -> None:
+        """Room for ``needed`` slots (the filled ones kept)."""
+        cap = self.k.shape[0]
+        if needed <= cap:
+            return
+        new_cap = max(needed, 2 * cap)
+        if self.max_seq_len is not None:
+            new_cap = min(new_cap, self.max_seq_len)
+        for old, name in ((self.k, "k"), (self.v, "v")):
+            grown = torch.zeros((new_cap, *old.shape[1:]), dtype=old.dtype, device=old.device)
+            grown[: self.length] = old[: self.length]
+            setattr(self, name, grown)
+
+    def rollback_to(self, n: int) -> None:
+        """Keep only slots ``0..n-1`` (``0 <= n <= length``)."""
+        if not _is_int(n) or not 0 <= n <= self.length:
+            raise ValueError(f"cannot roll the MTP cache back to {n!r}: it holds {self.length} entries")
+        self.length = int(n)
+
+
 class MtpHead:
-    """One MTP head with its own position-indexed, single-layer KV cache.
+    """One MTP head (its weights) with its own position-indexed, single-layer KV cache, ``cache``.
+
+    A drafter drafting several sequences with one head gives each its own cache (`new_cache`, passed to
+    `draft_steps`); every other method works on ``cache``.
 
     Build it with :func:`lattice_inference.mtp.load_mtp_head` (from a checkpoint) or directly from an
     ``MtpConfig`` and ``MtpWeights``. Calls must be contiguous with the cache: a forward at positions
@@ -105,43 +138,43 @@ class MtpHead:
             self._linear = packed_linear
         self._inv_freq = rope_inv_freq(config.rope_theta, config.rotary_dim, self.device)
         self._scale = config.head_dim**-0.5
-        capacity = _INITIAL_CAPACITY if max_seq_len is None else min(_INITIAL_CAPACITY, max_seq_len)
-        kv_shape = (capacity, config.num_key_value_heads, config.head_dim)
-        self._k = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
-        self._v = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
-        self._len = 0
+        self.cache = self.new_cache()
         self._draft_ids: torch.Tensor | None = None
         self._draft_head: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------ cache
 
+    def new_cache(self) -> MtpCache:
+        """An empty cache for one sequence."""
+        cfg = self.config
+        capacity = _INITIAL_CAPACITY if self.max_seq_len is None else min(_INITIAL_CAPACITY, self.max_seq_len)
+        shape = (capacity, cfg.num_key_value_heads, cfg.head_dim)
+        return MtpCache(shape, self.dtype, self.device, self.max_seq_len)
+
+    @property
+    def _k(self) -> torch.Tensor:
+        return self.cache.k
+
+    @property
+    def _v(self) -> torch.Tensor:
+        return self.cache.v
+
+    @property
+    def _len(self) -> int:
+        return self.cache.length
+
     @property
     def cache_len(self) -> int:
         """Number of filled cache slots; the next forward must start at this position."""
-        return self._len
+        return self.cache.length
 
     def reset_cache(self) -> None:
         """Empty the cache (start of a generation)."""
-        self._len = 0
+        self.cache.length = 0
 
     def rollback_cache_to(self, n: int) -> None:
         """Keep only cache slots ``0..n-1`` (``0 <= n <= cache_len``)."""
-        if not _is_int(n) or not 0 <= n <= self._len:
-            raise ValueError(f"cannot roll the MTP cache back to {n!r}: it holds {self._len} entries")
-        self._len = int(n)
-
-    def _reserve(self, needed: int) -> None:
-        cap = self._k.shape[0]
-        if needed <= cap:
-            return
-        new_cap = max(needed, 2 * cap)
-        if self.max_seq_len is not None:
-            new_cap = min(new_cap, self.max_seq_len)
-        for attr in ("_k", "_v"):
-            old = getattr(self, attr)
-            grown = torch.zeros((new_cap, *old.shape[1:]), dtype=old.dtype, device=old.device)
-            grown[: self._len] = old[: self._len]
-            setattr(self, attr, grown)
+        self.cache.rollback_to(n)
 
     # ------------------------------------------------------------------------------------------ validation
 
@@ -301,6 +334,7 @@ class MtpHead:
         rank: Rank | None = None,
         runners_up: int = 0,
         limit: int | None = None,
+        cache: MtpCache | None = None,
     ) -> Iterator[DraftStep]:
         """The draft chain of `draft_tokens`, one `DraftStep` per ``next``: the token, the head's confidence (its
         probability of its most likely token over the draft vocabulary, the signal EAGLE-2 uses to predict
@@ -308,7 +342,7 @@ class MtpHead:
         so it can look at the first draft's confidence before deciding to chain more. ``rank`` (default: by score)
         orders the draft tokens; coupled sampling passes the keyed sampler's `rank_draft`. Other arguments and
         checks as in `draft_tokens` (made when called, before the first step); ``limit`` caps the steps (default:
-        up to ``max_seq_len``).
+        up to ``max_seq_len``); ``cache``: the sequence's cache (default: the head's own).
         """
         if not _is_int(runners_up) or runners_up < 0:
             raise ValueError(f"runners_up must be a non-negative int, got {runners_up!r}")
@@ -322,21 +356,29 @@ class MtpHead:
             m = int(up_ids.shape[0])
             ids = torch.cat([up_ids, ids])
             hid = torch.cat([self._check_hiddens(catch_up[0], m, single=False), hid])
-        if not _is_int(position) or position - m != self._len:
+        cache = self.cache if cache is None else cache
+        if not _is_int(position) or position - m != cache.length:
             where = f"position {position!r}" if not m else f"position {position!r} minus {m} catch-up rows"
-            raise ValueError(f"MTP {where} must equal cache_len {self._len}")
+            raise ValueError(f"MTP {where} must equal cache_len {cache.length}")
         if limit is not None and self.max_seq_len is not None and position + limit > self.max_seq_len:
             raise ValueError(f"drafting {limit} tokens from position {position} passes max_seq_len {self.max_seq_len}")
-        return self._chain(ids, position - m, hid, position, rank, 1 + runners_up)
+        return self._chain(ids, position - m, hid, position, rank, 1 + runners_up, cache)
 
     @torch.inference_mode()
     def _chain(
-        self, ids: torch.Tensor, pos: int, hid: torch.Tensor, position: int, rank: Rank | None, width: int
+        self,
+        ids: torch.Tensor,
+        pos: int,
+        hid: torch.Tensor,
+        position: int,
+        rank: Rank | None,
+        width: int,
+        cache: MtpCache,
     ) -> Iterator[DraftStep]:
         scorer = self._lm_head if self._draft_head is None else self._draft_head
         index = position + 2
         while self.max_seq_len is None or pos + int(ids.shape[0]) <= self.max_seq_len:
-            _, out = self._forward(ids, pos, hid, want_logits=False)
+            _, out = self._forward(ids, pos, hid, want_logits=False, cache=cache)
             hid = out[-1:].to(self.dtype)  # exact: the head's own dtype, widened to float32 and back
             scores = (F.linear if scorer is self._lm_head else self._linear)(hid, scorer)[0]
             best = int(torch.argmax(scores))
@@ -378,16 +420,17 @@ class MtpHead:
         self._draft_head = pack_weight(rows) if self._linear is packed_linear else rows
 
     def _forward(
-        self, ids: torch.Tensor, start: int, hidden: torch.Tensor, *, want_logits: bool
+        self, ids: torch.Tensor, start: int, hidden: torch.Tensor, *, want_logits: bool, cache: MtpCache | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         cfg = self.config
+        kv = self.cache if cache is None else cache
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             n = k.shape[0]
-            self._reserve(start + n)
-            self._k[start : start + n] = k
-            self._v[start : start + n] = v
-            return gqa_attention(q, self._k[: start + n], self._v[: start + n], start, self._scale)
+            kv.reserve(start + n)
+            kv.k[start : start + n] = k
+            kv.v[start : start + n] = v
+            return gqa_attention(q, kv.k[: start + n], kv.v[: start + n], start, self._scale)
 
         out = mtp_layer(
             self._layer,
@@ -401,7 +444,7 @@ class MtpHead:
             mlp=self._moe if cfg.is_moe else lambda y: swiglu(y, self._mlp_gate_up, self._mlp_down, self._linear),
             linear=self._linear,
         )
-        self._len = start + ids.shape[0]
+        kv.length = start + int(ids.shape[0])
         logits = F.linear(out, self._lm_head).float() if want_logits else None
         return logits, out.float()
 
