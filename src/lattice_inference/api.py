@@ -52,7 +52,6 @@ __all__ = [
     "METHODS",
     "METHOD_DRAFTERS",
     "DecodeOptions",
-    "GenerationOutput",
     "GenerationResult",
     "Generator",
     "check_draft_length",
@@ -73,10 +72,6 @@ class SamplingArgs(TypedDict, total=False):
     repetition_penalty: float | None
     presence_penalty: float | None
     frequency_penalty: float | None
-
-
-#: The earlier name of the API's result type: the API and the decoder return the same `GenerationResult`.
-GenerationOutput = GenerationResult
 
 
 def mtp_head_for(
