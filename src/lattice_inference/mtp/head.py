@@ -1,7 +1,7 @@
 """The Qwen3-Next / Qwen3.5 MTP head: one forward, its KV cache, catch-up and chained drafting.
 
 The math follows the references exactly (vLLM ``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py``, transformers' Qwen3-Next
-and Qwen3.5 decoder layers; see ``shared/reference/mtp-semantics.md`` §2.1):
+and Qwen3.5 decoder layers):
 
     e = E[token];  x = W_fc @ [gnorm(e), gnorm(h_prev)]        # embedding FIRST; gnorm = x*rsqrt(mean x²+eps)*(1+w)
     one decoder layer with full attention:
@@ -14,7 +14,7 @@ and Qwen3.5 decoder layers; see ``shared/reference/mtp-semantics.md`` §2.1):
 All seven RMSNorms are the zero-centred ``(1 + w)`` kind and run in float32; the router softmax and the attention
 softmax run in float32; matmuls run in the weights' dtype (float32 or bfloat16), mirroring transformers.
 
-Pairing and positions (vLLM convention, mtp-semantics §2.6): a call with the target's post-final-norm hidden ``h_t``
+Pairing and positions (vLLM's convention): a call with the target's post-final-norm hidden ``h_t``
 of position ``t`` takes the token ``x_{t+1}`` and the position ``t`` and predicts ``x_{t+2}``. So MTP cache slot ``p``
 always holds the entry built from ``(h_p, x_{p+1})``, and a position must equal the current cache length.
 """
