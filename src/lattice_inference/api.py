@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TypedDict, Unpack
+from typing import Any, TypedDict, Unpack, cast
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.decode import SpeculativeDecoder
@@ -93,7 +94,8 @@ def mtp_head_for(
     """
     check_draft_vocab(draft_vocab)
     lm = loaded.model
-    embed, lm_head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
+    embed = cast(torch.Tensor, lm.get_input_embeddings().weight)
+    lm_head = cast(torch.Tensor, lm.get_output_embeddings().weight)
     path = head_path if head_path is not None else shipped_head(loaded.source)
     if path is not None:
         head, meta = load_head_file(path, lm.config, embed, lm_head, draft_length=draft_length)
@@ -270,7 +272,7 @@ class Generator:
         ids = self.tokenizer.apply_chat_template(
             [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
         )
-        return [int(t) for t in ids]
+        return [int(t) for t in cast(list[int], ids)]
 
     def sampling(self, **given: Unpack[SamplingArgs]) -> SamplingOptions:
         """The generator's default `SamplingOptions` with the given values (None: keep) replaced; validated
@@ -278,7 +280,8 @@ class Generator:
         unknown = sorted(set(given) - set(SamplingArgs.__annotations__))
         if unknown:
             raise TypeError(f"unexpected sampling argument(s): {', '.join(unknown)}")
-        return replace(self.options.sampling, **{k: v for k, v in given.items() if v is not None})
+        changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+        return replace(self.options.sampling, **changes)
 
     def start(
         self,
@@ -354,7 +357,7 @@ class Generator:
         """Generate to the end; return text, token ids, stop reason, metrics, the seed and, with ``logprobs=N``,
         each token's `TokenLogprob` (sampling and ``suffix_index`` as `start`)."""
         result = self.start(prompt, max_new_tokens, chat, logprobs, suffix_index=suffix_index, **sampling).result()
-        result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        result.text = cast(str, self.tokenizer.decode(result.token_ids, skip_special_tokens=True))
         return result
 
     @property

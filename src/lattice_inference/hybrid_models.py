@@ -6,6 +6,8 @@ config reader (`mtp.config`) and MTP training's norm conversion (`train.model`).
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 HYBRID_TEXT_MODEL_TYPES: dict[str, str] = {
     "qwen3_next": "qwen3_next",
     "qwen3_5": "qwen3_5_text",
@@ -20,7 +22,7 @@ HYBRID_MODEL_TYPES = frozenset(HYBRID_TEXT_MODEL_TYPES)
 """Every hybrid ``model_type``, top-level or of a text config."""
 
 
-def is_hybrid_model_type(model_type: object) -> bool:
+def is_hybrid_model_type(model_type: object) -> TypeGuard[str]:
     """Whether ``model_type`` (a config's, top-level or of its text config) names a hybrid family."""
     return isinstance(model_type, str) and model_type in HYBRID_MODEL_TYPES
 

@@ -13,7 +13,7 @@ after every verification (``uses_hidden_states`` tells it to).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 
 import torch
 
@@ -151,7 +151,7 @@ class MtpDrafter(Drafter):
         alternatives = [runners_up[j][: leaves[j]] for j in range(verified)] if any(leaves[:verified]) else []
         return PlannedDraft(tokens, tokens[:k], key, runners_up=runners_up, alternatives=alternatives)
 
-    def _chain(self, limit: int, runners_up: int) -> Iterator[DraftStep]:
+    def _chain(self, limit: int, runners_up: int) -> Generator[DraftStep, None, None]:
         """The head's draft chain from the pending token, a `DraftStep` (with ``runners_up`` next-best tokens) per
         step; the caller stops it after at most ``limit`` steps (checked against the head's ``max_seq_len``). Its
         first step also fills the head's cache for positions accepted since the last round; it yields nothing

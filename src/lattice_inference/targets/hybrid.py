@@ -105,26 +105,23 @@ class _Recorder:
         layer = self.layer_of_state.get(id(initial_state))
         if layer is None:
             raise RuntimeError("a Gated DeltaNet kernel was called with a recurrent state that is not in the cache")
-        common = dict(
-            g=kwargs["g"],
-            beta=kwargs["beta"],
-            initial_state=initial_state,
-            use_qk_l2norm_in_kernel=bool(kwargs.get("use_qk_l2norm_in_kernel", False)),
-        )
+        l2norm = bool(kwargs.get("use_qk_l2norm_in_kernel", False))
         length = args[1].shape[1]
         # The model hands q/k/v as strided views whose layout depends on the token count; reductions over them
         # round by layout, so a dense copy makes each token's arithmetic that of a one-token step.
-        args = tuple(a.contiguous() for a in args)
-        common["g"], common["beta"] = common["g"].contiguous(), common["beta"].contiguous()
+        query, key, value = (a.contiguous() for a in args)
+        g, beta = kwargs["g"].contiguous(), kwargs["beta"].contiguous()
         source: StateSource
         if self.kernel == "window" and length > 1:
-            out, final, source = gated_delta_rule_window(*args, **common)
+            out, final, source = gated_delta_rule_window(query, key, value, g, beta, initial_state, l2norm)
         else:
             buffer = self.buffers.get(layer)
             if buffer is None or buffer.shape[0] < length + 1 or buffer.shape[1:] != initial_state.shape:
                 shape = (length + 1, *initial_state.shape)
                 buffer = self.buffers[layer] = torch.empty(shape, dtype=torch.float32, device=initial_state.device)
-            out, final, states = recurrent_gated_delta_rule_with_states(*args, **common, states=buffer)
+            out, final, states = recurrent_gated_delta_rule_with_states(
+                query, key, value, g, beta, initial_state, l2norm, states=buffer
+            )
             source = KeptStates(states)
         self.sources[layer] = source
         return out, (final if kwargs.get("output_final_state", False) else None)
@@ -341,7 +338,9 @@ class HybridTarget(CausalLMTarget):
 
     def _recurrent(self, layer: int) -> torch.Tensor:
         assert self._cache is not None
-        state = self._cache.layers[layer].recurrent_states[0]
+        cache_layer = self._cache.layers[layer]
+        assert isinstance(cache_layer, LinearAttentionCacheLayerMixin)
+        state = cache_layer.recurrent_states[0]
         assert state is not None
         return state
 

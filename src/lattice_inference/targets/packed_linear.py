@@ -77,7 +77,7 @@ class _FusedGroup:
         with torch.no_grad():
             self.packed = pack_weight(torch.cat([m.weight.detach() for m in members]))
             biases = [m.bias for m in members]
-            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # type: ignore[union-attr]
+            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.kernel = functools.partial(packed_linear, packed=self.packed, bias=self.bias)
         self.key = ("packed", (sum(self.splits), members[0].in_features), self.bias is not None)
         self._input: torch.Tensor | None = None
@@ -118,8 +118,8 @@ def _fusable(members: list[object]) -> bool:
     return (
         first.weight.device.type == "cpu"
         and packing_supported(first.weight.dtype)
-        and all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype for m in members)  # type: ignore[union-attr]
-        and len({m.bias is None for m in members}) == 1  # type: ignore[union-attr]
+        and all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype for m in members)  # type: ignore[attr-defined]
+        and len({m.bias is None for m in members}) == 1  # type: ignore[attr-defined]
     )
 
 
