@@ -15,14 +15,15 @@ import random
 
 import pytest
 import torch
-from helpers import hf_generate, hf_sampled
 
 from lattice_inference import Generator
 from lattice_inference.errors import ConfigError
 from lattice_inference.options import DecodeOptions
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets import LeanTarget, TransformersTarget, make_target, native_ops
-from lattice_inference.toy import byte_tokenizer, toy_config, toy_model
+from lattice_inference.testing.toy import byte_tokenizer, toy_config, toy_model
+
+from .helpers import hf_generate, hf_sampled
 
 LEAN_ARCHES = ["llama", "qwen2", "qwen3"]
 SHAPES = dict(hidden_size=128, intermediate_size=1536, head_dim=32)

@@ -135,7 +135,3 @@ class Drafter(Protocol):
         """The sampler of the generation about to start (called before `reset`). A drafter that scores tokens
         itself may draft with it (coupled drafting: the same keyed noise the target samples with); the default
         ignores it."""
-
-
-#: Kept for callers of the earlier name: every drafter may read hidden states now (see `Drafter`).
-HiddenStateDrafter = Drafter

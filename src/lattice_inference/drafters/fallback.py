@@ -37,7 +37,7 @@ class FallbackDrafter(Drafter):
         self.proposal_key = 0
 
     @property
-    def forward_count(self) -> int:
+    def forward_count(self) -> int:  # type: ignore[override]  # a sum over the drafters, not a counter of its own
         """Model forwards the drafters ran (an n-gram lookup runs none)."""
         return sum(d.forward_count for d in self.drafters)
 

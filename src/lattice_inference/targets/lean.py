@@ -2,11 +2,11 @@
 
 transformers' forward of a decoder wraps every step in machinery a decode step does not need: output-capturing
 decorators, keyword routing, a mask built per call, a cache object's generic update path, per-layer wrappers.
-On SmolLM2-135M that is several milliseconds of Python per step. `LeanTarget` runs the same computation from the
-loaded model's own modules and weights (no copy beyond the packed weights `packed_linear` keeps): embedding,
-rotary tables from the model's rotary module, each layer's norms, projections (packed, fused, decode-matched),
-q/k norms, ``apply_rotary_pos_emb``, the cache write (a position-indexed buffer: `kv_cache.GrowableLayer`,
-rollback = set the length), attention, the MLP, the final norm and the LM head.
+On a model as small as SmolLM2-135M that Python is a large share of each step. `LeanTarget` runs the same
+computation from the loaded model's own modules and weights (no copy beyond the packed weights `packed_linear`
+keeps): embedding, rotary tables from the model's rotary module, each layer's norms, projections (packed, fused,
+decode-matched), q/k norms, ``apply_rotary_pos_emb``, the cache write (a position-indexed buffer:
+`kv_cache.GrowableLayer`, rollback = set the length), attention, the MLP, the final norm and the LM head.
 
 Attention: a prefill, and every forward without decode matching, makes transformers' own ``sdpa`` call, so those
 logits are the model forward's bit for bit. With decode matching (the default), every forward after the prefill,
