@@ -250,15 +250,29 @@ void attend(const float* qs, int64_t q_stride, int64_t groups, const T* kc, cons
     const f8 sum = splat(sum8(total));
     for (int64_t j = 0; j < padded; j += L) store8(sc + j, load8(sc + j) / sum);
   }
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* p = scores + g * padded;
-    f8 acc[DV > 0 ? DV : 32];
-    for (int64_t c = 0; c < dv; ++c) acc[c] = splat(0.f);
-    for (int64_t j = 0; j < count; ++j) {
-      const T* v = vc + keys[j] * d;
-      const f8 pj = splat(p[j]);
-      for (int64_t c = 0; c < dv; ++c) acc[c] += pj * widen8(v + c * L);
+  // Value sums: each output lane adds its keys' terms in key order (the vector width does not enter).
+  float accs[16 * 256];
+  for (int64_t i = 0; i < groups * d; ++i) accs[i] = 0.f;
+  for (int64_t j0 = 0; j0 < count; j0 += L) {
+    const int64_t m = std::min<int64_t>(L, count - j0);
+    for (int64_t j = 0; j < m; ++j) {
+      const T* v = vc + keys[j0 + j] * d;
+      for (int64_t c = 0; c < dv; ++c) store8(kbuf + j * d + c * L, widen8(v + c * L));
     }
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* p = scores + g * padded + j0;
+      f8 acc[DV > 0 ? DV : 32];
+      for (int64_t c = 0; c < dv; ++c) acc[c] = load8(accs + g * d + c * L);
+      for (int64_t j = 0; j < m; ++j) {
+        const f8 pj = splat(p[j]);
+        for (int64_t c = 0; c < dv; ++c) acc[c] += pj * load8(kbuf + j * d + c * L);
+      }
+      for (int64_t c = 0; c < dv; ++c) store8(accs + g * d + c * L, acc[c]);
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    f8 acc[DV > 0 ? DV : 32];
+    for (int64_t c = 0; c < dv; ++c) acc[c] = load8(accs + g * d + c * L);
     T* out = dst + g * dst_stride;
     for (int64_t c = 0; c < dv; ++c) {
       float lanes[L];
@@ -278,6 +292,7 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t kv_heads = k_cache.size(0), cap = k_cache.size(1), groups = heads / kv_heads;
   TORCH_CHECK(d % L == 0 && d <= 256, "head_dim must be a multiple of 8, at most 256");
   TORCH_CHECK(heads % kv_heads == 0, "query heads ", heads, " not a multiple of key-value heads ", kv_heads);
+  TORCH_CHECK(groups <= 16, "at most 16 query heads per key-value head");
   const int64_t* kp = keys.data_ptr<int64_t>();
   const int64_t* op = offsets.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r) TORCH_CHECK(op[r + 1] > op[r], "row ", r, " sees no key");
