@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from peer_llamacpp import llamacpp_available, peers_python  # a bench-only sibling module (the script's folder)
 
 from lattice_inference import Generator
 from lattice_inference.api import mtp_head_for
@@ -47,8 +48,6 @@ from lattice_inference.mtp.head_file import shipped_head
 from lattice_inference.options import DecodeOptions
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-from peer_llamacpp import llamacpp_available, peers_python  # noqa: E402  (a bench-only sibling module)
 
 Runner = Callable[[list[int]], list[int]]
 

@@ -9,7 +9,7 @@ import pytest
 from lattice_inference.benchmark import copy_counts, copy_rate, format_table, load_prompts, repetition_rate
 from lattice_inference.cli import main
 from lattice_inference.errors import ConfigError
-from lattice_inference.toy import save_toy_model_dir
+from lattice_inference.testing.toy import save_toy_model_dir
 
 
 def test_copy_and_repetition_rates():

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from lattice_inference.cli import main
-from lattice_inference.toy import save_toy_model_dir
+from lattice_inference.testing.toy import save_toy_model_dir
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from helpers import ContextKeyedTarget, OracleDrafter, RecordingTarget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.errors import ConfigError, TokenError
-from lattice_inference.verify import verify_greedy
+from lattice_inference.verify import verify_prefix
+
+from .helpers import ContextKeyedTarget, OracleDrafter, RecordingTarget
 
 
 def committed_feeds(rec: RecordingTarget) -> list[tuple[int, int]]:
@@ -125,14 +126,14 @@ def test_draft_rejected_at_once_still_emits_target_token():
     assert result.metrics.drafts > 0
 
 
-def test_verify_greedy_rules():
-    assert verify_greedy([], [7]).tokens == [7]
-    assert verify_greedy([1, 2, 3], [1, 2, 3, 4]).tokens == [1, 2, 3, 4]
-    v = verify_greedy([1, 2, 3], [1, 5, 3, 4])
+def test_verify_prefix_rules():
+    assert verify_prefix([], [7]).tokens == [7]
+    assert verify_prefix([1, 2, 3], [1, 2, 3, 4]).tokens == [1, 2, 3, 4]
+    v = verify_prefix([1, 2, 3], [1, 5, 3, 4])
     assert (v.accepted, v.tokens) == (1, [1, 5])
-    assert verify_greedy([1], [2, 0]).tokens == [2]
+    assert verify_prefix([1], [2, 0]).tokens == [2]
     with pytest.raises(ValueError, match="need 3 target choices"):
-        verify_greedy([1, 2], [1])
+        verify_prefix([1, 2], [1])
 
 
 def test_bad_input_is_rejected_before_any_forward():

@@ -14,8 +14,6 @@ import random
 
 import pytest
 import torch
-from helpers import OracleDrafter, TreeOracleDrafter
-from test_hybrid_methods import tiny_config
 from transformers import AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -36,7 +34,10 @@ from lattice_inference.targets.decode_matched import (
 from lattice_inference.targets.exactness import check_exactness, exactness
 from lattice_inference.targets.forward_cost import ForwardCosts
 from lattice_inference.targets.packed_linear import pack_weight, packed_linear, packing_supported
-from lattice_inference.toy import TOY_VOCAB, toy_config, toy_model
+from lattice_inference.testing.toy import TOY_VOCAB, toy_config, toy_model
+
+from .helpers import OracleDrafter, TreeOracleDrafter
+from .test_hybrid_methods import tiny_config
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]
 WIDE = dict(hidden_size=256, intermediate_size=1536, num_attention_heads=4, num_key_value_heads=2, head_dim=64)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from helpers import ContextKeyedTarget, OracleDrafter, RecordingTarget
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +15,8 @@ from lattice_inference.targets.forward_cost import (
     forward_costs,
     measure_forward_costs,
 )
+
+from .helpers import ContextKeyedTarget, OracleDrafter, RecordingTarget
 
 FLAT = ForwardCosts((1, 2, 9), (1.0, 1.0, 1.0))
 """Verification as cheap as a decode step (a GPU, or a model whose step is all overhead)."""

@@ -13,16 +13,17 @@ import random
 
 import pytest
 import torch
-from helpers import TreeOracleDrafter, hf_generate, hf_plain
-from test_hybrid_target import build_model
 
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.draft_planner import DraftPlanner
 from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOptions
 from lattice_inference.targets import HybridTarget, TransformersTarget
 from lattice_inference.targets.forward_cost import ForwardCosts
-from lattice_inference.toy import TOY_ARCHITECTURES, TOY_VOCAB, toy_config, toy_model
+from lattice_inference.testing.toy import TOY_ARCHITECTURES, TOY_VOCAB, toy_config, toy_model
 from lattice_inference.verify import DraftTree
+
+from .helpers import TreeOracleDrafter, hf_generate, hf_plain
+from .test_hybrid_target import build_model
 
 TREE_ARCHES = ("qwen3", "llama", "qwen2", "gemma", "phi3")
 FLAT = ForwardCosts((1, 16), (1.0, 1.0))  # verification is free: the planner takes every leaf it is offered

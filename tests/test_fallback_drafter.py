@@ -112,10 +112,10 @@ def test_planned_fallback_plans_each_drafter_under_its_own_key():
 def test_adaptive_fallback_uses_the_model_drafter_where_lookups_fail():
     """End to end: lookups that are always wrong come first; the planner learns to pass them over and the good
     drafter behind them does the drafting. Output is greedy's either way."""
-    from helpers import ContextKeyedTarget, OracleDrafter
-
     from lattice_inference.decode import SpeculativeDecoder
     from lattice_inference.targets.forward_cost import ForwardCosts
+
+    from .helpers import ContextKeyedTarget, OracleDrafter
 
     model = ContextKeyedTarget(vocab=12, seed=2)
     prompt = [1, 2, 3]
@@ -134,10 +134,10 @@ def test_adaptive_fallback_uses_the_model_drafter_where_lookups_fail():
 def test_a_fallback_passes_the_model_drafters_tree_on_under_its_key():
     """ngram+mtp with draft trees: when the lookup has nothing, the MTP side's runners-up and chosen leaves come
     through with the round, under the fallback's key for that drafter."""
-    from helpers import TreeOracleDrafter
-
     from lattice_inference.draft_planner import DraftPlanner
     from lattice_inference.targets.forward_cost import ForwardCosts
+
+    from .helpers import TreeOracleDrafter
 
     tree = TreeOracleDrafter(list(range(40)), vocab=50, seed=4)
     fb = FallbackDrafter([Scripted([[]]), tree])

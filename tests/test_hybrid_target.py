@@ -25,7 +25,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.drafters.base import Drafter, DrafterState, Proposal
 from lattice_inference.errors import ConfigError, TokenError, UnsupportedModelError
-from lattice_inference.targets import hybrid
+from lattice_inference.targets import gdn_dispatch, hybrid
 from lattice_inference.targets.hybrid import HybridTarget, is_hybrid, recurrent_gated_delta_rule_with_states
 
 VOCAB = 260
@@ -213,11 +213,11 @@ def test_window_kernel_equals_the_token_by_token_recurrence(heads: tuple[int, in
 def test_kernels_are_restored_after_forward(models: dict[str, PreTrainedModel]) -> None:
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
-    before = [getattr(modeling, name) for name in hybrid._KERNEL_NAMES]
+    before = [getattr(modeling, name) for name in gdn_dispatch.KERNEL_NAMES]
     target = HybridTarget(models["qwen3_5"])
     target.prefill([1, 2, 3])
     target.forward([4, 5, 6])
-    assert [getattr(modeling, name) for name in hybrid._KERNEL_NAMES] == before
+    assert [getattr(modeling, name) for name in gdn_dispatch.KERNEL_NAMES] == before
 
 
 def test_failed_forward_restores_kernels_and_requires_prefill(
@@ -225,7 +225,7 @@ def test_failed_forward_restores_kernels_and_requires_prefill(
 ) -> None:
     import transformers.models.qwen3_next.modeling_qwen3_next as modeling
 
-    before = [getattr(modeling, name) for name in hybrid._KERNEL_NAMES]
+    before = [getattr(modeling, name) for name in gdn_dispatch.KERNEL_NAMES]
 
     def broken(*args: object, **kwargs: object) -> None:
         raise ArithmeticError("boom")
@@ -236,7 +236,7 @@ def test_failed_forward_restores_kernels_and_requires_prefill(
     target.prefill([1, 2, 3])
     with pytest.raises(ArithmeticError):
         target.forward([4, 5])
-    assert [getattr(modeling, name) for name in hybrid._KERNEL_NAMES] == before
+    assert [getattr(modeling, name) for name in gdn_dispatch.KERNEL_NAMES] == before
     with pytest.raises(RuntimeError):
         target.forward([4])
     monkeypatch.undo()
@@ -373,7 +373,7 @@ def test_bounds_and_errors(models: dict[str, PreTrainedModel]) -> None:
 
 
 def test_is_hybrid_and_unsupported_models(models: dict[str, PreTrainedModel]) -> None:
-    from lattice_inference.toy import toy_config, toy_model
+    from lattice_inference.testing.toy import toy_config, toy_model
 
     dense = toy_model(toy_config("qwen3"))
     assert all(is_hybrid(m) for m in models.values())

@@ -2,9 +2,10 @@
 
 Llama, Qwen2 and Qwen3 toys (a 1536-wide MLP, float32 and bfloat16): prefill, 1-token steps, chains with and
 without decode matching, draft trees and kept paths, rollback to every position, hidden states for MTP. Without
-decode matching and in every prefill its logits are the model forward's bit for bit; with it, attention runs in
-fixed-shape float32 blocks (`block_attention`), so its logits agree with the model's to rounding and its own
-k-token rows equal its 1-token steps bitwise. Greedy and sampled decoding through it equal transformers'
+decode matching and in every prefill its logits are the model forward's bit for bit; with it, a layer's row-wise
+work runs in the native ops (`native_ops`) or, without them, attention in fixed-shape float32 blocks
+(`block_attention`), so its logits agree with the model's to rounding and its own k-token rows equal its 1-token
+steps bitwise. Greedy and sampled decoding through it equal transformers'
 ``generate`` (float32); `make_target` picks it where it applies and says why not where asked for it elsewhere.
 """
 
@@ -14,14 +15,15 @@ import random
 
 import pytest
 import torch
-from helpers import hf_generate, hf_sampled
 
 from lattice_inference import Generator
 from lattice_inference.errors import ConfigError
 from lattice_inference.options import DecodeOptions
 from lattice_inference.sampling import SamplingOptions
-from lattice_inference.targets import LeanTarget, TransformersTarget, make_target
-from lattice_inference.toy import byte_tokenizer, toy_config, toy_model
+from lattice_inference.targets import LeanTarget, TransformersTarget, make_target, native_ops
+from lattice_inference.testing.toy import byte_tokenizer, toy_config, toy_model
+
+from .helpers import hf_generate, hf_sampled
 
 LEAN_ARCHES = ["llama", "qwen2", "qwen3"]
 SHAPES = dict(hidden_size=128, intermediate_size=1536, head_dim=32)
@@ -31,12 +33,14 @@ def _model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 1):
     return toy_model(toy_config(arch, **SHAPES), init_std=0.3, seed=seed).to(dtype)
 
 
-@pytest.mark.parametrize("matched", [True, False])
+@pytest.mark.parametrize(("matched", "native"), [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", LEAN_ARCHES)
-def test_every_path_gives_the_models_own_logits(arch, dtype, matched):
+def test_every_path_gives_the_models_own_logits(arch, dtype, matched, native):
     model = _model(arch, dtype)
-    lean, plain = LeanTarget(model, decode_matched=matched), TransformersTarget(model, decode_matched=matched)
+    lean = LeanTarget(model, decode_matched=matched, native=native)
+    plain = TransformersTarget(model, decode_matched=matched)
+    assert lean.native == (native and native_ops.ops() is not None)
     lean.capture_hidden = plain.capture_hidden = True
     same = _close(dtype) if matched else torch.equal
     rng = random.Random(arch)
@@ -72,11 +76,13 @@ def _close(dtype: torch.dtype):
     return close
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", LEAN_ARCHES)
-def test_matched_rows_equal_its_own_one_token_steps(arch, dtype):
-    """Chains of every width at contexts crossing block boundaries, a tree, after rollbacks: bitwise."""
-    lean = LeanTarget(_model(arch, dtype))
+def test_matched_rows_equal_its_own_one_token_steps(arch, dtype, native):
+    """Chains of every width at contexts crossing block boundaries, a tree, after rollbacks: bitwise, through
+    the native ops and through the PyTorch path (`block_attention`)."""
+    lean = LeanTarget(_model(arch, dtype), native=native)
     lean.capture_hidden = True
     rng = random.Random(arch)
     lean.prefill([rng.randrange(256) for _ in range(29)])

@@ -7,14 +7,15 @@ import math
 
 import pytest
 import torch
-from helpers import OracleDrafter, TreeOracleDrafter
-from serve_harness import MODEL_NAME, PROMPTS, client, running_server
 
 from lattice_inference import Generator, SamplingOptions
 from lattice_inference.api import mtp_head_for
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.targets.transformers import TransformersTarget
-from lattice_inference.toy import toy_config, toy_model
+from lattice_inference.testing.toy import toy_config, toy_model
+
+from .helpers import OracleDrafter, TreeOracleDrafter
+from .serve_harness import MODEL_NAME, PROMPTS, client, running_server
 
 SAMPLING = [SamplingOptions(), SamplingOptions(temperature=0.9, top_p=0.95, seed=5)]
 
@@ -153,7 +154,7 @@ def test_completion_logprobs_stop_at_the_stop_string(server, reference, stream):
     ],
 )
 def test_bad_logprobs_are_400(server, path, fields):
-    from serve_harness import request
+    from .serve_harness import request
 
     body = {"model": MODEL_NAME, "max_tokens": 2, **fields}
     body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})

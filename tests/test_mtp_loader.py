@@ -10,14 +10,14 @@ import torch
 
 from lattice_inference.errors import ConfigError, ModelLoadError
 from lattice_inference.mtp import MtpConfig, load_mtp_head
-from lattice_inference.mtp.testing import (
+from lattice_inference.mtp.weights import detect_layout, index_checkpoint, plan_load
+from lattice_inference.testing.mtp_checkpoint import (
     build_tiny_checkpoint,
     embed_name,
     tiny_hf_config,
     to_per_expert,
     write_checkpoint,
 )
-from lattice_inference.mtp.weights import detect_layout, index_checkpoint, plan_load
 
 P = "mtp.layers.0."
 

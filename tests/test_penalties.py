@@ -13,8 +13,6 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import OpenAIPenaltyProcessor, OracleDrafter, RecordingTarget, hf_generate, hf_plain
-from test_hybrid_methods import prompts, write_model
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from lattice_inference import Generator, SamplingOptions
@@ -24,7 +22,10 @@ from lattice_inference.errors import ConfigError
 from lattice_inference.mtp import load_mtp_head
 from lattice_inference.penalties import Penalties, row_paths
 from lattice_inference.targets import TransformersTarget
-from lattice_inference.toy import TOY_VOCAB, toy_config, toy_model
+from lattice_inference.testing.toy import TOY_VOCAB, toy_config, toy_model
+
+from .helpers import OpenAIPenaltyProcessor, OracleDrafter, RecordingTarget, hf_generate, hf_plain
+from .test_hybrid_methods import prompts, write_model
 
 NEW = 24
 #: Penalty settings: discouraging and (negative, below 1) encouraging repeats, alone and together.

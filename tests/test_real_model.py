@@ -11,12 +11,13 @@ import json
 
 import pytest
 import torch
-from helpers import skip_without_real_model
 
 from lattice_inference import Generator
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prompts
 from lattice_inference.cli import main
 from lattice_inference.loading import load_model
+
+from .helpers import skip_without_real_model
 
 skip_without_real_model()
 

@@ -10,7 +10,6 @@ Skipped, saying why, where the package is absent.
 from __future__ import annotations
 
 import pytest
-from helpers import skip_without_real_model
 
 from lattice_inference import Generator
 from lattice_inference.api import mtp_head_for
@@ -18,6 +17,8 @@ from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prom
 from lattice_inference.loading import load_model
 from lattice_inference.targets import make_target
 from lattice_inference.targets.exactness import check_exactness
+
+from .helpers import skip_without_real_model
 
 skip_without_real_model()
 

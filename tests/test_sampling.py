@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import OracleDrafter, hf_warpers
 
 from lattice_inference import Generator, SamplingOptions
 from lattice_inference.cli import main
@@ -18,7 +17,9 @@ from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.errors import ConfigError
 from lattice_inference.sampling import GreedySampler, KeyedSampler, gumbel_noise, process_logits
 from lattice_inference.targets.base import Target
-from lattice_inference.toy import save_toy_model_dir
+from lattice_inference.testing.toy import save_toy_model_dir
+
+from .helpers import OracleDrafter, hf_warpers
 
 PROCESSOR_SETTINGS = [
     dict(temperature=1.0),

@@ -13,15 +13,16 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import OracleDrafter, RecordingTarget, hf_sampled
-from test_hybrid_methods import prompts, write_model
 
 from lattice_inference import Generator, SamplingOptions
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.drafters.ngram import NgramDrafter
 from lattice_inference.mtp import load_mtp_head
 from lattice_inference.targets import TransformersTarget, make_target
-from lattice_inference.toy import TOY_VOCAB, toy_config, toy_model
+from lattice_inference.testing.toy import TOY_VOCAB, toy_config, toy_model
+
+from .helpers import OracleDrafter, RecordingTarget, hf_sampled
+from .test_hybrid_methods import prompts, write_model
 
 SETTINGS = [
     dict(temperature=0.3),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-from serve_harness import MODEL_NAME, PROMPTS, client, request, running_server
+
+from .serve_harness import MODEL_NAME, PROMPTS, client, request, running_server
 
 MAX_TOKENS = 16
 

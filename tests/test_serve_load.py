@@ -10,7 +10,8 @@ from collections import Counter
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import MODEL_NAME, PROMPTS, client, greedy, load_tiny, request, running_server
+
+from .serve_harness import MODEL_NAME, PROMPTS, client, greedy, load_tiny, request, running_server
 
 MAX_TOKENS = 8
 CLIENTS, REQUESTS = 32, 3

@@ -7,9 +7,10 @@ import os
 
 import openai
 import pytest
-from serve_harness import MODEL_NAME, PROMPTS, client, request, running_server
 
 from lattice_inference.streaming import TextStream
+
+from .serve_harness import MODEL_NAME, PROMPTS, client, request, running_server
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import threading
 import time
 
 import pytest
-from serve_harness import MODEL_NAME, free_port
+
+from .serve_harness import MODEL_NAME, free_port
 
 TIMEOUT_S = 2.0
 STREAMS = 4

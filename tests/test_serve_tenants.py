@@ -4,10 +4,11 @@ another tenant's (API key, or scope under a key), unless the operator shares the
 from __future__ import annotations
 
 import pytest
-from serve_harness import PROMPTS, load_tiny, request, running_server
 
 from lattice_inference.errors import ConfigError
 from lattice_inference.serve.tenants import SHARED, SuffixScopes, tenant_of
+
+from .serve_harness import PROMPTS, load_tiny, request, running_server
 
 BUDGET = 40
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers import ContextKeyedTarget, hf_generate, hf_sampled
 
 from lattice_inference import Generator
 from lattice_inference.decode import SpeculativeDecoder
@@ -17,7 +16,9 @@ from lattice_inference.drafters.suffix_index import SuffixIndex, SuffixMatch
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets import TransformersTarget
 from lattice_inference.targets.forward_cost import ForwardCosts
-from lattice_inference.toy import TOY_ARCHITECTURES, byte_tokenizer, toy_config, toy_model
+from lattice_inference.testing.toy import TOY_ARCHITECTURES, byte_tokenizer, toy_config, toy_model
+
+from .helpers import ContextKeyedTarget, hf_generate, hf_sampled
 
 FLAT = ForwardCosts((1, 16), (1.0, 1.0))  # verification is free: the planner verifies every token and leaf
 TREE_ARCHES = ("qwen3", "llama", "qwen2", "gemma", "phi3")

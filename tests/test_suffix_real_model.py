@@ -4,12 +4,13 @@ token what plain greedy decodes, and later requests draft from earlier ones. Ski
 from __future__ import annotations
 
 import pytest
-from helpers import skip_without_real_model
 
 from lattice_inference import Generator
 from lattice_inference.benchmark import encode_prompt
 from lattice_inference.loading import load_model
 from lattice_inference.traces import AGENTIC_TRACES, load_traces
+
+from .helpers import skip_without_real_model
 
 skip_without_real_model()
 

@@ -8,7 +8,6 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from helpers import hf_warpers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +15,8 @@ from lattice_inference import Generator
 from lattice_inference.api import mtp_head_for
 from lattice_inference.loading import load_model
 from lattice_inference.sampling import KeyedSampler, SamplingOptions, process_logits
+
+from .helpers import hf_warpers
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 #: Positive temperatures across the float64 range: subnormal, float32-subnormal, tiny, ordinary.

@@ -5,7 +5,7 @@ rolls its caches back to the accepted length, and the output is token for token 
 greedy or sampled with the same seed.
 """
 
-from lattice_inference.api import GenerationOutput, Generator
+from lattice_inference.api import Generator
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.drafters.ngram import NgramDrafter
 from lattice_inference.errors import ConfigError, LatticeError, ModelLoadError, TokenError, UnsupportedModelError
@@ -22,7 +22,6 @@ __all__ = [
     "DecodeOptions",
     "Generation",
     "GenerationMetrics",
-    "GenerationOutput",
     "GenerationResult",
     "Generator",
     "LatticeError",

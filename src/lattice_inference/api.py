@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TypedDict, Unpack
+from typing import Any, TypedDict, Unpack, cast
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.decode import SpeculativeDecoder
@@ -49,7 +50,6 @@ __all__ = [
     "METHODS",
     "METHOD_DRAFTERS",
     "DecodeOptions",
-    "GenerationOutput",
     "GenerationResult",
     "Generator",
     "check_draft_length",
@@ -72,10 +72,6 @@ class SamplingArgs(TypedDict, total=False):
     frequency_penalty: float | None
 
 
-#: The earlier name of the API's result type: the API and the decoder return the same `GenerationResult`.
-GenerationOutput = GenerationResult
-
-
 def mtp_head_for(
     loaded: LoadedModel,
     draft_length: int,
@@ -95,7 +91,8 @@ def mtp_head_for(
     """
     check_draft_vocab(draft_vocab)
     lm = loaded.model
-    embed, lm_head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
+    embed = cast(torch.Tensor, lm.get_input_embeddings().weight)
+    lm_head = cast(torch.Tensor, lm.get_output_embeddings().weight)
     path = head_path if head_path is not None else shipped_head(loaded.source)
     if path is not None:
         head, meta = load_head_file(path, lm.config, embed, lm_head, draft_length=draft_length)
@@ -237,7 +234,8 @@ class Generator:
         unknown = sorted(set(given) - set(SamplingArgs.__annotations__))
         if unknown:
             raise TypeError(f"unexpected sampling argument(s): {', '.join(unknown)}")
-        return replace(self.options.sampling, **{k: v for k, v in given.items() if v is not None})
+        changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+        return replace(self.options.sampling, **changes)
 
     def start(
         self,
@@ -313,7 +311,7 @@ class Generator:
         """Generate to the end; return text, token ids, stop reason, metrics, the seed and, with ``logprobs=N``,
         each token's `TokenLogprob` (sampling and ``suffix_index`` as `start`)."""
         result = self.start(prompt, max_new_tokens, chat, logprobs, suffix_index=suffix_index, **sampling).result()
-        result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        result.text = cast(str, self.tokenizer.decode(result.token_ids, skip_special_tokens=True))
         return result
 
     @property

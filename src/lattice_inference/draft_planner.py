@@ -108,9 +108,8 @@ class DraftPlanner:
 
     def observe_forward_seconds(self, width: int, seconds: float) -> None:
         """One timed target forward of ``width`` tokens in this generation. The calibration is a few forwards on
-        a short context, and on a busy machine its width ratios are off by as much as the margins the planner
-        weighs (a 2-token verification measured at 1.05 decode steps ran at 1.09 here); the forwards the
-        generation runs anyway correct it (`forward_seconds`)."""
+        a short context, and on a busy machine its width ratios can be off by as much as the margins the planner
+        weighs; the forwards the generation runs anyway correct it (`forward_seconds`)."""
         ratio = seconds / self.costs.seconds(width)
         for counts in (self._drift, self._timed.setdefault(width, [0.0, 0.0])):
             counts[0] = counts[0] * COST_DECAY + 1.0

@@ -11,6 +11,7 @@ import argparse
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from lattice_inference.errors import ConfigError
 from lattice_inference.mtp.config import MAX_DRAFT_LENGTH, MIN_DRAFT_LENGTH
@@ -158,7 +159,7 @@ def add_decode_arguments(parser: argparse.ArgumentParser, *, method: bool = True
 
 def sampling_options(args: argparse.Namespace) -> SamplingOptions:
     """The `SamplingOptions` of the command line (`ConfigError` for a bad value)."""
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     for name, (kind, _) in SAMPLING_FLAGS.items():
         text = getattr(args, name)
         if text is None:
@@ -177,7 +178,7 @@ _FIELD_NAMES = re.compile(r"\b(" + "|".join(DRAFT_FLAGS) + r")\b")
 def decode_options(args: argparse.Namespace, **fixed: object) -> DecodeOptions:
     """The `DecodeOptions` of the command line (``fixed``: fields the sub-command sets itself, e.g. bench's
     ``method``); a bad value is a `ConfigError` naming its flag."""
-    values: dict[str, object] = {name: getattr(args, name) for name in DRAFT_FLAGS}
+    values: dict[str, Any] = {name: getattr(args, name) for name in DRAFT_FLAGS}
     values |= {"adaptive": not args.fixed_draft, "coupled_draft": not args.argmax_draft}
     if "method" in args:
         values["method"] = args.method

@@ -1,7 +1,7 @@
 """GGUF checkpoints: dequantized through transformers' GGUF support, with a local cache of the result.
 
 transformers reads a GGUF file's metadata several times while loading it (config, tokenizer, weights), which
-costs about 40 s for SmolLM2-135M on a 2-core CPU against 2 s for the same weights as safetensors. So the first
+costs many times what loading the same weights as safetensors does (bench/RESULTS.md). So the first
 load of a GGUF file in a given dtype writes the dequantized model and its tokenizer as a Hugging Face folder
 under the cache directory (``$LATTICE_CACHE_DIR``, else ``$XDG_CACHE_HOME/lattice-inference``, else
 ``~/.cache/lattice-inference``), keyed by the file's name, size and modification time; later loads read that

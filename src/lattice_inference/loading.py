@@ -77,8 +77,7 @@ def _check_local_dir(path: Path) -> None:
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bfloat16 natively (AVX512_BF16 or AMX): without it torch emulates bf16 matmuls,
-    and a bf16 model runs slower than float32 (measured here on an AVX2-only EPYC: 7.8 against 11.0 tokens/s,
-    prefill 6x slower)."""
+    and a bf16 model runs slower than float32, its prefill several times slower (bench/RESULTS.md)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

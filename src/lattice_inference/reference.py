@@ -1,8 +1,8 @@
-"""The seed's n-gram speculation API (``NgramSpeculator``, ``argmax``, ``verify_draft``,
+"""The original n-gram speculation API (``NgramSpeculator``, ``argmax``, ``verify_draft``,
 ``generate_with_speculation``), ported to Python with its bugs fixed.
 
 This module is for callers that own a single-token forward function ``forward_fn(token_id, position) ->
-logits``. It keeps the seed's names and signatures, but :func:`generate_with_speculation` follows the corrected
+logits``. It keeps the original names and signatures, but :func:`generate_with_speculation` follows the corrected
 protocol (every token fed exactly once at position == its index, ``draft[0]`` checked against the model, the
 correction or bonus token always emitted, ``max_new_tokens`` never exceeded, EOS only from the model), so its
 output equals plain greedy decoding of the same model.
@@ -78,7 +78,7 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 
 class NgramSpeculator:
-    """Prompt-lookup speculator with the seed's exact semantics (searches the **prompt only**).
+    """Prompt-lookup speculator with the original API's exact semantics (searches the **prompt only**).
 
     :meth:`speculate` tries ``n`` from ``min(max_ngram, len(recent_tokens))`` down to 2; the first occurrence in
     the prompt of the last ``n`` recent tokens wins if it has at least one following prompt token, which are
@@ -87,7 +87,7 @@ class NgramSpeculator:
 
     Args:
         prompt_tokens: the tokenised prompt.
-        max_ngram: longest n-gram tried (>= 2; the seed silently never drafted below 2).
+        max_ngram: longest n-gram tried (>= 2; the original silently never drafted below 2).
         max_draft: most tokens proposed per call (>= 1).
 
     Raises:
@@ -144,7 +144,7 @@ def verify_draft(
     position_start: int,
     forward_fn: Callable[[int, int], L],
 ) -> tuple[int, list[L]]:
-    """Feed draft tokens one at a time while the model agrees with the next one (the seed's contract).
+    """Feed draft tokens one at a time while the model agrees with the next one (the original API's contract).
 
     Calls ``forward_fn(draft_tokens[i], position_start + i)`` for i = 0, 1, ... and stops after the first call
     whose argmax differs from ``draft_tokens[i + 1]`` (or after the last token).

@@ -7,6 +7,7 @@ in a partial character (U+FFFD), and always as the difference from what was alre
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -20,7 +21,7 @@ class TextStream:
         self._released = 0
 
     def _decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return cast(str, self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     def _text(self) -> str:
         return self._decode(self.token_ids)

@@ -19,8 +19,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True)
 class Verdict:
@@ -92,11 +90,6 @@ class DraftTree:
         return Verdict(accepted=depth + 1, tokens=tokens, rows=[*range(depth + 1), row])
 
 
-def greedy_choices(logits: torch.Tensor) -> list[int]:
-    """The target's greedy token after each row of ``logits`` (first index on ties, as ``torch.argmax``)."""
-    return logits.argmax(dim=-1).tolist()
-
-
 def verify_prefix(draft: Sequence[int], choices: Sequence[int]) -> Verdict:
     """Accept the longest prefix of ``draft`` that matches the target's ``choices``.
 
@@ -111,7 +104,3 @@ def verify_prefix(draft: Sequence[int], choices: Sequence[int]) -> Verdict:
             break
         accepted += 1
     return Verdict(accepted=accepted, tokens=[*draft[:accepted], choices[accepted]])
-
-
-#: The greedy-era name of `verify_prefix` (the rule is the same for every choice function).
-verify_greedy = verify_prefix

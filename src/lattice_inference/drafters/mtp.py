@@ -13,7 +13,7 @@ prefill and after every verification (``uses_hidden_states`` tells it to).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 
 import torch
 
@@ -120,7 +120,7 @@ class MtpState(DrafterState):
         (`confidence_key`), and chain further drafts only if it wants them.
 
         Confident drafts are accepted far more often (the shipped SmolLM2 head, teacher-forced on held-out chat:
-        79 % when its top probability is at least 0.8, 13 % below 0.4), so the planner drafts in confident rounds
+        see bench/RESULTS.md), so the planner drafts in confident rounds
         and skips the others, where one acceptance estimate for every round sat near break-even and under-drafted.
         A declined first draft is returned unverified, and the planner learns from it as from a free proposal. When
         the planner declines `BACK_OFF` rounds in a row (a head that does not fit the text), the first draft is
@@ -128,8 +128,8 @@ class MtpState(DrafterState):
 
         Each step also ranks `RUNNERS_UP` next-best tokens (free: the head scored them anyway). Where the target
         verifies draft trees the planner may verify some of them beside the draft token of their depth (the same
-        head's second and third choices at the first draft are right in another 17 % of SmolLM2's chat positions,
-        teacher-forced), and it learns from every round how often they would have held.
+        head's second and third choices at the first draft are often right where its first is not), and it learns
+        from every round how often they would have held.
         """
         count = min(max_tokens, self.drafter.num_drafts)
         if count < 1:
@@ -160,7 +160,7 @@ class MtpState(DrafterState):
         alternatives = [runners_up[j][: leaves[j]] for j in range(verified)] if any(leaves[:verified]) else []
         return PlannedDraft(tokens, tokens[:k], key, runners_up=runners_up, alternatives=alternatives)
 
-    def _chain(self, limit: int, runners_up: int) -> Iterator[DraftStep]:
+    def _chain(self, limit: int, runners_up: int) -> Generator[DraftStep, None, None]:
         """The head's draft chain from the pending token, a `DraftStep` (with ``runners_up`` next-best tokens) per
         step; the caller stops it after at most ``limit`` steps (checked against the head's ``max_seq_len``). Its
         first step also fills the head's cache for positions accepted since the last round; it yields nothing

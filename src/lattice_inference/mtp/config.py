@@ -18,19 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from lattice_inference.errors import ConfigError
+from lattice_inference.hybrid_models import (
+    HYBRID_MODEL_TYPES,
+    HYBRID_TEXT_MODEL_TYPES,
+    is_hybrid_model_type,
+    text_config_is_nested,
+)
 
 #: Reference limit: ``draft_length`` counts the target's own token, so 8 means at most 7 MTP drafts.
 MAX_DRAFT_LENGTH = 8
 MIN_DRAFT_LENGTH = 2
-
-#: model_type of the file -> (is the text config nested under ``text_config``, model_type of the text config).
-_SUPPORTED_MODEL_TYPES: dict[str, tuple[bool, str]] = {
-    "qwen3_next": (False, "qwen3_next"),
-    "qwen3_5": (True, "qwen3_5_text"),
-    "qwen3_5_text": (False, "qwen3_5_text"),
-    "qwen3_5_moe": (True, "qwen3_5_moe_text"),
-    "qwen3_5_moe_text": (False, "qwen3_5_moe_text"),
-}
 
 #: Key holding the number of MTP layers, per text model type (vLLM ``hf_config_override``).
 _MTP_LAYERS_KEY = {
@@ -155,11 +152,12 @@ class MtpConfig:
         """
         raw = _as_dict(config)
         model_type = raw.get("model_type")
-        if model_type not in _SUPPORTED_MODEL_TYPES:
+        if not is_hybrid_model_type(model_type):
             raise ConfigError(
-                f"model_type {model_type!r} has no supported MTP head; expected one of {sorted(_SUPPORTED_MODEL_TYPES)}"
+                f"model_type {model_type!r} has no supported MTP head; expected one of {sorted(HYBRID_MODEL_TYPES)}"
             )
-        nested, text_type = _SUPPORTED_MODEL_TYPES[model_type]
+        text_type = HYBRID_TEXT_MODEL_TYPES[model_type]
+        nested = text_config_is_nested(model_type)
         text = raw
         if nested:
             text = raw.get("text_config") or {}

@@ -1,7 +1,7 @@
 """The Qwen3-Next / Qwen3.5 MTP head: one forward, its KV cache, catch-up and chained drafting.
 
 The math follows the references exactly (vLLM ``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py``, transformers' Qwen3-Next
-and Qwen3.5 decoder layers; see ``shared/reference/mtp-semantics.md`` §2.1):
+and Qwen3.5 decoder layers):
 
     e = E[token];  x = W_fc @ [gnorm(e), gnorm(h_prev)]        # embedding FIRST; gnorm = x*rsqrt(mean x²+eps)*(1+w)
     one decoder layer with full attention:
@@ -14,7 +14,7 @@ and Qwen3.5 decoder layers; see ``shared/reference/mtp-semantics.md`` §2.1):
 All seven RMSNorms are the zero-centred ``(1 + w)`` kind and run in float32; the router softmax and the attention
 softmax run in float32; matmuls run in the weights' dtype (float32 or bfloat16), mirroring transformers.
 
-Pairing and positions (vLLM convention, mtp-semantics §2.6): a call with the target's post-final-norm hidden ``h_t``
+Pairing and positions (vLLM's convention): a call with the target's post-final-norm hidden ``h_t``
 of position ``t`` takes the token ``x_{t+1}`` and the position ``t`` and predicts ``x_{t+2}``. So MTP cache slot ``p``
 always holds the entry built from ``(h_p, x_{p+1})``, and a position must equal the current cache length.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -122,11 +122,11 @@ class MtpHead:
             self._router = w.router
             self._experts_gate_up = w.experts_gate_up
             self._experts_down = w.experts_down
-            self._mlp_gate_up = torch.cat([w.shared_gate, w.shared_up], dim=0)  # type: ignore[list-item]
+            self._mlp_gate_up = torch.cat([w.shared_gate, w.shared_up], dim=0)
             self._mlp_down = w.shared_down
             self._shared_expert_gate = w.shared_expert_gate
         else:
-            self._mlp_gate_up = torch.cat([w.mlp_gate, w.mlp_up], dim=0)  # type: ignore[list-item]
+            self._mlp_gate_up = torch.cat([w.mlp_gate, w.mlp_up], dim=0)
             self._mlp_down = w.mlp_down
         self._linear: Linear = F.linear
         if self.device.type == "cpu" and packing_supported(self.dtype):  # oneDNN reads the weights faster
@@ -335,7 +335,7 @@ class MtpHead:
         runners_up: int = 0,
         limit: int | None = None,
         cache: MtpCache | None = None,
-    ) -> Iterator[DraftStep]:
+    ) -> Generator[DraftStep, None, None]:
         """The draft chain of `draft_tokens`, one `DraftStep` per ``next``: the token, the head's confidence (its
         probability of its most likely token over the draft vocabulary, the signal EAGLE-2 uses to predict
         acceptance) and ``runners_up`` next-best tokens. A caller that stops early pays only for the steps it took,
@@ -374,7 +374,7 @@ class MtpHead:
         rank: Rank | None,
         width: int,
         cache: MtpCache,
-    ) -> Iterator[DraftStep]:
+    ) -> Generator[DraftStep, None, None]:
         scorer = self._lm_head if self._draft_head is None else self._draft_head
         index = position + 2
         while self.max_seq_len is None or pos + int(ids.shape[0]) <= self.max_seq_len:

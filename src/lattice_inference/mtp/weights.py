@@ -478,7 +478,7 @@ def load_mtp_weights(
             )
     metas = list(plan.mtp.values()) + [m for m in (plan.embed, plan.lm_head) if m is not None]
     raw = _read(metas, dtype, device)
-    embed = embed_tokens.to(device=device, dtype=dtype) if embed_tokens is not None else raw[plan.embed.name]  # type: ignore[union-attr]
+    embed = embed_tokens.to(device=device, dtype=dtype) if embed_tokens is not None else raw[plan.embed.name]
     if lm_head is not None:
         head = lm_head.to(device=device, dtype=dtype)
     elif cfg.tie_word_embeddings:

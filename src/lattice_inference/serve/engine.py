@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from jinja2 import TemplateError
 
@@ -99,7 +99,7 @@ class Finish:
 
 def _load_trim() -> Callable[[int], int] | None:
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim  # type: ignore[no-any-return]
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc
         return None
 
@@ -177,7 +177,7 @@ class Engine:
     def settings_for(self, spec: Speculative | None) -> DecodeOptions:
         """The server's draft settings with the fields the request's ``speculative`` sets replaced, or a 400
         naming what cannot be served."""
-        given = spec.model_dump(exclude=SCOPE_FIELDS) if spec is not None else {}
+        given = spec.model_dump(exclude=set(SCOPE_FIELDS)) if spec is not None else {}
         changes = {k: v for k, v in given.items() if v is not None}
         try:
             settings = self.defaults.updated(**changes)
@@ -296,7 +296,7 @@ class Engine:
             return []
 
         def piece(token: int) -> str:
-            return self.tokenizer.decode([token], skip_special_tokens=False)
+            return cast(str, self.tokenizer.decode([token], skip_special_tokens=False))
 
         return [
             LogprobEntry(piece(lp.token), lp.logprob, [(piece(t), v) for t, v in lp.top], text.offset_of(i))

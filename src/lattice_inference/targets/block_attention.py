@@ -28,7 +28,7 @@ import torch
 SLOTS = 4
 """Query rows per block, and the granularity of a block's key count. Fewer slots make the 1-token step cheaper
 (it pays for ``SLOTS`` rows) and a wide verification dearer (``k / SLOTS`` blocks); 4 balances the two on a
-2-core CPU (SmolLM2-135M: about 55 us per block and layer, against 34 us for one row of ``sdpa``)."""
+2-core CPU (timings: bench/RESULTS.md)."""
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,7 @@ def match_dense_linears(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) and "forward" not in vars(module):
-            module.forward = functools.partial(_dense_forward, module)  # type: ignore[method-assign]
+            module.forward = functools.partial(_dense_forward, module)
             setattr(module, _MATCHED, True)
             count += 1
     return count
@@ -199,7 +199,7 @@ def _row_wise_forward(module: nn.Module, original: Callable[..., object], *args:
     ]
     if isinstance(rows[0], tuple):
         return tuple(torch.cat(parts) for parts in zip(*rows, strict=True))
-    return torch.cat(rows)  # type: ignore[arg-type]
+    return torch.cat(rows)
 
 
 def match_row_wise_modules(model: nn.Module) -> int:
@@ -208,7 +208,7 @@ def match_row_wise_modules(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if type(module).__name__.endswith(ROW_WISE_SUFFIXES) and not hasattr(module, _MATCHED):
-            module.forward = functools.partial(_row_wise_forward, module, module.forward)  # type: ignore[method-assign]
+            module.forward = functools.partial(_row_wise_forward, module, module.forward)
             setattr(module, _MATCHED, True)
             count += 1
     return count
@@ -248,7 +248,7 @@ def decode_matched_sdpa(
     forward = _ACTIVE.get()
     rows = query.shape[2]
     if forward is None or rows == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[arg-type]
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     memo = id(attention_mask)
     columns = forward.columns.get(memo)
     if columns is None:
@@ -263,7 +263,7 @@ def decode_matched_sdpa(
         # A 1-token step gets no mask, except over a full sliding window (transformers' sdpa_mask keeps it there).
         seen = k.shape[2]
         mask = None if window is None or seen < window else key.new_ones((1, 1, 1, seen), dtype=torch.bool)
-        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], k, v, mask, **kwargs)  # type: ignore[arg-type]
+        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], k, v, mask, **kwargs)
         outputs.append(out)
     return torch.cat(outputs, dim=1), None
 

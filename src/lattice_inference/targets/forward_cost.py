@@ -1,10 +1,11 @@
 """What a forward of ``w`` tokens costs on a target, measured once per loaded model.
 
 The draft planner weighs the tokens a draft is expected to add against what verifying it costs. That cost is a
-property of the model, its dtype, the kernels and this machine: on SmolLM2-135M in float32 here a 4-token
-verification costs 1.5 decode steps with packed weights and 2.0 without, on a GPU almost nothing. So it is
-measured, not guessed: a few forwards at a handful of widths over a short scratch context, the fastest of
-``repeats`` kept per width (the least disturbed by other work), interpolated linearly in between.
+property of the model, its dtype, the kernels and the machine: on a CPU a few-token verification of a small model
+costs well over one decode step, and how much depends on the weights' layout; on a GPU it costs almost nothing
+(bench/RESULTS.md). So it is measured, not guessed: a few forwards at a handful of widths over a short scratch
+context, the fastest of ``repeats`` kept per width (the least disturbed by other work), interpolated linearly in
+between.
 """
 
 from __future__ import annotations

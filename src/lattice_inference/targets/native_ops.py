@@ -65,6 +65,8 @@ def _load() -> tuple[ModuleType | None, str | None]:
 
         directory = build_directory()
         directory.mkdir(parents=True, exist_ok=True)
+        if not any(directory.glob("*.so")):
+            print(f"lattice: building the native ops for this CPU, once (into {directory})", file=sys.stderr)
         module = cpp_extension.load(
             name="lattice_lean_ops",
             sources=[str(SOURCE)],

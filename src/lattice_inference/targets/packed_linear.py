@@ -1,11 +1,11 @@
 """Linear layers over oneDNN-packed weights: the same matmuls, laid out for the CPU's kernels.
 
 A decode step of a small model on a CPU is a few hundred matrix-vector products, and PyTorch's default
-``F.linear`` (MKL ``sgemm``/``sgemv`` over the row-major weight) reads the weights at about half the memory
-bandwidth, and a 2..8-row product (a speculative verification) costs about twice a 1-row one. oneDNN's linear
+``F.linear`` (MKL ``sgemm``/``sgemv`` over the row-major weight) reads the weights well below the memory
+bandwidth, and a 2..8-row product (a speculative verification) costs much more than a 1-row one. oneDNN's linear
 over a weight reordered once into its blocked layout (what ``torch.compile`` with freezing uses on CPUs) is faster
-at every width measured here: on SmolLM2-135M in float32, one decode step 50 -> 44 ms, a 4-token verification
-100 -> 65 ms, an 8-token one 105 -> 72 ms (``bench/profile_step.py``).
+at every width measured, the decode step and verifications alike (``bench/profile_step.py``; figures in
+bench/RESULTS.md).
 
 Projections that read the same input are packed as one matrix: ``q_proj``/``k_proj``/``v_proj`` of an
 attention block and ``gate_proj``/``up_proj`` of a gated MLP (one product instead of three or two: fewer
@@ -77,7 +77,7 @@ class _FusedGroup:
         with torch.no_grad():
             self.packed = pack_weight(torch.cat([m.weight.detach() for m in members]))
             biases = [m.bias for m in members]
-            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])  # type: ignore[union-attr]
+            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.kernel = functools.partial(packed_linear, packed=self.packed, bias=self.bias)
         self.key = ("packed", (sum(self.splits), members[0].in_features), self.bias is not None)
         self._input: torch.Tensor | None = None
@@ -118,8 +118,8 @@ def _fusable(members: list[object]) -> bool:
     return (
         first.weight.device.type == "cpu"
         and packing_supported(first.weight.dtype)
-        and all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype for m in members)  # type: ignore[union-attr]
-        and len({m.bias is None for m in members}) == 1  # type: ignore[union-attr]
+        and all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype for m in members)  # type: ignore[attr-defined]
+        and len({m.bias is None for m in members}) == 1  # type: ignore[attr-defined]
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -71,7 +72,7 @@ class CausalLMTarget(Target):
             decode_matched_module.match_row_wise_modules(model)
             decode_matched_module.match_attention(model)
         self.device = next(model.parameters()).device
-        self._vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self._vocab_size = int(cast(torch.Tensor, model.get_input_embeddings().weight).shape[0])
         max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self._max_positions = int(max_pos) if max_pos else None
         self._cache: DynamicCache | None = None
@@ -237,6 +238,7 @@ class TransformersTarget(CausalLMTarget):
         self._check_prefill(token_ids)
         self._new_cache()
         logits = self._run(token_ids, logits_to_keep=1)[-1]
+        assert self._cache is not None
         self._cache.crop(0)  # bound sliding-window layers back to their window
         return logits
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lattice_inference.errors import ModelLoadError
+from lattice_inference.hybrid_models import is_hybrid_model_type
 from lattice_inference.mtp.config import MtpConfig
 from lattice_inference.mtp.layer import LayerTensors, gqa_attention, mtp_layer, rope_inv_freq, swiglu
 
@@ -147,9 +148,7 @@ class TrainableHead(nn.Module):
         (converted to zero-centred form for targets with plain ``w`` RMSNorms), the final norm; ``fc`` starts as
         the identity on the hidden half. Gates start at zero (``sigmoid`` 0.5)."""
         layer = model.model.layers[-1]
-        zero_centred = "qwen3_5" in str(getattr(model.config, "model_type", "")) or "next" in str(
-            getattr(model.config, "model_type", "")
-        )
+        zero_centred = is_hybrid_model_type(getattr(model.config, "model_type", None))
 
         def norm(dst: torch.Tensor, src: nn.Module | None) -> None:
             w = getattr(src, "weight", None)

@@ -31,7 +31,7 @@ def build_llm(argv: list[str]) -> Any:
     try:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError:  # older layouts
-        from vllm.utils import FlexibleArgumentParser  # type: ignore[no-redef]
+        from vllm.utils import FlexibleArgumentParser
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     return LLM.from_engine_args(EngineArgs.from_cli_args(parser.parse_args(argv)))

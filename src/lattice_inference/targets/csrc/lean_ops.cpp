@@ -189,6 +189,99 @@ torch::Tensor rope_impl(const torch::Tensor& qkv, const c10::optional<torch::Ten
   return q;
 }
 
+// The sums of 8 accumulators' lanes, as one vector: every accumulator's lanes combined by the same tree,
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), whichever slot it sits in.
+inline f8 sum8x8(const f8* a) {
+  typedef int32_t m8 __attribute__((vector_size(32)));
+  const m8 even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+  const m8 lo = {0, 1, 8, 9, 4, 5, 12, 13}, hi = {2, 3, 10, 11, 6, 7, 14, 15};
+  const m8 first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
+  f8 t[4], u[2];
+  for (int i = 0; i < 4; ++i)
+    t[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], even) + __builtin_shuffle(a[2 * i], a[2 * i + 1], odd);
+  for (int i = 0; i < 2; ++i)
+    u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], lo) + __builtin_shuffle(t[2 * i], t[2 * i + 1], hi);
+  return __builtin_shuffle(u[0], u[1], first) + __builtin_shuffle(u[0], u[1], second);
+}
+
+// One (row, key-value head) unit of attention with DV = head_dim / 8 chunks: the scores of its ``groups`` query
+// heads over ``count`` keys (8 at a time; the last 8 padded with key rows[0], whose scores are dropped), the
+// softmax, and the value sums. Every score is one dot product accumulated chunk by chunk and reduced by
+// `sum8x8`'s tree; every output lane sums its keys in order: the same sequence for a row at any width.
+template <typename T, int DV>
+void attend(const float* qs, int64_t q_stride, int64_t groups, const T* kc, const T* vc, int64_t dv_runtime,
+            const int64_t* keys, int64_t count, float scale, float* scores, T* dst, int64_t dst_stride) {
+  const int64_t dv = DV > 0 ? DV : dv_runtime, d = dv * L;
+  const int64_t padded = (count + L - 1) / L * L;
+  float kbuf[L * 256];
+  for (int64_t j0 = 0; j0 < padded; j0 += L) {
+    for (int64_t j = 0; j < L; ++j) {
+      const int64_t key = j0 + j < count ? keys[j0 + j] : keys[0];
+      const T* k = kc + key * d;
+      for (int64_t c = 0; c < dv; ++c) store8(kbuf + j * d + c * L, widen8(k + c * L));
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* qv = qs + g * q_stride;
+      f8 acc[L];
+      for (int j = 0; j < L; ++j) acc[j] = splat(0.f);
+      for (int64_t c = 0; c < dv; ++c) {
+        const f8 qc = load8(qv + c * L);
+        for (int j = 0; j < L; ++j) acc[j] += qc * load8(kbuf + j * d + c * L);
+      }
+      store8(scores + g * padded + j0, sum8x8(acc) * splat(scale));
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    float* sc = scores + g * padded;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < count; ++j) m = sc[j] > m ? sc[j] : m;
+    f8 total = splat(0.f);
+    for (int64_t j = 0; j < padded; j += L) {
+      f8 e = vexp(load8(sc + j) - splat(m));
+      if (j + L > count) {  // the last chunk: lanes past the row's keys count zero
+        float lanes[L];
+        std::memcpy(lanes, &e, sizeof lanes);
+        for (int64_t t = count - j; t < L; ++t) lanes[t] = 0.f;
+        std::memcpy(&e, lanes, sizeof e);
+      }
+      store8(sc + j, e);
+      total += e;
+    }
+    const f8 sum = splat(sum8(total));
+    for (int64_t j = 0; j < padded; j += L) store8(sc + j, load8(sc + j) / sum);
+  }
+  // Value sums: each output lane adds its keys' terms in key order (the vector width does not enter).
+  float accs[16 * 256];
+  for (int64_t i = 0; i < groups * d; ++i) accs[i] = 0.f;
+  for (int64_t j0 = 0; j0 < count; j0 += L) {
+    const int64_t m = std::min<int64_t>(L, count - j0);
+    for (int64_t j = 0; j < m; ++j) {
+      const T* v = vc + keys[j0 + j] * d;
+      for (int64_t c = 0; c < dv; ++c) store8(kbuf + j * d + c * L, widen8(v + c * L));
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* p = scores + g * padded + j0;
+      f8 acc[DV > 0 ? DV : 32];
+      for (int64_t c = 0; c < dv; ++c) acc[c] = load8(accs + g * d + c * L);
+      for (int64_t j = 0; j < m; ++j) {
+        const f8 pj = splat(p[j]);
+        for (int64_t c = 0; c < dv; ++c) acc[c] += pj * load8(kbuf + j * d + c * L);
+      }
+      for (int64_t c = 0; c < dv; ++c) store8(accs + g * d + c * L, acc[c]);
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    f8 acc[DV > 0 ? DV : 32];
+    for (int64_t c = 0; c < dv; ++c) acc[c] = load8(accs + g * d + c * L);
+    T* out = dst + g * dst_stride;
+    for (int64_t c = 0; c < dv; ++c) {
+      float lanes[L];
+      std::memcpy(lanes, &acc[c], sizeof lanes);
+      for (int t = 0; t < L; ++t) out[c * L + t] = static_cast<T>(lanes[t]);
+    }
+  }
+}
+
 // Attention of each row and key-value head (its ``groups`` query heads together): q [H, n, D] float, caches
 // [K, capacity, D] of T; row r sees the cache rows keys[offsets[r] .. offsets[r + 1]) in that order. Scores,
 // softmax and the value sum in float32, each (row, head) by the same sequence at any width; output [n, H * D] in T.
@@ -198,9 +291,11 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t heads = q.size(0), n = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_cache.size(0), cap = k_cache.size(1), groups = heads / kv_heads;
   TORCH_CHECK(d % L == 0 && d <= 256, "head_dim must be a multiple of 8, at most 256");
+  TORCH_CHECK(heads % kv_heads == 0, "query heads ", heads, " not a multiple of key-value heads ", kv_heads);
   TORCH_CHECK(groups <= 16, "at most 16 query heads per key-value head");
   const int64_t* kp = keys.data_ptr<int64_t>();
   const int64_t* op = offsets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(op[r + 1] > op[r], "row ", r, " sees no key");
   for (int64_t i = 0; i < op[n]; ++i) TORCH_CHECK(kp[i] >= 0 && kp[i] < cap, "key row ", kp[i], " outside ", cap);
   auto out = torch::empty({n, heads * d}, q.options().dtype(k_cache.scalar_type()));
   const float* qp = q.data_ptr<float>();
@@ -211,57 +306,21 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t dv = d / L;
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    f8 kf[32];
-    f8 acc[16][32];
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t r = unit / kv_heads, kv = unit % kv_heads;
-      const int64_t first = op[r], count = op[r + 1] - op[r], padded = (count + L - 1) / L * L;
-      scores.assign(groups * padded, 0.f);
-      const float* qs = qp + (kv * groups * n + r) * d;  // query head kv * groups + g at qs + g * n * d
-      for (int64_t j = 0; j < count; ++j) {
-        const T* k = kc + (kv * cap + kp[first + j]) * d;
-        for (int64_t c = 0; c < dv; ++c) kf[c] = widen8(k + c * L);
-        for (int64_t g = 0; g < groups; ++g) {
-          const float* qv = qs + g * n * d;
-          f8 a = splat(0.f);
-          for (int64_t c = 0; c < dv; ++c) a += load8(qv + c * L) * kf[c];
-          scores[g * padded + j] = sum8(a) * scale;
-        }
-      }
-      for (int64_t g = 0; g < groups; ++g) {
-        float* sc = scores.data() + g * padded;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < count; ++j) m = sc[j] > m ? sc[j] : m;
-        f8 total = splat(0.f);
-        for (int64_t j = 0; j < padded; j += L) {
-          f8 e = vexp(load8(sc + j) - splat(m));
-          if (j + L > count) {  // the last chunk: lanes past the row's keys count zero
-            float lanes[L]; std::memcpy(lanes, &e, sizeof lanes);
-            for (int64_t t = count - j; t < L; ++t) lanes[t] = 0.f;
-            std::memcpy(&e, lanes, sizeof e);
-          }
-          store8(sc + j, e);
-          total += e;
-        }
-        const float inv = sum8(total);
-        for (int64_t j = 0; j < padded; j += L) store8(sc + j, load8(sc + j) / splat(inv));
-        for (int64_t c = 0; c < dv; ++c) acc[g][c] = splat(0.f);
-      }
-      for (int64_t j = 0; j < count; ++j) {
-        const T* v = vc + (kv * cap + kp[first + j]) * d;
-        for (int64_t c = 0; c < dv; ++c) kf[c] = widen8(v + c * L);
-        for (int64_t g = 0; g < groups; ++g) {
-          const f8 p = splat(scores[g * padded + j]);
-          for (int64_t c = 0; c < dv; ++c) acc[g][c] += p * kf[c];
-        }
-      }
-      for (int64_t g = 0; g < groups; ++g) {
-        T* dst = outp + r * heads * d + (kv * groups + g) * d;
-        for (int64_t c = 0; c < dv; ++c) {
-          float lanes[L]; std::memcpy(lanes, &acc[g][c], sizeof lanes);
-          for (int t = 0; t < L; ++t) dst[c * L + t] = static_cast<T>(lanes[t]);
-        }
-      }
+      const int64_t count = op[r + 1] - op[r];
+      scores.resize(groups * ((count + L - 1) / L * L));
+      const float* qs = qp + (kv * groups * n + r) * d;
+      const T* kc_h = kc + kv * cap * d;
+      const T* vc_h = vc + kv * cap * d;
+      T* dst = outp + r * heads * d + kv * groups * d;
+      const int64_t* ks = kp + op[r];
+      if (dv == 8)
+        attend<T, 8>(qs, n * d, groups, kc_h, vc_h, dv, ks, count, scale, scores.data(), dst, d);
+      else if (dv == 16)
+        attend<T, 16>(qs, n * d, groups, kc_h, vc_h, dv, ks, count, scale, scores.data(), dst, d);
+      else
+        attend<T, 0>(qs, n * d, groups, kc_h, vc_h, dv, ks, count, scale, scores.data(), dst, d);
     }
   });
   return out;

@@ -156,7 +156,7 @@ def write_checkpoint(
         part = {n: tensors[n] for n in names[s::shards]}
         save_file(part, str(root / file))
         weight_map.update(dict.fromkeys(part, file))
-    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in tensors.values())}}
+    index: dict[str, Any] = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in tensors.values())}}
     index["weight_map"] = weight_map
     (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     return root

@@ -1,0 +1,117 @@
+"""The lean forward's native row-wise ops (`targets/native_ops.py`, ``csrc/lean_ops.cpp``).
+
+Each op against transformers' own modules (Llama/Qwen3 RMSNorm, rotary embedding with q/k norms, the SiLU gate)
+or a float64 attention reference, in float32 and bfloat16; and each op's rows (and each row's heads) equal to
+the same rows computed one at a time, bitwise: the property lossless verification rests on. The extension is
+built here on first use; these tests fail, not skip, where it cannot be built unless ``LATTICE_NATIVE=0``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from lattice_inference.targets import native_ops
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if not native_ops.enabled():
+        pytest.skip("LATTICE_NATIVE=0")
+    built = native_ops.ops()
+    assert built is not None, native_ops.unavailable()
+    return built
+
+
+def _rand(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_are_transformers_rmsnorm_row_by_row(ops, dtype):
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * _rand(96, dtype=dtype, seed=1))
+    x, y = _rand(7, 96, dtype=dtype), _rand(7, 96, dtype=dtype, seed=2)
+    out = ops.rms_norm(x, norm.weight.detach(), 1e-5)
+    want = norm(x)
+    tolerance = 0 if dtype == torch.bfloat16 else 1e-6  # float32: the variance sums in another order
+    assert (out.float() - want.float()).abs().max() <= tolerance * max(1.0, want.float().abs().max())
+    for i in range(7):
+        assert torch.equal(ops.rms_norm(x[i : i + 1].contiguous(), norm.weight.detach(), 1e-5), out[i : i + 1])
+    summed = x.clone()
+    fused = ops.add_rms_norm(summed, y, norm.weight.detach(), 1e-5)
+    assert torch.equal(summed, x + y)  # the residual is updated in place, rounded as torch rounds it
+    assert torch.equal(fused, ops.rms_norm(x + y, norm.weight.detach(), 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_gate_is_the_mlps_activation(ops, dtype):
+    gate_up = _rand(5, 2 * 100, dtype=dtype) * 4
+    out = ops.silu_mul(gate_up)
+    want = torch.nn.functional.silu(gate_up[:, :100]) * gate_up[:, 100:]
+    assert (out.float() - want.float()).abs().max() <= (1e-6 if dtype == torch.float32 else 0.02) * 16
+    for i in range(5):
+        assert torch.equal(ops.silu_mul(gate_up[i : i + 1].contiguous()), out[i : i + 1])
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_and_cache_write_match_transformers(ops, dtype, qk_norm):
+    heads, kv_heads, dim, n, start = 4, 2, 16, 5, 9
+    qkv = _rand(n, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    angles = torch.arange(start, start + n)[:, None] * torch.linspace(0.01, 1, dim // 2)[None]
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    q_norm = LlamaRMSNorm(dim, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        q_norm.weight.copy_(1 + 0.1 * _rand(dim, dtype=dtype, seed=3))
+    k_cache, v_cache = torch.zeros(kv_heads, 32, dim, dtype=dtype), torch.zeros(kv_heads, 32, dim, dtype=dtype)
+    weight = q_norm.weight.detach() if qk_norm else None
+    q = ops.rope_qk_cache(qkv, weight, weight, 1e-6, cos, sin, k_cache, v_cache, start, heads, kv_heads)
+    q_ref = qkv[:, : heads * dim].view(1, n, heads, dim)
+    k_ref = qkv[:, heads * dim : (heads + kv_heads) * dim].view(1, n, kv_heads, dim)
+    if qk_norm:
+        q_ref, k_ref = q_norm(q_ref), q_norm(k_ref)
+    q_ref, k_ref = apply_rotary_pos_emb(q_ref.transpose(1, 2), k_ref.transpose(1, 2), cos[None], sin[None])
+    tolerance = 0 if dtype == torch.bfloat16 else 1e-6
+    assert (q - q_ref[0].float()).abs().max() <= tolerance * 8
+    assert (k_cache[:, start : start + n].float() - k_ref[0].float()).abs().max() <= tolerance * 8
+    assert torch.equal(
+        v_cache[:, start : start + n], qkv[:, (heads + kv_heads) * dim :].view(n, kv_heads, dim).transpose(0, 1)
+    )
+    assert not k_cache[:, :start].any() and not k_cache[:, start + n :].any()  # only its rows are written
+    with pytest.raises(RuntimeError, match="qkv width"):
+        ops.rope_qk_cache(qkv[:, :-1].contiguous(), None, None, 1e-6, cos, sin, k_cache, v_cache, 0, heads, kv_heads)
+    with pytest.raises(RuntimeError, match="the cache holds 32 rows, 35 needed"):
+        ops.rope_qk_cache(qkv, None, None, 1e-6, cos, sin, k_cache, v_cache, 30, heads, kv_heads)
+
+
+def _keys(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    offsets = [0]
+    for keys in lists:
+        offsets.append(offsets[-1] + len(keys))
+    return torch.tensor([k for keys in lists for k in keys]), torch.tensor(offsets)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_rows_see_their_keys_and_equal_one_row_calls(ops, dtype):
+    heads, kv_heads, dim = 6, 2, 32
+    k_cache, v_cache = _rand(kv_heads, 64, dim, dtype=dtype, seed=4), _rand(kv_heads, 64, dim, dtype=dtype, seed=5)
+    visible = [list(range(13 + i)) for i in range(4)] + [[*range(13), 15, 17], [0, 5, 9, 40]]  # chain, tree paths
+    q = _rand(heads, len(visible), dim, dtype=torch.float32, seed=6)
+    out = ops.attention(q, k_cache, v_cache, *_keys(visible), 0.2)
+    for r, keys in enumerate(visible):
+        alone = ops.attention(q[:, r : r + 1].contiguous(), k_cache, v_cache, *_keys([keys]), 0.2)
+        assert torch.equal(alone[0], out[r]), r
+        for head in range(heads):
+            kv = head // (heads // kv_heads)
+            k, v = k_cache[kv, keys].double(), v_cache[kv, keys].double()
+            want = torch.softmax(q[head, r].double() @ k.T * 0.2, -1) @ v
+            got = out[r, head * dim : (head + 1) * dim].double()
+            assert (got - want).abs().max() <= (1e-5 if dtype == torch.float32 else 1e-2), (r, head)
+    with pytest.raises(RuntimeError, match="key row 64 outside 64"):
+        ops.attention(q[:, :1].contiguous(), k_cache, v_cache, *_keys([[0, 64]]), 0.2)
