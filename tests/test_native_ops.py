@@ -91,10 +91,12 @@ def test_rotary_and_cache_write_match_transformers(ops, dtype, qk_norm):
 
 
 def _keys(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    offsets = [0]
+    """Key rows, flat, and each row's (begin, end) span of them."""
+    spans, flat = [], []
     for keys in lists:
-        offsets.append(offsets[-1] + len(keys))
-    return torch.tensor([k for keys in lists for k in keys]), torch.tensor(offsets)
+        spans.append([len(flat), len(flat) + len(keys)])
+        flat.extend(keys)
+    return torch.tensor(flat), torch.tensor(spans)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -113,5 +115,10 @@ def test_attention_rows_see_their_keys_and_equal_one_row_calls(ops, dtype):
             want = torch.softmax(q[head, r].double() @ k.T * 0.2, -1) @ v
             got = out[r, head * dim : (head + 1) * dim].double()
             assert (got - want).abs().max() <= (1e-5 if dtype == torch.float32 else 1e-2), (r, head)
+    chain = torch.arange(16)  # rows sharing one key list: each a prefix of it
+    spans = torch.tensor([[0, 13 + i] for i in range(4)])
+    assert torch.equal(ops.attention(q[:, :4].contiguous(), k_cache, v_cache, chain, spans, 0.2), out[:4])
     with pytest.raises(RuntimeError, match="key row 64 outside 64"):
         ops.attention(q[:, :1].contiguous(), k_cache, v_cache, *_keys([[0, 64]]), 0.2)
+    with pytest.raises(RuntimeError, match=r"row 0 sees keys 0\.\.17 of 16"):
+        ops.attention(q[:, :1].contiguous(), k_cache, v_cache, chain, torch.tensor([[0, 17]]), 0.2)

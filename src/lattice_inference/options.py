@@ -28,6 +28,9 @@ METHODS = tuple(METHOD_DRAFTERS)
 MatchPolicy = Literal["first", "recent"]
 MATCH_POLICIES: tuple[MatchPolicy, ...] = ("first", "recent")
 
+#: Largest ``max_draft``, ``max_ngram`` and ``min_ngram`` a server request may ask for (a request is untrusted input).
+REQUEST_LENGTH_LIMIT = 64
+
 #: Most runners-up verified beside a draft in one round, by default (``max_leaves``: 0..`MAX_LEAVES_LIMIT`).
 MAX_LEAVES = 4
 MAX_LEAVES_LIMIT = 16

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lattice_inference.mtp.config import MAX_DRAFT_LENGTH, MIN_DRAFT_LENGTH
-from lattice_inference.options import METHODS
+from lattice_inference.options import METHODS, REQUEST_LENGTH_LIMIT, MatchPolicy
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.serve.errors import APIError, bad_request
 
@@ -54,10 +54,10 @@ class Speculative(_Strict):
     """The ``speculative`` extension: speculation settings for one request (unset fields: the server's)."""
 
     method: str | None = None
-    max_draft: int | None = Field(None, ge=1, le=64)
-    max_ngram: int | None = Field(None, ge=1, le=64)
-    min_ngram: int | None = Field(None, ge=1, le=64)
-    match: Literal["first", "recent"] | None = None
+    max_draft: int | None = Field(None, ge=1, le=REQUEST_LENGTH_LIMIT)
+    max_ngram: int | None = Field(None, ge=1, le=REQUEST_LENGTH_LIMIT)
+    min_ngram: int | None = Field(None, ge=1, le=REQUEST_LENGTH_LIMIT)
+    match: MatchPolicy | None = None
     draft_length: int | None = Field(None, ge=MIN_DRAFT_LENGTH, le=MAX_DRAFT_LENGTH)
     adaptive: bool | None = None
     """False verifies every drafted token (``--fixed-draft``); True lets the draft planner choose."""

@@ -84,15 +84,15 @@ class LeanTarget(TransformersTarget):
         n, start = ids.shape[1], self._length
         mask = attention_mask
         blocks = None
+        if decode_matched.active() and self._native is not None:
+            hidden = self._native_decoder(ids, positions, _visible_keys(start, n, mask, self.device))
+            return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         if decode_matched.active():
             blocks = plan_blocks(start, n, None if mask is None else _seen_rows(mask, start), self._groups, self.device)
         elif mask is None and 1 < n and start > 0:
             # rows at once over a cache: the causal mask transformers' sdpa_mask builds for this case
             mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)[None, None]
-        if blocks is not None and self._native is not None:
-            hidden = self._native_decoder(ids, positions, _visible_keys(start, n, mask, self.device))
-        else:
-            hidden = self._decoder(ids, positions, mask, blocks)
+        hidden = self._decoder(ids, positions, mask, blocks)
         return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
     @property
@@ -229,15 +229,20 @@ def _norm_weight(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
 def _visible_keys(
     start: int, rows: int, mask: torch.Tensor | None, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache rows each new row attends to, flat, and each row's offsets into them (``[rows + 1]``): the
-    whole cache and the chain up to itself, or for a draft tree's ``mask`` the cache and its ancestors."""
-    seen = [list(range(i + 1)) for i in range(rows)] if mask is None else _seen_rows(mask, start)
+    """The cache rows each new row attends to: key rows and each row's ``(begin, end)`` span of them. A chain's
+    rows share one list (row ``i`` sees the cache and the chain up to itself: a prefix of it); a draft tree's
+    ``mask`` gives each row the cache and its ancestors, one list per row."""
+    if mask is None:
+        ends = torch.arange(start + 1, start + rows + 1)
+        spans = torch.stack([torch.zeros_like(ends), ends], dim=1)
+        return torch.arange(start + rows, device=device), spans.to(device)
     cache = list(range(start))
-    flat = [key for row in seen for key in (*cache, *(start + r for r in row))]
-    offsets = [0]
-    for row in seen:
-        offsets.append(offsets[-1] + start + len(row))
-    return torch.tensor(flat, dtype=torch.long, device=device), torch.tensor(offsets, dtype=torch.long, device=device)
+    flat: list[int] = []
+    spans_list: list[list[int]] = []
+    for row in _seen_rows(mask, start):
+        spans_list.append([len(flat), len(flat) + start + len(row)])
+        flat.extend((*cache, *(start + r for r in row)))
+    return torch.tensor(flat, dtype=torch.long, device=device), torch.tensor(spans_list, device=device)
 
 
 def _product(group: list[Product], x: torch.Tensor) -> torch.Tensor:

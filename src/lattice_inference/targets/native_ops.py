@@ -76,7 +76,9 @@ def _load() -> tuple[ModuleType | None, str | None]:
         )
     except Exception as exc:  # a missing compiler or ninja, a failed build: the PyTorch path runs instead
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return None, f"could not build the native ops ({first})"
+        reason = f"could not build the native ops ({first})"
+        print(f"lattice: {reason}; the lean forward runs its slower PyTorch path", file=sys.stderr)
+        return None, reason
     return module, None
 
 

@@ -283,20 +283,26 @@ void attend(const float* qs, int64_t q_stride, int64_t groups, const T* kc, cons
 }
 
 // Attention of each row and key-value head (its ``groups`` query heads together): q [H, n, D] float, caches
-// [K, capacity, D] of T; row r sees the cache rows keys[offsets[r] .. offsets[r + 1]) in that order. Scores,
+// [K, capacity, D] of T; row r sees the cache rows keys[spans[r][0] .. spans[r][1]) in that order. Scores,
 // softmax and the value sum in float32, each (row, head) by the same sequence at any width; output [n, H * D] in T.
 template <typename T>
 torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                             const torch::Tensor& keys, const torch::Tensor& offsets, double scaling) {
+                             const torch::Tensor& keys, const torch::Tensor& spans, double scaling) {
   const int64_t heads = q.size(0), n = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_cache.size(0), cap = k_cache.size(1), groups = heads / kv_heads;
+  TORCH_CHECK(spans.dim() == 2 && spans.size(0) == n && spans.size(1) == 2 && spans.is_contiguous(),
+              "spans must be [rows, 2] (begin, end)");
   TORCH_CHECK(d % L == 0 && d <= 256, "head_dim must be a multiple of 8, at most 256");
   TORCH_CHECK(heads % kv_heads == 0, "query heads ", heads, " not a multiple of key-value heads ", kv_heads);
   TORCH_CHECK(groups <= 16, "at most 16 query heads per key-value head");
   const int64_t* kp = keys.data_ptr<int64_t>();
-  const int64_t* op = offsets.data_ptr<int64_t>();
-  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(op[r + 1] > op[r], "row ", r, " sees no key");
-  for (int64_t i = 0; i < op[n]; ++i) TORCH_CHECK(kp[i] >= 0 && kp[i] < cap, "key row ", kp[i], " outside ", cap);
+  const int64_t* op = spans.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(0 <= op[2 * r] && op[2 * r] < op[2 * r + 1] && op[2 * r + 1] <= keys.numel(), "row ", r,
+                " sees keys ", op[2 * r], "..", op[2 * r + 1], " of ", keys.numel());
+    for (int64_t i = op[2 * r]; i < op[2 * r + 1]; ++i)
+      TORCH_CHECK(kp[i] >= 0 && kp[i] < cap, "key row ", kp[i], " outside ", cap);
+  }
   auto out = torch::empty({n, heads * d}, q.options().dtype(k_cache.scalar_type()));
   const float* qp = q.data_ptr<float>();
   const T* kc = k_cache.data_ptr<T>();
@@ -308,13 +314,13 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
     std::vector<float> scores;
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t r = unit / kv_heads, kv = unit % kv_heads;
-      const int64_t count = op[r + 1] - op[r];
+      const int64_t count = op[2 * r + 1] - op[2 * r];
       scores.resize(groups * ((count + L - 1) / L * L));
       const float* qs = qp + (kv * groups * n + r) * d;
       const T* kc_h = kc + kv * cap * d;
       const T* vc_h = vc + kv * cap * d;
       T* dst = outp + r * heads * d + kv * groups * d;
-      const int64_t* ks = kp + op[r];
+      const int64_t* ks = kp + op[2 * r];
       if (dv == 8)
         attend<T, 8>(qs, n * d, groups, kc_h, vc_h, dv, ks, count, scale, scores.data(), dst, d);
       else if (dv == 16)
@@ -389,8 +395,8 @@ torch::Tensor rope_qk_cache(const torch::Tensor& qkv, const c10::optional<torch:
 }
 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                        const torch::Tensor& keys, const torch::Tensor& offsets, double scaling) {
-  DISPATCH(k_cache.scalar_type(), return attention_impl<T>(q, k_cache, v_cache, keys, offsets, scaling));
+                        const torch::Tensor& keys, const torch::Tensor& spans, double scaling) {
+  DISPATCH(k_cache.scalar_type(), return attention_impl<T>(q, k_cache, v_cache, keys, spans, scaling));
 }
 
 torch::Tensor silu_mul(const torch::Tensor& gu) {
