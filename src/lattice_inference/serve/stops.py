@@ -1,7 +1,9 @@
 """Stop strings over streamed text: cut the output before the first stop string, as OpenAI does.
 
 Text arrives in pieces, and a stop string may straddle two of them, so any tail of the text seen so far that
-could still grow into a stop string is held back until the next piece settles it (or generation ends).
+could still grow into a stop string is held back until the next piece settles it (or generation ends). The
+result is the text cut before the earliest-beginning stop string, however it was split: speculative decoding
+emits the same text in other chunks than plain decoding, and must stop at the same place.
 """
 
 from __future__ import annotations
@@ -24,19 +26,32 @@ class StopMatcher:
         if not self.stops:
             return text
         buffer = self._held + text
-        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        pending = len(buffer) - self._partial_stop_length(buffer)  # where a stop may still begin
+        hit = self._first_hit(buffer)
+        if hit is not None and hit <= pending:
             self.stopped = True
             self._held = ""
-            return buffer[: min(hits)]
-        keep = self._partial_stop_length(buffer)
-        self._held = buffer[len(buffer) - keep :]
-        return buffer[: len(buffer) - keep]
+            return buffer[:hit]
+        # No stop yet, or one whose start a longer stop beginning earlier may still precede: hold from there, so
+        # the cut is the same however the text was split (as when the whole text is cut at once).
+        self._held = buffer[pending:]
+        return buffer[:pending]
 
     def flush(self) -> str:
-        """Release the held-back tail at the end of generation (it never became a stop string)."""
+        """Release the held-back tail at the end of generation, cut at a stop string it holds."""
         held, self._held = self._held, ""
-        return "" if self.stopped else held
+        if self.stopped:
+            return ""
+        hit = self._first_hit(held)
+        if hit is not None:
+            self.stopped = True
+            return held[:hit]
+        return held
+
+    def _first_hit(self, text: str) -> int | None:
+        """Where the earliest stop string in ``text`` begins, or None."""
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
 
     def _partial_stop_length(self, text: str) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of some stop string."""
