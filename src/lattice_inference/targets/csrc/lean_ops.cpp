@@ -43,6 +43,23 @@ inline f8 widen8(const c10::BFloat16* p) {
   f8 v; std::memcpy(&v, &u, sizeof v); return v;
 }
 
+// 8 floats rounded to T (round to nearest even, as c10::BFloat16 rounds; NaN stays NaN), as floats.
+inline f8 round8(f8 v, const float*) { return v; }
+inline f8 round8(f8 v, const c10::BFloat16*) {
+  u8v b; std::memcpy(&b, &v, sizeof b);
+  u8v r = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  r = (v != v) ? u8v{0x7FC00000u, 0x7FC00000u, 0x7FC00000u, 0x7FC00000u, 0x7FC00000u, 0x7FC00000u, 0x7FC00000u,
+                     0x7FC00000u} : r;
+  f8 out; std::memcpy(&out, &r, sizeof out); return out;
+}
+// Store 8 floats already rounded to T (`round8`) as T.
+inline void store_as(float* p, f8 v) { store8(p, v); }
+inline void store_as(c10::BFloat16* p, f8 v) {
+  u8v b; std::memcpy(&b, &v, sizeof b);
+  h8v h = __builtin_convertvector(b >> 16, h8v);
+  std::memcpy(p, &h, sizeof h);
+}
+
 // exp of 8 floats (Cephes' expf polynomial, within 2 ulp over the float range; exp(-88.4 or less) underflows
 // to ~0): the same value for a number whichever lane it sits in.
 inline f8 vexp(f8 x) {
@@ -97,11 +114,13 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, double eps, t
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  std::vector<float> h(n);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < n; ++i) h[i] = wide(xp[r * n + i]);
-    norm_row<T>(h.data(), wp, eps, n, op + r * n);
-  }
+  at::parallel_for(0, rows, rows >= 4 ? 1 : rows, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(n);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < n; ++i) h[i] = wide(xp[r * n + i]);
+      norm_row<T>(h.data(), wp, eps, n, op + r * n);
+    }
+  });
 }
 
 template <typename T>
@@ -112,15 +131,17 @@ void add_rms_norm_impl(torch::Tensor& x, const torch::Tensor& y, const torch::Te
   const T* yp = y.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  std::vector<float> h(n);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < n; ++i) {
-      const T s = static_cast<T>(wide(xp[r * n + i]) + wide(yp[r * n + i]));
-      xp[r * n + i] = s;
-      h[i] = wide(s);
+  at::parallel_for(0, rows, rows >= 4 ? 1 : rows, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(n);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < n; ++i) {
+        const T s = static_cast<T>(wide(xp[r * n + i]) + wide(yp[r * n + i]));
+        xp[r * n + i] = s;
+        h[i] = wide(s);
+      }
+      norm_row<T>(h.data(), wp, eps, n, op + r * n);
     }
-    norm_row<T>(h.data(), wp, eps, n, op + r * n);
-  }
+  });
 }
 
 // One head's rotary embedding (transformers' apply_rotary_pos_emb with rotate_half), in place on ``v`` (float
@@ -332,24 +353,35 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
   return out;
 }
 
-// gate_up: [n, 2I] (gate then up); returns [n, I] = to_T(silu(gate)) * up, rounded to T.
+// gate_up: [n, 2I] (gate then up); returns [n, I] = to_T(silu(gate)) * up, rounded to T. Rows in parallel.
 template <typename T>
 torch::Tensor silu_mul_impl(const torch::Tensor& gu) {
   const int64_t n = gu.size(0), inter = gu.size(1) / 2;
   auto out = torch::empty({n, inter}, gu.options());
   const T* g = gu.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  float x[L];
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t i = 0; i < inter; i += L) {
-      const int64_t m = std::min<int64_t>(L, inter - i);
-      for (int64_t t = 0; t < L; ++t) x[t] = t < m ? wide(g[r * 2 * inter + i + t]) : 0.f;
-      f8 xv = load8(x);
-      f8 s = xv / (splat(1.0f) + vexp(-xv));
-      store8(x, s);
-      for (int64_t t = 0; t < m; ++t)
-        o[r * inter + i + t] = static_cast<T>(rnd<T>(x[t]) * wide(g[r * 2 * inter + inter + i + t]));
+  const T* tag = nullptr;
+  at::parallel_for(0, n, n >= 4 ? 1 : n, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = g + r * 2 * inter;
+      const T* up = gate + inter;
+      T* dst = o + r * inter;
+      int64_t i = 0;
+      for (; i + L <= inter; i += L) {
+        const f8 x = widen8(gate + i);
+        const f8 a = round8(x / (splat(1.0f) + vexp(-x)), tag);
+        store_as(dst + i, round8(a * widen8(up + i), tag));
+      }
+      if (i < inter) {  // the tail through the same vector code, padded
+        float xs[L] = {0}, us[L] = {0}, ys[L];
+        for (int64_t t = 0; i + t < inter; ++t) xs[t] = wide(gate[i + t]), us[t] = wide(up[i + t]);
+        const f8 x = load8(xs);
+        const f8 a = round8(x / (splat(1.0f) + vexp(-x)), tag);
+        store8(ys, round8(a * load8(us), tag));
+        for (int64_t t = 0; i + t < inter; ++t) dst[i + t] = static_cast<T>(ys[t]);
+      }
     }
+  });
   return out;
 }
 
