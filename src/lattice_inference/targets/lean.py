@@ -35,7 +35,7 @@ from lattice_inference.errors import ConfigError
 from lattice_inference.targets import decode_matched, native_ops
 from lattice_inference.targets.block_attention import Block, block_attention, plan_blocks
 from lattice_inference.targets.decode_matched import Product
-from lattice_inference.targets.packed_linear import products
+from lattice_inference.targets.packed_linear import packed_operands, products
 from lattice_inference.targets.transformers import TransformersTarget
 
 LEAN_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
@@ -77,6 +77,7 @@ class LeanTarget(TransformersTarget):
         self._groups = text.num_attention_heads // text.num_key_value_heads
         self._heads, self._kv_heads = text.num_attention_heads, text.num_key_value_heads
         self._native = native_ops.ops() if native and self._native_fits(model) else None
+        self._loop = _LayerLoop.of(self._layers) if self._native is not None else None
 
     def _logits(
         self, ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: int
@@ -125,6 +126,13 @@ class LeanTarget(TransformersTarget):
         cos, sin = decoder.rotary_emb(x, positions)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         keys, offsets = visible
+        if self._loop is not None and self._loop.runs(x):
+            buffers = [cache.append_in_place(n) for cache in self._cache.layers]
+            x = ops.decode_layers(
+                x, *self._loop.operands, [k[0] for k, _ in buffers], [v[0] for _, v in buffers], cos, sin,
+                keys, offsets, start, self._heads, self._kv_heads, self._layers[0].attn.scaling,
+            )  # fmt: skip
+            return decoder.norm(x[None])
         h = ops.rms_norm(x, *self._layers[0].input_weight)
         last = len(self._layers) - 1
         for index, (layer, cache) in enumerate(zip(self._layers, self._cache.layers, strict=True)):
@@ -218,6 +226,50 @@ class _Layer:
             k_weight=None if q_norm is None else attn.k_norm.weight.detach(),
             qk_eps=1e-6 if q_norm is None else _norm_weight(q_norm)[1],
         )
+
+
+@dataclass(frozen=True)
+class _LayerLoop:
+    """What the native layer loop (``decode_layers``) takes: every layer's packed weights and biases (q/k/v, o,
+    gate/up, down), norm weights and epsilons, and the products whose row plans must be 1 for it to run."""
+
+    operands: tuple[object, ...]
+    products: list[Product]
+
+    @classmethod
+    def of(cls, layers: list[_Layer]) -> _LayerLoop | None:
+        """The loop's operands, or None where a layer's products are not single packed matrices or its norms'
+        epsilons differ (the Python loop runs those)."""
+        packed, biases, norms, qk_norms, products = [], [], [], [], []
+        for layer in layers:
+            for group in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                operands = packed_operands(group[0]) if len(group) == 1 else None
+                if operands is None:
+                    return None
+                packed.append(operands[0])
+                biases.append(operands[1])
+                products.append(group[0])
+            norms += [layer.input_weight[0], layer.post_weight[0]]
+            qk_norms += [layer.q_weight, layer.k_weight]
+        eps = {e for layer in layers for e in (layer.input_weight[1], layer.post_weight[1])}
+        if len(eps) != 1 or len({layer.qk_eps for layer in layers}) != 1:
+            return None
+        return cls((packed, biases, norms, eps.pop(), qk_norms, layers[0].qk_eps), products)
+
+    def runs(self, x: torch.Tensor) -> bool:
+        """Whether every product computes its rows at any width as alone (row plan 1) at ``x``'s dtype and the
+        current thread count, as the loop computes them."""
+        distinct = {product[0]: product for product in self.products}
+        return all(
+            decode_matched.plan_for(key, kernel, x.new_zeros(1, _in_features(key))).base == 1
+            for key, kernel, _ in distinct.values()
+        )
+
+
+def _in_features(key: tuple[object, ...]) -> int:
+    shape = key[1]
+    assert isinstance(shape, tuple)
+    return int(shape[1])
 
 
 def _norm_weight(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:

@@ -110,6 +110,15 @@ def products(members: Sequence[nn.Linear]) -> list[Product]:
     return [module_product(m) for m in members]
 
 
+def packed_operands(product: Product) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The packed weight and bias a `Product` runs `packed_linear` over (one matrix, maybe fused), else None: what
+    a caller outside Python (the native layer loop) needs to make the same call."""
+    _, kernel, _ = product
+    if isinstance(kernel, functools.partial) and kernel.func is packed_linear:
+        return kernel.keywords["packed"], kernel.keywords["bias"]
+    return None
+
+
 def _fusable(members: list[object]) -> bool:
     if not all(isinstance(m, nn.Linear) and not hasattr(m, _PACKED) for m in members):
         return False

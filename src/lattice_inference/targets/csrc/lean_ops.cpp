@@ -436,7 +436,64 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
   DISPATCH(gu.scalar_type(), return silu_mul_impl<T>(gu));
 }
 
+namespace {
+
+// oneDNN's linear over a packed weight, the kernel `packed_linear` calls from Python, through the dispatcher.
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(w);
+  stack.emplace_back(b);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<c10::optional<c10::Scalar>>());
+  stack.emplace_back(c10::optional<std::string>(std::string("")));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+}  // namespace
+
+// Every decoder layer of a matched forward in one call, where each product is one packed matrix whose rows come
+// out the same at any width (row plan 1): per layer the fused q/k/v product, `rope_qk_cache`, `attention`, the
+// output product, `add_rms_norm`, the fused gate/up product, `silu_mul`, the down product and the next layer's
+// `add_rms_norm`: exactly the calls the Python loop makes, without the interpreter between them. ``x`` [n, hidden]
+// is updated in place (the residual stream) and returned after the last layer's residual.
+torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& packed,
+                            const std::vector<c10::optional<torch::Tensor>>& biases,
+                            const std::vector<torch::Tensor>& norms, double eps,
+                            const std::vector<c10::optional<torch::Tensor>>& qk_norms, double qk_eps,
+                            const std::vector<torch::Tensor>& k_bufs, const std::vector<torch::Tensor>& v_bufs,
+                            const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& keys,
+                            const torch::Tensor& spans, int64_t start, int64_t heads, int64_t kv_heads,
+                            double scaling) {
+  const size_t layers = k_bufs.size();
+  TORCH_CHECK(packed.size() == 4 * layers && biases.size() == 4 * layers && norms.size() == 2 * layers &&
+                  qk_norms.size() == 2 * layers && v_bufs.size() == layers,
+              "decode_layers: per-layer lists of mismatched lengths");
+  check2d(x, "x");
+  torch::Tensor h = rms_norm(x, norms[0], eps);
+  for (size_t l = 0; l < layers; ++l) {
+    torch::Tensor k_buf = k_bufs[l], v_buf = v_bufs[l];
+    const torch::Tensor q = rope_qk_cache(packed_linear(h, packed[4 * l], biases[4 * l]), qk_norms[2 * l],
+                                          qk_norms[2 * l + 1], qk_eps, cos, sin, k_buf, v_buf, start, heads,
+                                          kv_heads);
+    const torch::Tensor att = attention(q, k_buf, v_buf, keys, spans, scaling);
+    h = add_rms_norm(x, packed_linear(att, packed[4 * l + 1], biases[4 * l + 1]), norms[2 * l + 1], eps);
+    const torch::Tensor gate = silu_mul(packed_linear(h, packed[4 * l + 2], biases[4 * l + 2]));
+    const torch::Tensor down = packed_linear(gate, packed[4 * l + 3], biases[4 * l + 3]);
+    if (l + 1 == layers)
+      x.add_(down);
+    else
+      h = add_rms_norm(x, down, norms[2 * (l + 1)], eps);
+  }
+  return x;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_layers", &decode_layers);
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_qk_cache", &rope_qk_cache);
