@@ -79,7 +79,11 @@ def check_ngram_range(min_ngram: int, max_ngram: int) -> None:
     check_positive("max_ngram", max_ngram)
     check_positive("min_ngram", min_ngram)
     if min_ngram > max_ngram:
-        raise ConfigError(f"min_ngram ({min_ngram}) is larger than max_ngram ({max_ngram})", param="min_ngram")
+        raise ConfigError(
+            f"min_ngram ({min_ngram}) is larger than max_ngram ({max_ngram}); n-grams are tried from max_ngram "
+            f"down, so min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})",
+            param="min_ngram",
+        )
 
 
 def check_match(match: str) -> None:

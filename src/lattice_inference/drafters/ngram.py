@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, overload
 
 from lattice_inference.drafters.base import Drafter, DrafterState, Proposal
 from lattice_inference.errors import ConfigError, TokenError
-from lattice_inference.options import DecodeOptions, MatchPolicy, check_match, check_positive
+from lattice_inference.options import DecodeOptions, MatchPolicy, check_match, check_ngram_range, check_positive
 
 if TYPE_CHECKING:
     from lattice_inference.drafters.suffix_index import SuffixIndex
@@ -50,12 +50,9 @@ def validate_token_ids(token_ids: Iterable[int], what: str = "token ids") -> lis
 
 
 def _check_lengths(min_ngram: int, max_ngram: int) -> None:
-    """The index's own invariant, for callers that build one directly (`DecodeOptions` checks the same range for
-    every front-end, with its own wording, `check_ngram_range`)."""
-    check_positive("max_ngram", max_ngram)
-    check_positive("min_ngram", min_ngram)
-    if min_ngram > max_ngram:
-        raise ConfigError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
+    """The index's own invariant, for callers that build one directly: the range `DecodeOptions` checks for every
+    front-end (`check_ngram_range`)."""
+    check_ngram_range(min_ngram, max_ngram)
 
 
 class TokenView(Sequence[int]):
