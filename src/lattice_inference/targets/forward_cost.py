@@ -4,8 +4,8 @@ The draft planner weighs the tokens a draft is expected to add against what veri
 property of the model, its dtype, the kernels and the machine: on a CPU a few-token verification of a small model
 costs well over one decode step, and how much depends on the weights' layout; on a GPU it costs almost nothing
 (bench/RESULTS.md). So it is measured, not guessed: a few forwards at a handful of widths over a short scratch
-context, the fastest of ``repeats`` kept per width (the least disturbed by other work), interpolated linearly in
-between.
+context, the widths taking turns, the fastest of ``repeats`` kept per width (the least disturbed by other work),
+interpolated linearly in between.
 """
 
 from __future__ import annotations
@@ -56,24 +56,25 @@ def calibration_widths(max_width: int) -> list[int]:
     return [*widths, max_width]
 
 
-def measure_forward_costs(target: Target, widths: Sequence[int], repeats: int = 2) -> ForwardCosts:
+def measure_forward_costs(target: Target, widths: Sequence[int], repeats: int = 3) -> ForwardCosts:
     """Time forwards of each width on ``target`` after a scratch prefill (one untimed forward of the widest
-    width first warms the kernels up). This resets the target's cache."""
+    width first warms the kernels up), the widths taking turns within each repeat so that a busy moment of the
+    machine hits them alike; the fastest of each width's ``repeats`` is kept. This resets the target's cache."""
     widths = sorted(set(widths) | {1})
     vocab = target.vocab_size
     context = [(7 * i + 3) % vocab for i in range(CALIBRATION_CONTEXT)]
     target.prefill(context)
-    best: list[float] = []
-    for w in [widths[-1], *widths]:
-        tokens = [(11 * i + 5) % vocab for i in range(w)]
-        times = []
-        for _ in range(repeats):
+    warm = [(11 * i + 5) % vocab for i in range(widths[-1])]
+    target.forward(warm)
+    target.rollback(CALIBRATION_CONTEXT)
+    best = [float("inf")] * len(widths)
+    for _ in range(repeats):
+        for i, w in enumerate(widths):
             start = time.perf_counter()
-            target.forward(tokens)
-            times.append(time.perf_counter() - start)
+            target.forward(warm[:w])
+            best[i] = min(best[i], time.perf_counter() - start)
             target.rollback(CALIBRATION_CONTEXT)
-        best.append(min(times))
-    return ForwardCosts(tuple(widths), tuple(best[1:]))
+    return ForwardCosts(tuple(widths), tuple(best))
 
 
 _MEASURED: weakref.WeakKeyDictionary[Target, ForwardCosts] = weakref.WeakKeyDictionary()
