@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -235,12 +235,15 @@ class _LayerLoop:
 
     operands: tuple[object, ...]
     products: list[Product]
+    """One per distinct product (plan key): whose row plans decide whether the loop runs."""
+    _verdicts: dict[tuple[torch.dtype, int], bool] = field(default_factory=dict)
 
     @classmethod
     def of(cls, layers: list[_Layer]) -> _LayerLoop | None:
         """The loop's operands, or None where a layer's products are not single packed matrices or its norms'
         epsilons differ (the Python loop runs those)."""
-        packed, biases, norms, qk_norms, products = [], [], [], [], []
+        packed, biases, norms, qk_norms = [], [], [], []
+        products: dict[tuple[object, ...], Product] = {}
         for layer in layers:
             for group in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 operands = packed_operands(group[0]) if len(group) == 1 else None
@@ -248,22 +251,25 @@ class _LayerLoop:
                     return None
                 packed.append(operands[0])
                 biases.append(operands[1])
-                products.append(group[0])
+                products.setdefault(group[0][0], group[0])
             norms += [layer.input_weight[0], layer.post_weight[0]]
             qk_norms += [layer.q_weight, layer.k_weight]
         eps = {e for layer in layers for e in (layer.input_weight[1], layer.post_weight[1])}
         if len(eps) != 1 or len({layer.qk_eps for layer in layers}) != 1:
             return None
-        return cls((packed, biases, norms, eps.pop(), qk_norms, layers[0].qk_eps), products)
+        return cls((packed, biases, norms, eps.pop(), qk_norms, layers[0].qk_eps), list(products.values()))
 
     def runs(self, x: torch.Tensor) -> bool:
         """Whether every product computes its rows at any width as alone (row plan 1) at ``x``'s dtype and the
-        current thread count, as the loop computes them."""
-        distinct = {product[0]: product for product in self.products}
-        return all(
-            decode_matched.plan_for(key, kernel, x.new_zeros(1, _in_features(key))).base == 1
-            for key, kernel, _ in distinct.values()
-        )
+        current thread count, as the loop computes them (decided once per dtype and thread count)."""
+        when = (x.dtype, torch.get_num_threads())
+        verdict = self._verdicts.get(when)
+        if verdict is None:
+            verdict = self._verdicts[when] = all(
+                decode_matched.plan_for(key, kernel, x.new_zeros(1, _in_features(key))).base == 1
+                for key, kernel, _ in self.products
+            )
+        return verdict
 
 
 def _in_features(key: tuple[object, ...]) -> int:

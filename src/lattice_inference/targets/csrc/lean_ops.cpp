@@ -108,36 +108,22 @@ inline void norm_row(const float* h, const T* w, double eps, int64_t n, T* out) 
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(wide(w[i]) * rnd<T>(h[i] * r));
 }
 
+// RMSNorm of every row of x [rows, n] into out; with y (the same shape), first x += y in place (the residual
+// stream, rounded to T as torch rounds it) and the norm of the sum. Rows in parallel from 4 rows up.
 template <typename T>
-void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, double eps, torch::Tensor& out) {
-  const int64_t rows = x.size(0), n = x.size(1);
-  const T* xp = x.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, rows >= 4 ? 1 : rows, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(n);
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t i = 0; i < n; ++i) h[i] = wide(xp[r * n + i]);
-      norm_row<T>(h.data(), wp, eps, n, op + r * n);
-    }
-  });
-}
-
-template <typename T>
-void add_rms_norm_impl(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w, double eps,
-                       torch::Tensor& out) {
+void norm_rows_impl(torch::Tensor& x, const torch::Tensor* y, const torch::Tensor& w, double eps,
+                    torch::Tensor& out) {
   const int64_t rows = x.size(0), n = x.size(1);
   T* xp = x.data_ptr<T>();
-  const T* yp = y.data_ptr<T>();
+  const T* yp = y == nullptr ? nullptr : y->data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, rows >= 4 ? 1 : rows, [&](int64_t begin, int64_t end) {
     std::vector<float> h(n);
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t i = 0; i < n; ++i) {
-        const T s = static_cast<T>(wide(xp[r * n + i]) + wide(yp[r * n + i]));
-        xp[r * n + i] = s;
-        h[i] = wide(s);
+        if (yp != nullptr) xp[r * n + i] = static_cast<T>(wide(xp[r * n + i]) + wide(yp[r * n + i]));
+        h[i] = wide(xp[r * n + i]);
       }
       norm_row<T>(h.data(), wp, eps, n, op + r * n);
     }
@@ -405,15 +391,17 @@ void check2d(const torch::Tensor& t, const char* name) {
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   check2d(x, "x");
   auto out = torch::empty_like(x);
-  DISPATCH(x.scalar_type(), rms_norm_impl<T>(x, w, eps, out));
+  torch::Tensor input = x;  // read only: no y, so nothing is written to it
+  DISPATCH(x.scalar_type(), norm_rows_impl<T>(input, nullptr, w, eps, out));
   return out;
 }
 
 torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w, double eps) {
   check2d(x, "x");
   check2d(y, "y");
+  TORCH_CHECK(x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type(), "x and y must match in shape and dtype");
   auto out = torch::empty_like(x);
-  DISPATCH(x.scalar_type(), add_rms_norm_impl<T>(x, y, w, eps, out));
+  DISPATCH(x.scalar_type(), norm_rows_impl<T>(x, &y, w, eps, out));
   return out;
 }
 
