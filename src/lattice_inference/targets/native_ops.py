@@ -28,7 +28,9 @@ import torch
 
 from lattice_inference.gguf import cache_root
 
-SOURCE = Path(__file__).with_name("csrc") / "lean_ops.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "lean_ops.cpp", CSRC / "tile_linear.cpp")
+HEADERS = (CSRC / "tile_linear.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 """Compiler flags: the host CPU's instruction set; OpenMP pragmas bind to the runtime torch already loaded."""
 
@@ -48,10 +50,9 @@ def _cpu_key() -> str:
 
 def build_directory() -> Path:
     """Where this machine's build lives: keyed by the source, the flags, Python, torch and the CPU's flags."""
-    key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), *FLAGS, sys.version, torch.__version__, _cpu_key()]).encode()
-    ).hexdigest()[:16]
-    return cache_root() / "native" / key
+    sources = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\n".join([*sources, *FLAGS, sys.version, torch.__version__, _cpu_key()]).encode())
+    return cache_root() / "native" / key.hexdigest()[:16]
 
 
 @functools.cache
@@ -69,8 +70,9 @@ def _load() -> tuple[ModuleType | None, str | None]:
             print(f"lattice: building the native ops for this CPU, once (into {directory})", file=sys.stderr)
         module = cpp_extension.load(
             name="lattice_lean_ops",
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=list(FLAGS),
+            extra_include_paths=[str(CSRC)],
             build_directory=str(directory),
             verbose=False,
         )
@@ -85,6 +87,16 @@ def _load() -> tuple[ModuleType | None, str | None]:
 def ops() -> ModuleType | None:
     """The built extension, or None where it is off or cannot be built (see `unavailable`)."""
     return _load()[0]
+
+
+def tiles() -> ModuleType | None:
+    """The built extension where its AMX products (``tile_pack``/``tile_linear``, ``csrc/tile_linear.cpp``) run
+    here: built for a CPU with AMX-BF16 and granted the tiles by the OS, and not turned off by ``LATTICE_TILES=0``
+    (then bfloat16 products run on oneDNN); else None."""
+    if os.environ.get("LATTICE_TILES", "1").strip().lower() in {"0", "false", "no", "off"}:
+        return None
+    module = ops()
+    return module if module is not None and module.tile_linear_available() else None
 
 
 def unavailable() -> str | None:

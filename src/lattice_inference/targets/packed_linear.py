@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 from torch import nn
 
+from lattice_inference.targets import native_ops
 from lattice_inference.targets.decode_matched import PRODUCT, Product, linear_key, matched_product, module_product
 
 _PACKED = "_lattice_packed_weight"
@@ -49,14 +51,36 @@ def packing_supported(dtype: torch.dtype) -> bool:
     return True
 
 
+def _tiles_for(weight: torch.Tensor) -> ModuleType | None:
+    """The native AMX products (`native_ops.tiles`) where they take ``weight``: bfloat16, ``[out, in]`` with out a
+    multiple of 16 and in of 32; else None (oneDNN packs it)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 32:
+        return None
+    return native_ops.tiles()
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A oneDNN-packed copy of a dense ``[out, in]`` weight (check `packing_supported` first), for `packed_linear`."""
+    """A packed copy of a dense ``[out, in]`` weight (check `packing_supported` first), for `packed_linear`: laid
+    out for the AMX tile products where they run (bfloat16 on CPUs with AMX, ``csrc/tile_linear.cpp``: 1-16 rows
+    at about the cost of reading the weight, each row computed alike at any width), else for oneDNN."""
     with torch.no_grad():
+        tiles = _tiles_for(weight)
+        if tiles is not None:
+            return tiles.tile_pack(weight.detach())
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def tile_packed(packed: torch.Tensor) -> bool:
+    """Whether ``packed`` (from `pack_weight`) is laid out for the AMX tile products (else for oneDNN)."""
+    return packed.dim() == 4 and packed.shape[2:] == (16, 2)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` over ``packed = pack_weight(weight)`` (``x`` on the CPU, in its dtype)."""
+    if tile_packed(packed):
+        tiles = native_ops.tiles()
+        assert tiles is not None  # pack_weight lays weights out for the tiles only where they run
+        return tiles.tile_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

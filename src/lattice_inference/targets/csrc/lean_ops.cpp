@@ -8,6 +8,8 @@
 // order on every x86 CPU and compiler target), combined pairwise in a fixed order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "tile_linear.h"
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <cstring>
@@ -426,8 +428,10 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
 
 namespace {
 
-// oneDNN's linear over a packed weight, the kernel `packed_linear` calls from Python, through the dispatcher.
+// The product `packed_linear` computes from Python: over a `tile_pack`ed weight `tile_linear`, else oneDNN's
+// linear over its packed weight, through the dispatcher.
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+  if (tile_packed(w)) return tile_linear(x, w, b);
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack;
@@ -487,4 +491,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qk_cache", &rope_qk_cache);
   m.def("attention", &attention);
   m.def("silu_mul", &silu_mul);
+  m.def("tile_linear_available", &tile_linear_available);
+  m.def("tile_pack", &tile_pack);
+  m.def("tile_linear", &tile_linear);
 }
