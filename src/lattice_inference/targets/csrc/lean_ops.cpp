@@ -213,40 +213,29 @@ inline f8 sum8x8(const f8* a) {
   return __builtin_shuffle(u[0], u[1], first) + __builtin_shuffle(u[0], u[1], second);
 }
 
-// The keys and values of one key-value head that a unit of rows may see, widened to float once for all of them:
-// ``kf`` [padded][D] (rows past ``count`` up to the multiple of 8 repeat key rows[0]) and ``vf`` [count][D].
-template <typename T>
-void widen_keys(const T* kc, const T* vc, int64_t d, const int64_t* keys, int64_t count, float* kf, float* vf) {
-  const int64_t padded = (count + L - 1) / L * L;
-  for (int64_t j = 0; j < padded; ++j) {
-    const T* k = kc + (j < count ? keys[j] : keys[0]) * d;
-    for (int64_t c = 0; c < d; c += L) store8(kf + j * d + c, widen8(k + c));
-  }
-  for (int64_t j = 0; j < count; ++j) {
-    const T* v = vc + keys[j] * d;
-    for (int64_t c = 0; c < d; c += L) store8(vf + j * d + c, widen8(v + c));
-  }
-}
-
-// One (row, key-value head) of attention with DV = head_dim / 8 chunks, over the first ``count`` widened keys
-// ``kf``/``vf`` (`widen_keys`; rows past ``count`` may hold other keys, whose scores are dropped): the scores of
-// its ``groups`` query heads (8 keys at a time), the softmax, and the value sums. Every score is one dot product
-// accumulated chunk by chunk and reduced by `sum8x8`'s tree; every output lane sums its keys in order: the same
-// sequence for a row at any width, whichever rows share its widened keys.
+// One (row, key-value head) unit of attention with DV = head_dim / 8 chunks: the scores of its ``groups`` query
+// heads over ``count`` keys (8 at a time; the last 8 padded with key rows[0], whose scores are dropped), the
+// softmax, and the value sums. Every score is one dot product accumulated chunk by chunk and reduced by
+// `sum8x8`'s tree; every output lane sums its keys in order: the same sequence for a row at any width.
 template <typename T, int DV>
-void attend(const float* qs, int64_t q_stride, int64_t groups, const float* kf, const float* vf, int64_t dv_runtime,
-            int64_t count, float scale, float* scores, T* dst, int64_t dst_stride) {
+void attend(const float* qs, int64_t q_stride, int64_t groups, const T* kc, const T* vc, int64_t dv_runtime,
+            const int64_t* keys, int64_t count, float scale, float* scores, T* dst, int64_t dst_stride) {
   const int64_t dv = DV > 0 ? DV : dv_runtime, d = dv * L;
   const int64_t padded = (count + L - 1) / L * L;
+  float kbuf[L * 256];
   for (int64_t j0 = 0; j0 < padded; j0 += L) {
-    const float* kb = kf + j0 * d;
+    for (int64_t j = 0; j < L; ++j) {
+      const int64_t key = j0 + j < count ? keys[j0 + j] : keys[0];
+      const T* k = kc + key * d;
+      for (int64_t c = 0; c < dv; ++c) store8(kbuf + j * d + c * L, widen8(k + c * L));
+    }
     for (int64_t g = 0; g < groups; ++g) {
       const float* qv = qs + g * q_stride;
       f8 acc[L];
       for (int j = 0; j < L; ++j) acc[j] = splat(0.f);
       for (int64_t c = 0; c < dv; ++c) {
         const f8 qc = load8(qv + c * L);
-        for (int j = 0; j < L; ++j) acc[j] += qc * load8(kb + j * d + c * L);
+        for (int j = 0; j < L; ++j) acc[j] += qc * load8(kbuf + j * d + c * L);
       }
       store8(scores + g * padded + j0, sum8x8(acc) * splat(scale));
     }
@@ -271,15 +260,28 @@ void attend(const float* qs, int64_t q_stride, int64_t groups, const float* kf, 
     for (int64_t j = 0; j < padded; j += L) store8(sc + j, load8(sc + j) / sum);
   }
   // Value sums: each output lane adds its keys' terms in key order (the vector width does not enter).
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* p = scores + g * padded;
-    f8 acc[DV > 0 ? DV : 32];
-    for (int64_t c = 0; c < dv; ++c) acc[c] = splat(0.f);
-    for (int64_t j = 0; j < count; ++j) {
-      const f8 pj = splat(p[j]);
-      const float* v = vf + j * d;
-      for (int64_t c = 0; c < dv; ++c) acc[c] += pj * load8(v + c * L);
+  float accs[16 * 256];
+  for (int64_t i = 0; i < groups * d; ++i) accs[i] = 0.f;
+  for (int64_t j0 = 0; j0 < count; j0 += L) {
+    const int64_t m = std::min<int64_t>(L, count - j0);
+    for (int64_t j = 0; j < m; ++j) {
+      const T* v = vc + keys[j0 + j] * d;
+      for (int64_t c = 0; c < dv; ++c) store8(kbuf + j * d + c * L, widen8(v + c * L));
     }
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* p = scores + g * padded + j0;
+      f8 acc[DV > 0 ? DV : 32];
+      for (int64_t c = 0; c < dv; ++c) acc[c] = load8(accs + g * d + c * L);
+      for (int64_t j = 0; j < m; ++j) {
+        const f8 pj = splat(p[j]);
+        for (int64_t c = 0; c < dv; ++c) acc[c] += pj * load8(kbuf + j * d + c * L);
+      }
+      for (int64_t c = 0; c < dv; ++c) store8(accs + g * d + c * L, acc[c]);
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    f8 acc[DV > 0 ? DV : 32];
+    for (int64_t c = 0; c < dv; ++c) acc[c] = load8(accs + g * d + c * L);
     T* out = dst + g * dst_stride;
     for (int64_t c = 0; c < dv; ++c) {
       float lanes[L];
@@ -291,9 +293,7 @@ void attend(const float* qs, int64_t q_stride, int64_t groups, const float* kf, 
 
 // Attention of each row and key-value head (its ``groups`` query heads together): q [H, n, D] float, caches
 // [K, capacity, D] of T; row r sees the cache rows keys[spans[r][0] .. spans[r][1]) in that order. Scores,
-// softmax and the value sum in float32, each (row, head) by the same sequence at any width; output [n, H * D] in
-// T. Where rows share their keys' start (a chain: each row sees a prefix of one list), runs of rows widen their
-// keys and values once per head; a tree's rows each widen their own.
+// softmax and the value sum in float32, each (row, head) by the same sequence at any width; output [n, H * D] in T.
 template <typename T>
 torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                              const torch::Tensor& keys, const torch::Tensor& spans, double scaling) {
@@ -306,13 +306,11 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
   TORCH_CHECK(groups <= 16, "at most 16 query heads per key-value head");
   const int64_t* kp = keys.data_ptr<int64_t>();
   const int64_t* op = spans.data_ptr<int64_t>();
-  bool shared = true;  // every row's keys start where row 0's do
   for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK(0 <= op[2 * r] && op[2 * r] < op[2 * r + 1] && op[2 * r + 1] <= keys.numel(), "row ", r,
                 " sees keys ", op[2 * r], "..", op[2 * r + 1], " of ", keys.numel());
     for (int64_t i = op[2 * r]; i < op[2 * r + 1]; ++i)
       TORCH_CHECK(kp[i] >= 0 && kp[i] < cap, "key row ", kp[i], " outside ", cap);
-    shared = shared && op[2 * r] == op[0];
   }
   auto out = torch::empty({n, heads * d}, q.options().dtype(k_cache.scalar_type()));
   const float* qp = q.data_ptr<float>();
@@ -321,33 +319,23 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
   T* outp = out.data_ptr<T>();
   const float scale = static_cast<float>(scaling);
   const int64_t dv = d / L;
-  // Units of (key-value head, run of rows): enough runs per head to keep every thread busy.
-  const int64_t per_head = shared ? std::min<int64_t>(n, (2 * at::get_num_threads() + kv_heads - 1) / kv_heads) : n;
-  const int64_t run = (n + per_head - 1) / per_head, runs = (n + run - 1) / run;
-  at::parallel_for(0, runs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, kf, vf;
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t kv = unit % kv_heads, r0 = unit / kv_heads * run, r1 = std::min(n, r0 + run);
-      int64_t widest = 0;
-      for (int64_t r = r0; r < r1; ++r) widest = std::max(widest, op[2 * r + 1] - op[2 * r]);
-      const int64_t padded = (widest + L - 1) / L * L;
-      kf.resize(padded * d);
-      vf.resize(widest * d);
-      scores.resize(groups * padded);
+      const int64_t r = unit / kv_heads, kv = unit % kv_heads;
+      const int64_t count = op[2 * r + 1] - op[2 * r];
+      scores.resize(groups * ((count + L - 1) / L * L));
+      const float* qs = qp + (kv * groups * n + r) * d;
       const T* kc_h = kc + kv * cap * d;
       const T* vc_h = vc + kv * cap * d;
-      widen_keys<T>(kc_h, vc_h, d, kp + op[2 * r0], widest, kf.data(), vf.data());
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t count = op[2 * r + 1] - op[2 * r];
-        const float* qs = qp + (kv * groups * n + r) * d;
-        T* dst = outp + r * heads * d + kv * groups * d;
-        if (dv == 8)
-          attend<T, 8>(qs, n * d, groups, kf.data(), vf.data(), dv, count, scale, scores.data(), dst, d);
-        else if (dv == 16)
-          attend<T, 16>(qs, n * d, groups, kf.data(), vf.data(), dv, count, scale, scores.data(), dst, d);
-        else
-          attend<T, 0>(qs, n * d, groups, kf.data(), vf.data(), dv, count, scale, scores.data(), dst, d);
-      }
+      T* dst = outp + r * heads * d + kv * groups * d;
+      const int64_t* ks = kp + op[2 * r];
+      if (dv == 8)
+        attend<T, 8>(qs, n * d, groups, kc_h, vc_h, dv, ks, count, scale, scores.data(), dst, d);
+      else if (dv == 16)
+        attend<T, 16>(qs, n * d, groups, kc_h, vc_h, dv, ks, count, scale, scores.data(), dst, d);
+      else
+        attend<T, 0>(qs, n * d, groups, kc_h, vc_h, dv, ks, count, scale, scores.data(), dst, d);
     }
   });
   return out;
