@@ -19,6 +19,7 @@ default, the same through the lean decoder loop (``targets/lean.py``). For each 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -29,8 +30,9 @@ from torch.profiler import ProfilerActivity, profile
 from lattice_inference.benchmark import GROUNDED_TASKS, load_prompts
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.loading import LoadedModel, load_model
-from lattice_inference.targets import LeanTarget, TransformersTarget
+from lattice_inference.targets import LeanTarget, TransformersTarget, native_ops
 from lattice_inference.targets.exactness import check_exactness
+from lattice_inference.targets.packed_linear import packed_linear, packed_operands
 
 WIDTHS = tuple(range(1, 17))
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"}
@@ -69,6 +71,62 @@ def breakdown(target: TransformersTarget, steps: int, wall: float) -> dict[str, 
     cats["python and dispatch"] = max(wall - sum(cats.values()), 0.0)
     cats["step (unprofiled)"] = wall
     return cats
+
+
+def _products(layers: list, inputs: list[torch.Tensor], head: torch.nn.Module, hidden: torch.Tensor) -> None:
+    for layer in layers:
+        for x, (packed, bias) in zip(inputs, layer, strict=True):
+            packed_linear(x, packed, bias)
+    head(hidden)
+
+
+def _attention(ops: object, layers: int, q: torch.Tensor, *cache: torch.Tensor) -> None:
+    scaling = q.shape[-1] ** -0.5
+    for _ in range(layers):
+        ops.attention(q, *cache, scaling)  # type: ignore[attr-defined]
+
+
+def lean_parts(target: LeanTarget, context: int, reps: int) -> dict[str, dict[int, float]]:
+    """What a lean forward of 1 and of 16 tokens spends, ms (median of ``reps``): its matrix products alone (every
+    layer's four and the LM head over every row, the kernels the layer loop calls: AMX tiles or oneDNN) and its
+    native attention calls alone (every layer's, over a ``context``-token cache); ``{}`` without the native ops.
+    The profiler does not see inside the native layer loop, so the breakdown above counts both as Python."""
+    ops = native_ops.ops()
+    if ops is None or not target.native:
+        return {}
+    model = target.model
+    text = model.config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    layers = [
+        [packed_operands(group[0]) for group in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        for layer in target._layers
+    ]
+    head = model.lm_head
+    parts: dict[str, dict[int, float]] = {"matrix products": {}, "attention": {}}
+    for width in (1, 16):
+        inputs = [torch.randn(width, packed.shape[0] if packed.dim() == 2 else packed.shape[1] * 2).to(model.dtype)
+                  for packed, _ in layers[0]]  # fmt: skip
+        hidden = torch.randn(1, width, text.hidden_size).to(model.dtype)
+        k_cache = torch.randn(kv_heads, context + width, head_dim).to(model.dtype)
+        v_cache, q = torch.randn_like(k_cache), torch.randn(heads, width, head_dim)
+        keys = torch.arange(context + width)
+        ends = torch.arange(context + 1, context + width + 1)
+        spans = torch.stack([torch.zeros_like(ends), ends], dim=1)
+
+        runs = (
+            ("matrix products", functools.partial(_products, layers, inputs, head, hidden)),
+            ("attention", functools.partial(_attention, ops, len(layers), q, k_cache, v_cache, keys, spans)),
+        )
+        for name, run in runs:
+            run()
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - start)
+            parts[name][width] = statistics.median(times) * 1e3
+    return parts
 
 
 def main() -> None:
@@ -113,6 +171,15 @@ def main() -> None:
     print(f"\n{'one 1-token step (ms)':<26}" + "".join(f"{name:>10}" for name in rows))
     for category in rows["dense"][1]:
         print(f"{category:<26}" + "".join(f"{rows[name][1][category]:>10.1f}" for name in rows))
+    lean = targets["lean"]
+    assert isinstance(lean, LeanTarget)
+    parts = lean_parts(lean, len(prompt), args.reps)
+    if parts:
+        print(f"\n{'lean forward, parts (ms)':<26}{'1 token':>10}{'16 tokens':>10}")
+        for name, by_width in parts.items():
+            print(f"{name + ' alone':<26}" + "".join(f"{by_width[w]:>10.1f}" for w in (1, 16)))
+        rest = {w: all_times["lean"][w] * 1e3 - sum(p[w] for p in parts.values()) for w in (1, 16)}
+        print(f"{'the rest':<26}" + "".join(f"{rest[w]:>10.1f}" for w in (1, 16)))
 
 
 def encode_prompt_ids(loaded: LoadedModel) -> list[int]:
