@@ -11,7 +11,7 @@ from lattice_inference import Generator
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.drafters.fallback import FallbackDrafter
 from lattice_inference.drafters.ngram import NgramDrafter
-from lattice_inference.drafters.suffix import SuffixDrafter, match_key
+from lattice_inference.drafters.suffix import LOOKUP, SuffixDrafter, match_key, prefers_lookup
 from lattice_inference.drafters.suffix_index import SuffixIndex, SuffixMatch
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets import TransformersTarget
@@ -166,3 +166,49 @@ def test_match_keys_grade_depth_and_agreement():
     assert match_key(SuffixMatch(depth=2, support=1)) == 1
     assert match_key(SuffixMatch(depth=40, support=1)) == 6
     assert match_key(SuffixMatch(depth=2, support=2)) == 11
+
+
+def test_lookup_drafts_where_the_index_matches_no_deeper():
+    """Alone, a request's leftmost occurrence (prompt lookup's ``first`` policy) beats the index's most recent one
+    of the same depth; an earlier request matching deeper, or several agreeing occurrences, draft from the index."""
+    drafter = SuffixDrafter(1000, max_draft=3)
+    prompt = [1, 2, 3, 4, 8, 1, 2, 5, 6, 9, 1, 2]
+    state = drafter.start(prompt)
+    ngram = NgramDrafter(max_draft=3).start(prompt)
+    assert state.propose(3) == ngram.propose(3) == [3, 4, 8]
+    assert state.last_from_lookup and state.propose(3).key == LOOKUP + 1
+    index = SuffixIndex(1000)
+    index.begin([7, 7, 9, 1, 2, 8, 8])  # an earlier request: "9 1 2" matches one token deeper than the lookup's
+    state = drafter.start([5, 7, 9, 1, 2], suffix_index=index)
+    assert state.propose(3) == [8, 8] and not state.last_from_lookup
+    index = SuffixIndex(1000)
+    for _ in range(2):  # two earlier occurrences of "1 2" agree on 5
+        index.begin([1, 2, 5, 6])
+    state = drafter.start([1, 2, 3, 1, 2], suffix_index=index)
+    assert state.propose(3) == [5, 6] and not state.last_from_lookup
+
+
+def test_alone_the_suffix_drafter_copies_at_least_as_deep_as_prompt_lookup():
+    """On random single requests, every proposal is prompt lookup's unless the index found a deeper match."""
+    rng = random.Random(7)
+    drafter = SuffixDrafter(1000, max_draft=5)
+    for _ in range(20):
+        history = [rng.randrange(6) for _ in range(rng.randint(3, 60))]
+        state = drafter.start(history[:2])
+        ngram = NgramDrafter(max_draft=5).start(history[:2])
+        for tok in history[2:]:
+            proposal, lookup = state.propose(5), ngram.propose(5)
+            if not state.last_from_lookup and lookup:
+                assert state.last_match.depth >= 2
+            else:
+                assert proposal == lookup
+            state.extend([tok])
+            ngram.extend([tok])
+
+
+@pytest.mark.parametrize(
+    ("depth", "support", "lookup_depth", "lookup"),
+    [(0, 0, 0, False), (0, 0, 2, True), (3, 1, 3, True), (3, 2, 3, False), (4, 1, 3, False), (3, 5, 4, True)],
+)
+def test_prefers_lookup(depth, support, lookup_depth, lookup):
+    assert prefers_lookup(SuffixMatch(depth=depth, support=support), lookup_depth) is lookup

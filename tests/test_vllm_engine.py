@@ -2,12 +2,14 @@
 
 vLLM runs where `find_runtime` finds it: ``$LATTICE_VLLM_PYTHON``, else this interpreter (CI runs these tests
 inside the vLLM venv, with this package installed there too). Engines are expensive (a minute or more each on
-two cores), so the module starts three: plain decoding and ngram in one worker process, then one server.
+two cores), so the module starts five: plain decoding and ngram in one worker process, one server, then plain
+decoding and one drafter replaying a short trace (`test_traces_replay_through_vllm`).
 The model is SmolLM2-135M-Instruct in float32, where vLLM's ngram output equals its plain greedy output.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -157,3 +159,26 @@ def test_serve_stops_vllm_on_exit(server):
     assert proc.wait(60) == 0
     for pid in children:
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+
+
+def test_traces_replay_through_vllm(tmp_path, capfd):
+    """``lattice bench --traces --engine vllm``: a two-request trace (the second re-reads the first's document)
+    through plain decoding and vLLM's suffix method (where arctic-inference is installed beside vLLM; otherwise
+    its ngram), each request with its own budget; the drafter's output is greedy's (float32) and it drafts."""
+    from lattice_inference.cli import build_parser
+    from lattice_inference.engines.compare import compare
+
+    found = subprocess.run([RUNTIME.python, "-c", "import arctic_inference"], capture_output=True, check=False)
+    drafter = "suffix" if found.returncode == 0 else "ngram"
+    requests = [{"messages": MESSAGES[0]}, {"messages": MESSAGES[0], "max_new_tokens": MAX_NEW // 2}]
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text(json.dumps({"id": "re-read", "requests": requests}) + "\n")
+    argv = ["bench", "--traces", str(traces), "--engine", "vllm", "--methods", f"greedy,{drafter}", "--json",
+            "--dtype", "float32", "--max-new-tokens", str(MAX_NEW), "--threads", "2"]  # fmt: skip
+    argv.append(f"--engine-args={ENGINE_ARGS}")
+    assert compare(build_parser().parse_args(argv)) == 0
+    report = json.loads(capfd.readouterr().out)  # vLLM logs to fd 2
+    rows = {r["method"]: r for r in report["batch1"]["vllm"]}
+    assert report["traces"] == 1 and rows["greedy"]["runs"] == rows[drafter]["runs"] == 2
+    assert rows[drafter]["identical_share"] == 1.0 and rows[drafter]["mean_acceptance_length"] > 1.0
+    assert rows["greedy"]["new_tokens"] <= MAX_NEW + MAX_NEW // 2

@@ -17,10 +17,7 @@ from lattice_inference.flags import (
     decode_options,
     positive_int,
 )
-from lattice_inference.options import needs_mtp_head, parse_methods
-
-DEFAULT_BENCH_METHODS = ("greedy", "ngram", "mtp", "ngram+mtp")
-DEFAULT_TRACE_METHODS = ("greedy", "ngram", "suffix")
+from lattice_inference.options import DEFAULT_BENCH_METHODS, DEFAULT_TRACE_METHODS, needs_mtp_head, parse_methods
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const="agentic",
         help="replay multi-request traces in order instead of prompts: a JSONL of {id, conversation?, requests} "
-        "('agentic', the default with no value: the packaged agent traces); methods default to greedy,ngram,suffix",
+        "('agentic', the default with no value: the packaged agent traces); methods default to greedy,ngram,suffix; "
+        "with --engine local,vllm through each engine",
     )
     bench.add_argument("--limit", type=positive_int, help="use only the first N prompts (traces with --traces)")
     bench.add_argument("--per-kind", type=positive_int, help="use only the first N prompts of each kind")

@@ -23,6 +23,11 @@ METHOD_DRAFTERS: dict[str, tuple[str, ...]] = {
     "suffix+mtp": ("suffix", "mtp"),
 }
 METHODS = tuple(METHOD_DRAFTERS)
+#: ``lattice bench``'s methods without ``--methods``: on prompts (the MTP ones where the model has a head), on
+#: traces (``--traces``), and in the engine comparison on prompts (``--engine local,vllm``).
+DEFAULT_BENCH_METHODS = ("greedy", "ngram", "mtp", "ngram+mtp")
+DEFAULT_TRACE_METHODS = ("greedy", "ngram", "suffix")
+DEFAULT_COMPARE_METHODS = ("greedy", "ngram")
 
 #: Which earlier occurrence prompt lookup copies: the leftmost (vLLM's and transformers' choice) or the latest.
 MatchPolicy = Literal["first", "recent"]

@@ -24,6 +24,7 @@ from typing import Any
 from lattice_inference.api import Generator
 from lattice_inference.benchmark import BenchPrompt, MethodStats, encode_prompt, parse_prompt_row
 from lattice_inference.errors import ConfigError
+from lattice_inference.prompt_codec import PromptCodec
 
 #: The agentic traces shipped with the package (built by ``tools/build_agentic_traces.py`` from stdlib text).
 AGENTIC_TRACES = Path(__file__).parent / "tasks" / "agentic.jsonl"
@@ -75,6 +76,45 @@ def load_traces(path: str | Path) -> list[Trace]:
     return traces
 
 
+def encode_request(
+    codec: PromptCodec, trace: Trace, i: int, history: list[dict[str, str]], max_new_tokens: int
+) -> tuple[list[int], int]:
+    """Request ``i`` of ``trace`` as token ids, and its budget (its own ``max_new_tokens``, else
+    ``max_new_tokens``). In a conversation trace ``history`` holds the earlier requests' messages and the answers
+    given to them; the request's messages are added to it (the caller appends the answer)."""
+    request = trace.requests[i]
+    budget = (trace.budgets or [None] * len(trace.requests))[i] or max_new_tokens
+    if not trace.conversation:
+        return encode_prompt(codec, request), budget
+    assert request.messages is not None  # `load_traces` checks it
+    history += request.messages
+    return codec.encode_messages(history), budget
+
+
+def encode_traces(
+    traces: Sequence[Trace],
+    codec: PromptCodec,
+    max_new_tokens: int,
+    answer: Callable[[list[int], int], str] | None = None,
+) -> list[list[tuple[list[int], int]]]:
+    """Every request of every trace as (token ids, budget), fixed before any engine runs, so that each engine and
+    method gets the same prompts: in a conversation trace each request follows the earlier ones and
+    ``answer(ids, budget)`` (plain greedy decoding's text; `ConfigError` where a conversation has no ``answer``)."""
+    out: list[list[tuple[list[int], int]]] = []
+    for trace in traces:
+        if trace.conversation and answer is None:
+            raise ConfigError(f"trace {trace.id!r} is a conversation: its requests need greedy's answers")
+        history: list[dict[str, str]] = []
+        requests = []
+        for i in range(len(trace.requests)):
+            ids, budget = encode_request(codec, trace, i, history, max_new_tokens)
+            if answer is not None and trace.conversation:
+                history.append({"role": "assistant", "content": answer(ids, budget)})
+            requests.append((ids, budget))
+        out.append(requests)
+    return out
+
+
 def _row(name: str, s: MethodStats, greedy: MethodStats, ngram: MethodStats | None) -> dict[str, Any]:
     m = s.metrics
     return {
@@ -120,14 +160,8 @@ def run_traces(
         for gen in generators.values():
             gen.clear_suffix_index()
         history: list[dict[str, str]] = []
-        for i, request in enumerate(trace.requests):
-            if trace.conversation:
-                assert request.messages is not None
-                history += request.messages
-                ids = greedy.encode_messages(history)
-            else:
-                ids = encode_prompt(greedy.codec, request)
-            budget = (trace.budgets or [None] * len(trace.requests))[i] or max_new_tokens
+        for i in range(len(trace.requests)):
+            ids, budget = encode_request(greedy.codec, trace, i, history, max_new_tokens)
             order = methods[turn % len(methods) :] + methods[: turn % len(methods)]
             turn += 1
             outs = {name: generators[name].generate(ids, budget) for name in order}

@@ -40,8 +40,17 @@ def build_drafter(
                 eos_token_ids=eos_token_ids,
             )
         )
-    if "suffix" in options.drafters:
-        drafters.append(SuffixDrafter(options.suffix_budget, options.max_draft, eos_token_ids))
+    if "suffix" in options.drafters:  # its per-request lookup takes the ngram method's settings
+        drafters.append(
+            SuffixDrafter(
+                options.suffix_budget,
+                options.max_draft,
+                eos_token_ids,
+                max_ngram=options.max_ngram,
+                min_ngram=options.min_ngram,
+                match=options.match,
+            )
+        )
     if "mtp" in options.drafters and mtp_head is not None:
         num = options.draft_length - 1
         drafters.append(

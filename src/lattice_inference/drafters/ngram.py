@@ -252,12 +252,17 @@ class NgramState(DrafterState):
 
         ``max_tokens <= 0`` returns an empty list.
         """
+        return self.lookup(max_tokens)[0]
+
+    def lookup(self, max_tokens: int) -> tuple[Proposal, int]:
+        """`propose`'s proposal and the history position of the last token of the occurrence it copies from (-1
+        where nothing matched), so that a caller can measure how deep that occurrence matches the history."""
         drafter = self.drafter
         k = min(drafter.max_draft, max_tokens)
         history = self._history
         size = len(history)
         if k <= 0 or size < 2:
-            return Proposal()
+            return Proposal(), -1
         self._catch_up()
         maps = self._index._maps
         for n in range(min(drafter.max_ngram, size - 1), drafter.min_ngram - 1, -1):
@@ -268,6 +273,6 @@ class NgramState(DrafterState):
                 if eos:
                     for i, tok in enumerate(draft):
                         if tok in eos:
-                            return Proposal(draft[:i], n)
-                return Proposal(draft, n)
-        return Proposal()
+                            return Proposal(draft[:i], n), end
+                return Proposal(draft, n), end
+        return Proposal(), -1

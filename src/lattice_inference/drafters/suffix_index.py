@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from lattice_inference.options import check_budget
 
-__all__ = ["ANCHORS", "KEEP", "MAX_MATCH", "SuffixIndex", "SuffixMatch"]
+__all__ = ["ANCHORS", "KEEP", "MAX_MATCH", "SuffixIndex", "SuffixMatch", "common_suffix"]
 
 ANCHORS = (2, 8)
 """Anchor lengths indexed at every position: the shortest match the index proposes from, and a long one."""
@@ -161,7 +161,7 @@ class SuffixIndex:
                 end = pos & ((1 << _SHIFT) - 1)
                 if end + 1 >= len(data):
                     continue
-                depth = _common_suffix(data, end, context)
+                depth = common_suffix(data, end, context)
                 if depth >= anchor:
                     found.append((depth, data, end + 1))
             if found:
@@ -196,8 +196,9 @@ def _remove(index: dict[int, int | list[int]], key: int, pos: int) -> None:
             index[key] = hit[0]
 
 
-def _common_suffix(data: array, end: int, context: Sequence[int]) -> int:
-    """How many tokens ending at ``data[end]`` equal the last ones of ``context`` (at most `MAX_MATCH`)."""
+def common_suffix(data: Sequence[int], end: int, context: Sequence[int]) -> int:
+    """How many tokens ending at ``data[end]`` equal the last ones of ``context`` (at most `MAX_MATCH`): the depth
+    of a match, measured alike for the index's occurrences and a prompt-lookup one."""
     limit = min(MAX_MATCH, end + 1, len(context))
     n = 0
     while n < limit and data[end - n] == context[-1 - n]:

@@ -8,18 +8,27 @@ from typing import Any
 from lattice_inference.benchmark import log
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def _batch_lines(report: dict[str, Any]) -> list[str]:
-    head = f"{'engine':<7} {'method':<10} {'tok/s':>8} {'vs local greedy':>16} {'identical':>10} {'acc rate':>9}"
+    head = (
+        f"{'engine':<7} {'method':<10} {'tok/s':>8} {'vs greedy':>10} {'vs ngram':>9} {'vs local greedy':>16} "
+        f"{'identical':>10} {'acc rate':>9} {'mean acc len':>13}"
+    )
     lines = [head, "-" * len(head)]
     local = {r["method"]: r for r in report["batch1"].get("local", [])}
     reference = local.get("greedy", {}).get("tokens_per_s")
     for engine, rows in report["batch1"].items():
         for r in rows:
-            ratio = f"{r['tokens_per_s'] / reference:.2f}x" if reference else "-"
             acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.1%}"
+            length = "-" if r.get("mean_acceptance_length") is None else f"{r['mean_acceptance_length']:.2f}"
             lines.append(
-                f"{engine:<7} {r['method']:<10} {r['tokens_per_s']:>8.1f} {ratio:>16} {r['identical_share']:>10.0%} "
-                f"{acc:>9}"
+                f"{engine:<7} {r['method']:<10} {r['tokens_per_s']:>8.1f} {_ratio(r.get('speedup_vs_greedy')):>10} "
+                f"{_ratio(r.get('speedup_vs_ngram')):>9} "
+                f"{_ratio(r['tokens_per_s'] / reference if reference else None):>16} {r['identical_share']:>10.0%} "
+                f"{acc:>9} {length:>13}"
             )
     return lines
 
@@ -45,20 +54,24 @@ def _sweep_lines(report: dict[str, Any]) -> list[str]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """The comparison as fixed-width tables: batch 1 per engine and method, then the concurrency sweep."""
-    lines = [
-        f"model {report['model']} ({report.get('dtype', 'dtype per engine')}), {report['prompts']} prompts x "
-        f"{report['reps']} reps, {report['max_new_tokens']} new tokens"
-    ]
+    """The comparison as fixed-width tables: batch 1 per engine and method (over all prompts, then per prompt set
+    or trace), then the concurrency sweep."""
+    if "traces" in report:
+        n = report["traces"]
+        what = f"{n} trace{'s' * (n != 1)}, {report['prompts']} requests in order, up to {report['max_new_tokens']}"
+    else:
+        what = f"{report['prompts']} prompts x {report['reps']} reps, {report['max_new_tokens']}"
+    lines = [f"model {report['model']} ({report.get('dtype', 'dtype per engine')}), {what} new tokens"]
     if report["batch1"]:
         lines += [
-            "== batch 1: whole-request tokens/s (prompt processing included); identical: same ids as the "
-            "engine's own greedy ==",
+            "== batch 1: whole-request tokens/s (prompt processing included); vs greedy, vs ngram, identical: "
+            "against the same engine's own greedy and ngram ==",
             *_batch_lines(report),
         ]
     sets = report.get("batch1_sets") or {}
+    kind = "trace" if "traces" in report else "prompt set"
     for label, by_engine in sets.items() if len(sets) > 1 else ():
-        lines += ["", f"-- batch 1, {label} prompts only --", *_batch_lines({"batch1": by_engine})]
+        lines += ["", f"-- batch 1, {kind} {label} only --", *_batch_lines({"batch1": by_engine})]
     if report["sweep"]:
         lines += ["", "== concurrency sweep through lattice serve: aggregate tokens/s, request latency ==",
                   *_sweep_lines(report)]  # fmt: skip
