@@ -213,87 +213,100 @@ inline f8 sum8x8(const f8* a) {
   return __builtin_shuffle(u[0], u[1], first) + __builtin_shuffle(u[0], u[1], second);
 }
 
-// One (row, key-value head) unit of attention with DV = head_dim / 8 chunks: the scores of its ``groups`` query
-// heads over ``count`` keys (8 at a time; the last 8 padded with key rows[0], whose scores are dropped), the
-// softmax, and the value sums. Every score is one dot product accumulated chunk by chunk and reduced by
-// `sum8x8`'s tree; every output lane sums its keys in order: the same sequence for a row at any width.
+// One key-value head's attention for a run of ``rows`` rows whose keys are prefixes of one list (``counts[r]`` keys
+// each; a tree's rows come one at a time), with DV = head_dim / 8 chunks: per row, the scores of its ``groups``
+// query heads over its keys, 8 at a time (a row's last 8 may hold keys past its own, whose scores are dropped),
+// the softmax, and the value sums. Each block of 8 keys and values is widened to float once for all the rows.
+// Every score is one dot product accumulated chunk by chunk and reduced by `sum8x8`'s tree; every output lane sums
+// its keys in order: the same sequence for a row at any width, whichever rows come with it.
 template <typename T, int DV>
 void attend(const float* qs, int64_t q_stride, int64_t groups, const T* kc, const T* vc, int64_t dv_runtime,
-            const int64_t* keys, int64_t count, float scale, float* scores, T* dst, int64_t dst_stride) {
+            const int64_t* keys, const int64_t* counts, int64_t rows, float scale, std::vector<float>& scores,
+            std::vector<float>& accs, T* dst, int64_t dst_row_stride, int64_t dst_stride) {
   const int64_t dv = DV > 0 ? DV : dv_runtime, d = dv * L;
-  const int64_t padded = (count + L - 1) / L * L;
+  int64_t widest = 0;
+  for (int64_t r = 0; r < rows; ++r) widest = std::max(widest, counts[r]);
+  const int64_t span = (widest + L - 1) / L * L;  // score slots per (row, query head)
+  scores.resize(rows * groups * span);
+  accs.assign(rows * groups * d, 0.f);
   float kbuf[L * 256];
-  for (int64_t j0 = 0; j0 < padded; j0 += L) {
+  for (int64_t j0 = 0; j0 < span; j0 += L) {
     for (int64_t j = 0; j < L; ++j) {
-      const int64_t key = j0 + j < count ? keys[j0 + j] : keys[0];
+      const int64_t key = j0 + j < widest ? keys[j0 + j] : keys[0];
       const T* k = kc + key * d;
       for (int64_t c = 0; c < dv; ++c) store8(kbuf + j * d + c * L, widen8(k + c * L));
     }
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* qv = qs + g * q_stride;
-      f8 acc[L];
-      for (int j = 0; j < L; ++j) acc[j] = splat(0.f);
-      for (int64_t c = 0; c < dv; ++c) {
-        const f8 qc = load8(qv + c * L);
-        for (int j = 0; j < L; ++j) acc[j] += qc * load8(kbuf + j * d + c * L);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (j0 >= counts[r]) continue;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* qv = qs + r * d + g * q_stride;
+        f8 acc[L];
+        for (int j = 0; j < L; ++j) acc[j] = splat(0.f);
+        for (int64_t c = 0; c < dv; ++c) {
+          const f8 qc = load8(qv + c * L);
+          for (int j = 0; j < L; ++j) acc[j] += qc * load8(kbuf + j * d + c * L);
+        }
+        store8(scores.data() + (r * groups + g) * span + j0, sum8x8(acc) * splat(scale));
       }
-      store8(scores + g * padded + j0, sum8x8(acc) * splat(scale));
     }
   }
-  for (int64_t g = 0; g < groups; ++g) {
-    float* sc = scores + g * padded;
-    float m = -INFINITY;
-    for (int64_t j = 0; j < count; ++j) m = sc[j] > m ? sc[j] : m;
-    f8 total = splat(0.f);
-    for (int64_t j = 0; j < padded; j += L) {
-      f8 e = vexp(load8(sc + j) - splat(m));
-      if (j + L > count) {  // the last chunk: lanes past the row's keys count zero
-        float lanes[L];
-        std::memcpy(lanes, &e, sizeof lanes);
-        for (int64_t t = count - j; t < L; ++t) lanes[t] = 0.f;
-        std::memcpy(&e, lanes, sizeof e);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t count = counts[r], padded = (count + L - 1) / L * L;
+    for (int64_t g = 0; g < groups; ++g) {
+      float* sc = scores.data() + (r * groups + g) * span;
+      float m = -INFINITY;
+      for (int64_t j = 0; j < count; ++j) m = sc[j] > m ? sc[j] : m;
+      f8 total = splat(0.f);
+      for (int64_t j = 0; j < padded; j += L) {
+        f8 e = vexp(load8(sc + j) - splat(m));
+        if (j + L > count) {  // the last chunk: lanes past the row's keys count zero
+          float lanes[L];
+          std::memcpy(lanes, &e, sizeof lanes);
+          for (int64_t t = count - j; t < L; ++t) lanes[t] = 0.f;
+          std::memcpy(&e, lanes, sizeof e);
+        }
+        store8(sc + j, e);
+        total += e;
       }
-      store8(sc + j, e);
-      total += e;
+      const f8 sum = splat(sum8(total));
+      for (int64_t j = 0; j < padded; j += L) store8(sc + j, load8(sc + j) / sum);
     }
-    const f8 sum = splat(sum8(total));
-    for (int64_t j = 0; j < padded; j += L) store8(sc + j, load8(sc + j) / sum);
   }
   // Value sums: each output lane adds its keys' terms in key order (the vector width does not enter).
-  float accs[16 * 256];
-  for (int64_t i = 0; i < groups * d; ++i) accs[i] = 0.f;
-  for (int64_t j0 = 0; j0 < count; j0 += L) {
-    const int64_t m = std::min<int64_t>(L, count - j0);
+  for (int64_t j0 = 0; j0 < widest; j0 += L) {
+    const int64_t m = std::min<int64_t>(L, widest - j0);
     for (int64_t j = 0; j < m; ++j) {
       const T* v = vc + keys[j0 + j] * d;
       for (int64_t c = 0; c < dv; ++c) store8(kbuf + j * d + c * L, widen8(v + c * L));
     }
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* p = scores + g * padded + j0;
-      f8 acc[DV > 0 ? DV : 32];
-      for (int64_t c = 0; c < dv; ++c) acc[c] = load8(accs + g * d + c * L);
-      for (int64_t j = 0; j < m; ++j) {
-        const f8 pj = splat(p[j]);
-        for (int64_t c = 0; c < dv; ++c) acc[c] += pj * load8(kbuf + j * d + c * L);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t mr = std::min<int64_t>(m, counts[r] - j0);
+      for (int64_t g = 0; g < groups && mr > 0; ++g) {
+        const float* p = scores.data() + (r * groups + g) * span + j0;
+        float* sums = accs.data() + (r * groups + g) * d;
+        f8 acc[DV > 0 ? DV : 32];
+        for (int64_t c = 0; c < dv; ++c) acc[c] = load8(sums + c * L);
+        for (int64_t j = 0; j < mr; ++j) {
+          const f8 pj = splat(p[j]);
+          for (int64_t c = 0; c < dv; ++c) acc[c] += pj * load8(kbuf + j * d + c * L);
+        }
+        for (int64_t c = 0; c < dv; ++c) store8(sums + c * L, acc[c]);
       }
-      for (int64_t c = 0; c < dv; ++c) store8(accs + g * d + c * L, acc[c]);
     }
   }
-  for (int64_t g = 0; g < groups; ++g) {
-    f8 acc[DV > 0 ? DV : 32];
-    for (int64_t c = 0; c < dv; ++c) acc[c] = load8(accs + g * d + c * L);
-    T* out = dst + g * dst_stride;
-    for (int64_t c = 0; c < dv; ++c) {
-      float lanes[L];
-      std::memcpy(lanes, &acc[c], sizeof lanes);
-      for (int t = 0; t < L; ++t) out[c * L + t] = static_cast<T>(lanes[t]);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* sums = accs.data() + (r * groups + g) * d;
+      T* out = dst + r * dst_row_stride + g * dst_stride;
+      for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(sums[i]);
     }
-  }
 }
 
 // Attention of each row and key-value head (its ``groups`` query heads together): q [H, n, D] float, caches
 // [K, capacity, D] of T; row r sees the cache rows keys[spans[r][0] .. spans[r][1]) in that order. Scores,
-// softmax and the value sum in float32, each (row, head) by the same sequence at any width; output [n, H * D] in T.
+// softmax and the value sum in float32, each (row, head) by the same sequence at any width; output [n, H * D] in
+// T. Where every row's keys start at the same place (a chain: each row sees a prefix of one list), runs of rows
+// share each head's widened keys and values (`attend`); a tree's rows run one by one.
 template <typename T>
 torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                              const torch::Tensor& keys, const torch::Tensor& spans, double scaling) {
@@ -306,11 +319,15 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
   TORCH_CHECK(groups <= 16, "at most 16 query heads per key-value head");
   const int64_t* kp = keys.data_ptr<int64_t>();
   const int64_t* op = spans.data_ptr<int64_t>();
+  bool shared = true;
+  std::vector<int64_t> counts(n);
   for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK(0 <= op[2 * r] && op[2 * r] < op[2 * r + 1] && op[2 * r + 1] <= keys.numel(), "row ", r,
                 " sees keys ", op[2 * r], "..", op[2 * r + 1], " of ", keys.numel());
     for (int64_t i = op[2 * r]; i < op[2 * r + 1]; ++i)
       TORCH_CHECK(kp[i] >= 0 && kp[i] < cap, "key row ", kp[i], " outside ", cap);
+    counts[r] = op[2 * r + 1] - op[2 * r];
+    shared = shared && op[2 * r] == op[0];
   }
   auto out = torch::empty({n, heads * d}, q.options().dtype(k_cache.scalar_type()));
   const float* qp = q.data_ptr<float>();
@@ -319,23 +336,25 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
   T* outp = out.data_ptr<T>();
   const float scale = static_cast<float>(scaling);
   const int64_t dv = d / L;
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+  // Units of (run of rows, key-value head): runs as long as keeps every thread busy.
+  const int64_t per_head = shared ? std::min<int64_t>(n, (2 * at::get_num_threads() + kv_heads - 1) / kv_heads) : n;
+  const int64_t run = (n + per_head - 1) / per_head, runs = (n + run - 1) / run;
+  at::parallel_for(0, runs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, accs;
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t r = unit / kv_heads, kv = unit % kv_heads;
-      const int64_t count = op[2 * r + 1] - op[2 * r];
-      scores.resize(groups * ((count + L - 1) / L * L));
-      const float* qs = qp + (kv * groups * n + r) * d;
+      const int64_t r0 = unit / kv_heads * run, rows = std::min(n, r0 + run) - r0, kv = unit % kv_heads;
+      const float* qs = qp + (kv * groups * n + r0) * d;
       const T* kc_h = kc + kv * cap * d;
       const T* vc_h = vc + kv * cap * d;
-      T* dst = outp + r * heads * d + kv * groups * d;
-      const int64_t* ks = kp + op[2 * r];
+      T* dst = outp + r0 * heads * d + kv * groups * d;
+      const int64_t* ks = kp + op[2 * r0];
+      const int64_t* cs = counts.data() + r0;
       if (dv == 8)
-        attend<T, 8>(qs, n * d, groups, kc_h, vc_h, dv, ks, count, scale, scores.data(), dst, d);
+        attend<T, 8>(qs, n * d, groups, kc_h, vc_h, dv, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
       else if (dv == 16)
-        attend<T, 16>(qs, n * d, groups, kc_h, vc_h, dv, ks, count, scale, scores.data(), dst, d);
+        attend<T, 16>(qs, n * d, groups, kc_h, vc_h, dv, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
       else
-        attend<T, 0>(qs, n * d, groups, kc_h, vc_h, dv, ks, count, scale, scores.data(), dst, d);
+        attend<T, 0>(qs, n * d, groups, kc_h, vc_h, dv, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
     }
   });
   return out;
