@@ -6,10 +6,19 @@ import json
 
 import pytest
 
-from lattice_inference.benchmark import copy_counts, copy_rate, format_table, load_prompts, repetition_rate
+from lattice_inference import Generator
+from lattice_inference.benchmark import (
+    BenchPrompt,
+    copy_counts,
+    copy_rate,
+    format_table,
+    load_prompts,
+    repetition_rate,
+    run_bench,
+)
 from lattice_inference.cli import main
 from lattice_inference.errors import ConfigError
-from lattice_inference.testing.toy import save_toy_model_dir
+from lattice_inference.testing.toy import byte_tokenizer, save_toy_model_dir, toy_config, toy_model
 
 
 def test_copy_and_repetition_rates():
@@ -134,3 +143,16 @@ def test_bench_conversations_sets_and_samples(tmp_path, capsys):
     bad.write_text(json.dumps({"messages": []}) + "\n")
     assert main(["bench", "--model", str(model), "--prompts", str(bad)]) == 2
     assert "'messages' must be a non-empty list" in capsys.readouterr().err
+
+
+def test_suffix_index_starts_empty_in_every_rep():
+    """A suffix method drafts from earlier prompts' answers within a repetition, never from its own answer to the
+    same prompt in the warm-up or an earlier repetition (which would make it a regenerate benchmark)."""
+    model, tok = toy_model(toy_config("llama"), init_std=0.02, seed=3), byte_tokenizer()
+    generators = {m: Generator(model, tok, method=m) for m in ("greedy", "suffix")}
+    prompts = [BenchPrompt(prompt="one two three one two"), BenchPrompt(prompt="abc abd abc")]
+    sizes = []
+    for reps in (1, 2):
+        run_bench(generators, prompts, max_new_tokens=12, reps=reps)
+        sizes.append(len(generators["suffix"].suffix_index))
+    assert sizes[0] == sizes[1] > 0  # what one repetition added, whatever came before it

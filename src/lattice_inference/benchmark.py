@@ -249,6 +249,10 @@ def run_bench(
     design; ``samples`` holds greedy's output for the first prompt of each kind. Speed-ups are medians over
     repetitions of (method tokens/s) / (greedy tokens/s) within the same repetition.
 
+    A suffix method's cross-request index starts empty in every repetition (the warm-up's and earlier
+    repetitions' answers are forgotten): within a repetition it drafts from the earlier prompts' answers, as a
+    server would, but never from its own answer to the same prompt.
+
     When the generators sample (their options' temperature > 0), prompt ``i`` is generated with seed
     ``seed + i`` by every method in every repetition, so "identical" compares each method with plain sampling
     (the ``greedy`` method: no drafter) under the same seed.
@@ -270,6 +274,8 @@ def run_bench(
         result = gen.generate(encoded[0], max_new_tokens=min(16, max_new_tokens))
         exactness = exactness or result.metrics.exactness
     for rep in range(reps):
+        for gen in generators.values():
+            gen.clear_suffix_index()
         for g in (overall, *groups.values()):
             g.start_rep()
         for i, (p, ids) in enumerate(zip(prompts, encoded, strict=True)):
