@@ -7,6 +7,9 @@ layer's row-wise work in four calls (`rms_norm`/`add_rms_norm`, `rope_qk_cache`,
 computing every row by one fixed sequence of float operations, so a k-row call equals k 1-row calls bit for bit
 (the target's exactness self-check confirms it at load).
 
+The same build holds the AMX tile products (``csrc/tile_linear.cpp``, `tiles`): on CPUs with AMX-BF16,
+`packed_linear` lays bfloat16 weights out for them and the layer loop calls them directly.
+
 It is compiled with the machine's C++ compiler for its own CPU (``-O3 -march=native``) on first use, through
 ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja), into the cache directory
 (``$LATTICE_CACHE_DIR``, else ``~/.cache/lattice-inference``) under a key of the source, torch version and CPU

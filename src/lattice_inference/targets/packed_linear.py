@@ -7,6 +7,11 @@ over a weight reordered once into its blocked layout (what ``torch.compile`` wit
 at every width measured, the decode step and verifications alike (``bench/profile_step.py``; figures in
 bench/RESULTS.md).
 
+In bfloat16 on CPUs with AMX (and the native ops built: `native_ops.tiles`) the weights are laid out for our own
+tile products instead (``csrc/tile_linear.cpp``): every row in a zero-padded 16-row tile, so a product of 1 to 16
+rows costs about one read of the weights and each row comes out the same at any width; a step of SmolLM2-135M
+spends ~11 ms on them against ~14.5 ms on oneDNN's (bench/RESULTS.md, session 12).
+
 Projections that read the same input are packed as one matrix: ``q_proj``/``k_proj``/``v_proj`` of an
 attention block and ``gate_proj``/``up_proj`` of a gated MLP (one product instead of three or two: fewer
 passes over the input, fewer thread hand-offs). The model's code still calls each projection; the first call

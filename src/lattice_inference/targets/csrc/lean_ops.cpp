@@ -8,12 +8,12 @@
 // order on every x86 CPU and compiler target), combined pairwise in a fixed order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-
-#include "tile_linear.h"
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "tile_linear.h"
 
 namespace {
 
