@@ -149,6 +149,7 @@ inline void rotate(float* v, const T* cos, const T* sin, int64_t d) {
 
 // qkv: [n, (H + 2K) * D] (the fused projection's output); norms: per-head q/k RMSNorm weights [D] or undefined;
 // cos/sin: [n, D]; caches: [K, capacity, D] written at rows start..start+n-1. Returns q as float [H, n, D].
+// Rows in parallel from 4 rows up (each row writes only its own q and cache rows).
 template <typename T>
 torch::Tensor rope_impl(const torch::Tensor& qkv, const c10::optional<torch::Tensor>& q_norm,
                         const c10::optional<torch::Tensor>& k_norm, double eps, const torch::Tensor& cos,
@@ -168,33 +169,35 @@ torch::Tensor rope_impl(const torch::Tensor& qkv, const c10::optional<torch::Ten
   float* qp = q.data_ptr<float>();
   const T* qn = q_norm.has_value() ? q_norm->data_ptr<T>() : nullptr;
   const T* kn = k_norm.has_value() ? k_norm->data_ptr<T>() : nullptr;
-  float h[512];
-  T normed[512];
-  for (int64_t r = 0; r < n; ++r) {
-    const T* row = src + r * width;
-    for (int64_t head = 0; head < heads + kv_heads; ++head) {
-      const bool is_q = head < heads;
-      const T* in = row + head * d;
-      const T* nw = is_q ? qn : kn;
-      if (nw != nullptr) {
-        for (int64_t i = 0; i < d; ++i) h[i] = wide(in[i]);
-        norm_row<T>(h, nw, eps, d, normed);
-        for (int64_t i = 0; i < d; ++i) h[i] = wide(normed[i]);
-      } else {
-        for (int64_t i = 0; i < d; ++i) h[i] = wide(in[i]);
+  at::parallel_for(0, n, n >= 4 ? 1 : n, [&](int64_t begin, int64_t end) {
+    float h[512];
+    T normed[512];
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = src + r * width;
+      for (int64_t head = 0; head < heads + kv_heads; ++head) {
+        const bool is_q = head < heads;
+        const T* in = row + head * d;
+        const T* nw = is_q ? qn : kn;
+        if (nw != nullptr) {
+          for (int64_t i = 0; i < d; ++i) h[i] = wide(in[i]);
+          norm_row<T>(h, nw, eps, d, normed);
+          for (int64_t i = 0; i < d; ++i) h[i] = wide(normed[i]);
+        } else {
+          for (int64_t i = 0; i < d; ++i) h[i] = wide(in[i]);
+        }
+        rotate<T>(h, cp + r * d, sp + r * d, d);
+        if (is_q) {
+          std::memcpy(qp + (head * n + r) * d, h, d * sizeof(float));
+        } else {
+          T* dst = kc + ((head - heads) * cap + start + r) * d;
+          for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(h[i]);
+        }
       }
-      rotate<T>(h, cp + r * d, sp + r * d, d);
-      if (is_q) {
-        std::memcpy(qp + (head * n + r) * d, h, d * sizeof(float));
-      } else {
-        T* dst = kc + ((head - heads) * cap + start + r) * d;
-        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(h[i]);
+      for (int64_t kv = 0; kv < kv_heads; ++kv) {
+        std::memcpy(vc + (kv * cap + start + r) * d, row + (heads + kv_heads + kv) * d, d * sizeof(T));
       }
     }
-    for (int64_t kv = 0; kv < kv_heads; ++kv) {
-      std::memcpy(vc + (kv * cap + start + r) * d, row + (heads + kv_heads + kv) * d, d * sizeof(T));
-    }
-  }
+  });
   return q;
 }
 
