@@ -75,14 +75,19 @@ def test_bad_input_gets_a_clear_error(tiles):
         tiles.tile_pack(_rand(40, 64))
 
 
-def test_a_bfloat16_lean_target_runs_its_layers_on_the_tiles(tiles):
+@pytest.mark.parametrize("on", [True, False])
+def test_a_bfloat16_lean_target_runs_its_layers_on_the_tiles_or_on_onednn(tiles, on, monkeypatch):
+    """With the tiles (the default here) and without them (``LATTICE_TILES=0``: oneDNN, as on CPUs without AMX),
+    a bfloat16 lean target's k-token rows equal its 1-token steps."""
     from lattice_inference.targets.lean import LeanTarget
     from lattice_inference.testing.toy import toy_config, toy_model
 
+    if not on:
+        monkeypatch.setenv("LATTICE_TILES", "0")
     model = toy_model(toy_config("qwen3", hidden_size=128, intermediate_size=1536, head_dim=32), seed=1)
     lean = LeanTarget(model.to(torch.bfloat16))
     assert lean._loop is not None
-    assert all(tile_packed(packed) for packed in lean._loop.operands[0])
+    assert all(tile_packed(packed) == on for packed in lean._loop.operands[0])
     lean.prefill(list(range(20)))
     wide = lean.forward([5, 6, 7])
     lean.rollback(20)
