@@ -38,9 +38,14 @@ FLAGS = ("-O3", "-march=native", "-fopenmp")
 """Compiler flags: the host CPU's instruction set; OpenMP pragmas bind to the runtime torch already loaded."""
 
 
+def _switched_off(variable: str) -> bool:
+    """Whether the environment variable ``variable`` is ``0``/``false``/``no``/``off``."""
+    return os.environ.get(variable, "1").strip().lower() in {"0", "false", "no", "off"}
+
+
 def enabled() -> bool:
     """False when ``LATTICE_NATIVE`` is ``0``/``false``/``no``/``off``."""
-    return os.environ.get("LATTICE_NATIVE", "1").strip().lower() not in {"0", "false", "no", "off"}
+    return not _switched_off("LATTICE_NATIVE")
 
 
 def _cpu_key() -> str:
@@ -96,7 +101,7 @@ def tiles() -> ModuleType | None:
     """The built extension where its AMX products (``tile_pack``/``tile_linear``, ``csrc/tile_linear.cpp``) run
     here: built for a CPU with AMX-BF16 and granted the tiles by the OS, and not turned off by ``LATTICE_TILES=0``
     (then bfloat16 products run on oneDNN); else None."""
-    if os.environ.get("LATTICE_TILES", "1").strip().lower() in {"0", "false", "no", "off"}:
+    if _switched_off("LATTICE_TILES"):
         return None
     module = ops()
     return module if module is not None and module.tile_linear_available() else None

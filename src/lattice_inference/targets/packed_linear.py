@@ -82,10 +82,10 @@ def tile_packed(packed: torch.Tensor) -> bool:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` over ``packed = pack_weight(weight)`` (``x`` on the CPU, in its dtype)."""
-    if tile_packed(packed):
-        tiles = native_ops.tiles()
-        assert tiles is not None  # pack_weight lays weights out for the tiles only where they run
-        return tiles.tile_linear(x, packed, bias)
+    if tile_packed(packed):  # laid out by `pack_weight` only where the tiles run: no check per call
+        module = native_ops.ops()
+        assert module is not None
+        return module.tile_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
