@@ -86,9 +86,18 @@ def _attention(ops: object, layers: int, q: torch.Tensor, *cache: torch.Tensor) 
         ops.attention(q, *cache, scaling)  # type: ignore[attr-defined]
 
 
+PART_WIDTHS = (1, 4, 8, 16)
+"""Forward widths (tokens) whose parts `lean_parts` times."""
+
+
+def _in_features(packed: torch.Tensor) -> int:
+    """Inputs of a `pack_weight` result: ``[out, in]`` from oneDNN, ``[out/16, in/2, 16, 2]`` for our kernels."""
+    return packed.shape[1] * (2 if packed.dim() == 4 else 1)
+
+
 def lean_parts(target: LeanTarget, context: int, reps: int) -> dict[str, dict[int, float]]:
-    """What a lean forward of 1 and of 16 tokens spends, ms (median of ``reps``): its matrix products alone (every
-    layer's four and the LM head over every row, the kernels the layer loop calls: AMX tiles or oneDNN) and its
+    """What a lean forward of `PART_WIDTHS` tokens spends, ms (median of ``reps``): its matrix products alone (every
+    layer's four and the LM head over every row, the kernels the layer loop calls: ours or oneDNN) and its
     native attention calls alone (every layer's, over a ``context``-token cache); ``{}`` without the native ops.
     The profiler does not see inside the native layer loop, so the breakdown above counts both as Python."""
     ops = native_ops.ops()
@@ -104,9 +113,8 @@ def lean_parts(target: LeanTarget, context: int, reps: int) -> dict[str, dict[in
     ]
     head = model.lm_head
     parts: dict[str, dict[int, float]] = {"matrix products": {}, "attention": {}}
-    for width in (1, 16):
-        inputs = [torch.randn(width, packed.shape[0] if packed.dim() == 2 else packed.shape[1] * 2).to(model.dtype)
-                  for packed, _ in layers[0]]  # fmt: skip
+    for width in PART_WIDTHS:
+        inputs = [torch.randn(width, _in_features(packed)).to(model.dtype) for packed, _ in layers[0]]
         hidden = torch.randn(1, width, text.hidden_size).to(model.dtype)
         k_cache = torch.randn(kv_heads, context + width, head_dim).to(model.dtype)
         v_cache, q = torch.randn_like(k_cache), torch.randn(heads, width, head_dim)
@@ -175,11 +183,13 @@ def main() -> None:
     assert isinstance(lean, LeanTarget)
     parts = lean_parts(lean, len(prompt), args.reps)
     if parts:
-        print(f"\n{'lean forward, parts (ms)':<26}{'1 token':>10}{'16 tokens':>10}")
+        kernel = native_ops.tile_kernel() if args.dtype == "bfloat16" else None
+        print(f"\nlean forward, parts (ms; products on {kernel or 'oneDNN'}), by tokens")
+        print(f"{'':<26}" + "".join(f"{w:>8}" for w in PART_WIDTHS))
         for name, by_width in parts.items():
-            print(f"{name + ' alone':<26}" + "".join(f"{by_width[w]:>10.1f}" for w in (1, 16)))
-        rest = {w: all_times["lean"][w] * 1e3 - sum(p[w] for p in parts.values()) for w in (1, 16)}
-        print(f"{'the rest':<26}" + "".join(f"{rest[w]:>10.1f}" for w in (1, 16)))
+            print(f"{name + ' alone':<26}" + "".join(f"{by_width[w]:>8.1f}" for w in PART_WIDTHS))
+        rest = {w: all_times["lean"][w] * 1e3 - sum(p[w] for p in parts.values()) for w in PART_WIDTHS}
+        print(f"{'the rest':<26}" + "".join(f"{rest[w]:>8.1f}" for w in PART_WIDTHS))
 
 
 def encode_prompt_ids(loaded: LoadedModel) -> list[int]:

@@ -7,8 +7,10 @@ layer's row-wise work in four calls (`rms_norm`/`add_rms_norm`, `rope_qk_cache`,
 computing every row by one fixed sequence of float operations, so a k-row call equals k 1-row calls bit for bit
 (the target's exactness self-check confirms it at load).
 
-The same build holds the AMX tile products (``csrc/tile_linear.cpp``, `tiles`): on CPUs with AMX-BF16,
-`packed_linear` lays bfloat16 weights out for them and the layer loop calls them directly.
+The same build holds our bfloat16 products (``csrc/tile_linear.cpp``, `tiles`): on CPUs with AMX-BF16 they run on
+the matrix tiles, on CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and later, Intel Cooper Lake) on its dot-product
+instructions; `packed_linear` lays bfloat16 weights out for them and the layer loop calls them directly.
+``LATTICE_AMX=0`` runs the AVX512-BF16 kernel on an AMX CPU too (to compare them; each is row-exact).
 
 It is compiled with the machine's C++ compiler for its own CPU (``-O3 -march=native``) on first use, through
 ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja), into the cache directory
@@ -89,6 +91,7 @@ def _load() -> tuple[ModuleType | None, str | None]:
         reason = f"could not build the native ops ({first})"
         print(f"lattice: {reason}; the lean forward runs its slower PyTorch path", file=sys.stderr)
         return None, reason
+    module.tile_linear_prefer_amx(not _switched_off("LATTICE_AMX"))
     return module, None
 
 
@@ -98,13 +101,20 @@ def ops() -> ModuleType | None:
 
 
 def tiles() -> ModuleType | None:
-    """The built extension where its AMX products (``tile_pack``/``tile_linear``, ``csrc/tile_linear.cpp``) run
-    here: built for a CPU with AMX-BF16 and granted the tiles by the OS, and not turned off by ``LATTICE_TILES=0``
-    (then bfloat16 products run on oneDNN); else None."""
+    """The built extension where its bfloat16 products (``tile_pack``/``tile_linear``, ``csrc/tile_linear.cpp``)
+    run here: built for a CPU with AVX512-BF16 (AMX tiles where the OS grants them, `tile_kernel`), and not turned
+    off by ``LATTICE_TILES=0`` (then bfloat16 products run on oneDNN); else None."""
     if _switched_off("LATTICE_TILES"):
         return None
     module = ops()
     return module if module is not None and module.tile_linear_available() else None
+
+
+def tile_kernel() -> str | None:
+    """Which kernel bfloat16 `packed_linear` products run on here: ``"amx"``, ``"avx512_bf16"``, or None (oneDNN's,
+    see `tiles`)."""
+    module = tiles()
+    return None if module is None else str(module.tile_linear_kernel())
 
 
 def unavailable() -> str | None:

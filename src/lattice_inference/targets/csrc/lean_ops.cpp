@@ -514,6 +514,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention);
   m.def("silu_mul", &silu_mul);
   m.def("tile_linear_available", &tile_linear_available);
+  m.def("tile_linear_kernel", &tile_linear_kernel);
+  m.def("tile_linear_prefer_amx", &tile_linear_prefer_amx);
   m.def("tile_pack", &tile_pack);
   m.def("tile_linear", &tile_linear);
 }

@@ -1,16 +1,26 @@
-// Linear layers on Intel AMX tiles, bfloat16 in, float32 sums, every row computed the same way at any width.
+// Linear layers over one bfloat16 weight layout, float32 sums, every row computed the same way at any width: on
+// Intel AMX tiles where the CPU has them, else with AVX512-BF16 dot products (AMD Zen 4 and later, Intel Cooper
+// Lake and later).
 //
 // Why: a decode step of a small model reads all its weights once per token, so its products are bound by memory
-// bandwidth; oneDNN's packed bfloat16 linear reads them at well below what the machine can stream at 1-16 rows,
-// while one AMX tile product (16 rows x 32 inputs x 16 outputs) costs about what its 1 KiB of weights costs to
-// read, so products of 1 to 16 rows (a step, a verification) cost about the same.
+// bandwidth; oneDNN's packed bfloat16 linear reads them at well below what the machine can stream at 1-16 rows
+// (and on AVX512-BF16 CPUs without AMX splits its reduction differently from 4 rows up), while one AMX tile
+// product (16 rows x 32 inputs x 16 outputs) costs about what its 1 KiB of weights costs to read, and one
+// AVX512-BF16 dot product (16 outputs x 2 inputs) about what its 64 bytes cost: products of 1 to 16 rows (a step,
+// a verification) cost about one read of the weights.
 //
 // How: the weight is laid out once as [out/16][in/2][16][2] (`tile_pack`), so that each 16-output block's tiles
-// are contiguous 1 KiB pieces. A call walks groups of four 16-output blocks (in parallel over the threads);
-// for each group and each 16-row chunk of the input it accumulates the four blocks' sums over the inputs, 32 at a
-// time, in float32 tiles, then adds the bias and rounds to bfloat16 (round to nearest even). Rows are always
-// computed in a 16-row tile (a shorter chunk is padded with zero rows), so a row's sums follow the same sequence
-// whichever width and position it comes with: a k-row product equals k 1-row products bit for bit.
+// are contiguous 1 KiB pieces and each pair of inputs' 16 outputs one 64-byte vector. A call walks groups of four
+// 16-output blocks (in parallel over the threads).
+// - AMX: for each group and each 16-row chunk of the input it accumulates the four blocks' sums over the inputs,
+//   32 at a time, in float32 tiles. Rows are always computed in a 16-row tile (a shorter chunk is padded with zero
+//   rows), so a row's sums follow the same sequence whichever width and position it comes with.
+// - AVX512-BF16: each output of each row has one float32 accumulator that takes the input pairs in order, one
+//   `vdpbf16ps` each, up to four rows sharing each loaded weight vector; the inputs are walked in slices that
+//   stay in the L1 cache while every row chunk passes over them (the sums wait in memory between slices, exactly).
+//   A row's sums are the same sequence of operations at any width.
+// Either way the bias is added last and the sum rounded to bfloat16 (round to nearest even): a k-row product
+// equals k 1-row products bit for bit. The two kernels round differently from each other; one process uses one.
 #include "tile_linear.h"
 
 #include <ATen/Parallel.h>
@@ -18,9 +28,12 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define LATTICE_TILES 1
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define LATTICE_DOTS 1
 #include <immintrin.h>
+#endif
+#if defined(LATTICE_DOTS) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define LATTICE_TILES 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -33,8 +46,83 @@ torch::Tensor tile_pack(const torch::Tensor& weight) {
   return weight.contiguous().view({out / 16, 16, in / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-#ifdef LATTICE_TILES
 namespace {
+
+#ifdef LATTICE_DOTS
+// Rows [r][G * 16] of float32 sums, plus the bias, rounded to bfloat16 into the output's columns from ``col``.
+inline void finish(const float* sums, int64_t rows, int64_t cols, const float* bias, uint16_t* out, int64_t stride,
+                   int64_t col) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < cols; j += 16) {
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums + r * cols + j), _mm512_loadu_ps(bias + col + j));
+      const __m256bh h = _mm512_cvtneps_pbh(v);
+      std::memcpy(out + r * stride + col + j, &h, 32);
+    }
+  }
+}
+
+// --- AVX512-BF16 -------------------------------------------------------------------------------------------------
+
+constexpr int64_t SLICE = 64;  // input pairs per pass: four blocks' 64 pairs are 16 KiB of weights, in L1
+
+// Adds input pairs [p0, p1) of R rows ``x`` (pairs per row ``pairs``) times G blocks of weights to ``sums``
+// [R][G * 16], one `vdpbf16ps` per pair, row and block, each output's pairs in order.
+template <int R, int G>
+inline void dot_chunk(const uint32_t* x, int64_t pairs, const uint16_t* w, int64_t block, int64_t p0, int64_t p1,
+                      float* sums) {
+  __m512 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_loadu_ps(sums + (r * G + g) * 16);
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512bh wv[G];
+    for (int g = 0; g < G; ++g) wv[g] = (__m512bh)_mm512_loadu_si512(w + g * block + p * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * pairs + p]));
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], wv[g], xv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(sums + (r * G + g) * 16, acc[r][g]);
+}
+
+// All ``n`` rows times one group of G blocks: ``sums`` [n][G * 16] (zeroed here).
+template <int G>
+void dot_group(const uint32_t* x, int64_t n, int64_t pairs, const uint16_t* w, int64_t block, float* sums) {
+  constexpr int64_t cols = G * 16;
+  std::fill(sums, sums + n * cols, 0.0f);
+  for (int64_t p0 = 0; p0 < pairs; p0 += SLICE) {
+    const int64_t p1 = std::min(pairs, p0 + SLICE);
+    int64_t r = 0;
+    for (; r + 4 <= n; r += 4) dot_chunk<4, G>(x + r * pairs, pairs, w, block, p0, p1, sums + r * cols);
+    const uint32_t* xr = x + r * pairs;
+    float* sr = sums + r * cols;
+    if (n - r == 3) dot_chunk<3, G>(xr, pairs, w, block, p0, p1, sr);
+    else if (n - r == 2) dot_chunk<2, G>(xr, pairs, w, block, p0, p1, sr);
+    else if (n - r == 1) dot_chunk<1, G>(xr, pairs, w, block, p0, p1, sr);
+  }
+}
+
+void dot_linear(const uint16_t* xp, int64_t n, int64_t in, const uint16_t* wp, int64_t blocks, const float* bias,
+                uint16_t* op) {
+  const int64_t block = in * 16, pairs = in / 2, out = blocks * 16;
+  const auto* x = reinterpret_cast<const uint32_t*>(xp);
+  at::parallel_for(0, blocks, 4, [&](int64_t k0, int64_t k1) {
+    std::vector<float> sums(n * 64);
+    for (int64_t b0 = k0; b0 < k1; b0 += 4) {
+      const int64_t width = std::min<int64_t>(4, k1 - b0);
+      const uint16_t* wg = wp + b0 * block;
+      if (width == 4) dot_group<4>(x, n, pairs, wg, block, sums.data());
+      else if (width == 3) dot_group<3>(x, n, pairs, wg, block, sums.data());
+      else if (width == 2) dot_group<2>(x, n, pairs, wg, block, sums.data());
+      else dot_group<1>(x, n, pairs, wg, block, sums.data());
+      finish(sums.data(), n, width * 16, bias, op, out, b0 * 16);
+    }
+  });
+}
+#endif  // LATTICE_DOTS
+
+#ifdef LATTICE_TILES
+// --- AMX ---------------------------------------------------------------------------------------------------------
 
 struct TileConfig {  // the AMX tile configuration (palette 1): 8 tiles of 16 rows x 64 bytes
   uint8_t palette = 1, start_row = 0, reserved[14] = {0};
@@ -67,16 +155,61 @@ inline void tile_group(const uint16_t* a, int64_t stride, const uint16_t* w, int
   if (G > 3) _tile_stored(3, sums + 48, G * 64);
 }
 
-}  // namespace
-
-bool tile_linear_available() {
+bool amx_granted() {
   // Linux hands out the tiles' register state only on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA).
   static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return granted;
 }
 
+void amx_linear(const uint16_t* xp, int64_t n, int64_t in, const uint16_t* wp, int64_t blocks, const float* bias,
+                uint16_t* op) {
+  const int64_t full = n / 16, tail = n % 16, chunks = in / 32, out = blocks * 16;
+  const int64_t block = in * 16, groups = (blocks + 3) / 4;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    const TileConfig config;
+    _tile_loadconfig(&config);
+    std::vector<uint16_t> padded(tail ? 16 * in : 0, 0);  // the last rows, padded to a full tile with zeros
+    if (tail) std::memcpy(padded.data(), xp + full * 16 * in, tail * in * sizeof(uint16_t));
+    alignas(64) float sums[16 * 64];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t b0 = g * 4, width = std::min<int64_t>(4, blocks - b0);
+      const uint16_t* wg = wp + b0 * block;
+      for (int64_t c = 0; c < full + (tail ? 1 : 0); ++c) {
+        const uint16_t* a = c < full ? xp + c * 16 * in : padded.data();
+        if (width == 4) tile_group<4>(a, in * 2, wg, block, chunks, sums);
+        else if (width == 3) tile_group<3>(a, in * 2, wg, block, chunks, sums);
+        else if (width == 2) tile_group<2>(a, in * 2, wg, block, chunks, sums);
+        else tile_group<1>(a, in * 2, wg, block, chunks, sums);
+        finish(sums, c < full ? 16 : tail, width * 16, bias, op + c * 16 * out, out, b0 * 16);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif  // LATTICE_TILES
+
+bool prefer_amx = true;  // `tile_linear_prefer_amx`
+
+}  // namespace
+
+std::string tile_linear_kernel() {
+#ifdef LATTICE_TILES
+  if (prefer_amx && amx_granted()) return "amx";
+#endif
+#ifdef LATTICE_DOTS
+  return "avx512_bf16";
+#else
+  return "";
+#endif
+}
+
+void tile_linear_prefer_amx(bool prefer) { prefer_amx = prefer; }
+
+bool tile_linear_available() { return !tile_linear_kernel().empty(); }
+
 torch::Tensor tile_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(tile_linear_available(), "tile_linear: this process cannot use AMX tiles");
+  const std::string kernel = tile_linear_kernel();
+  TORCH_CHECK(!kernel.empty(), "tile_linear: this build has neither AVX512-BF16 nor AMX support");
   TORCH_CHECK(tile_packed(packed) && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous(),
               "tile_linear: the weight must come from tile_pack");
   const int64_t blocks = packed.size(0), in = packed.size(1) * 2, out = blocks * 16;
@@ -85,10 +218,11 @@ torch::Tensor tile_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   TORCH_CHECK(!bias.has_value() || (bias->numel() == out && bias->scalar_type() == torch::kBFloat16),
               "tile_linear: a bfloat16 bias of ", out, " values expected");
   const torch::Tensor rows_in = x.reshape({-1, in}).contiguous();
-  const int64_t n = rows_in.size(0), full = n / 16, tail = n % 16, chunks = in / 32;
+  const int64_t n = rows_in.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
   torch::Tensor result = torch::empty(shape, x.options());
+  if (n == 0) return result;
   std::vector<float> b(out, 0.0f);
   if (bias.has_value()) {
     const torch::Tensor bc = bias->contiguous();
@@ -98,43 +232,14 @@ torch::Tensor tile_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   const auto* xp = reinterpret_cast<const uint16_t*>(rows_in.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(result.data_ptr());
-  const int64_t block = in * 16, groups = (blocks + 3) / 4;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    const TileConfig config;
-    _tile_loadconfig(&config);
-    std::vector<uint16_t> padded(tail ? 16 * in : 0, 0);  // the last rows, padded to a full tile with zeros
-    if (tail) std::memcpy(padded.data(), xp + full * 16 * in, tail * in * sizeof(uint16_t));
-    alignas(64) float sums[16 * 64];
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t b0 = g * 4, width = std::min<int64_t>(4, blocks - b0), cols = width * 16;
-      const uint16_t* wg = wp + b0 * block;
-      for (int64_t c = 0; c < full + (tail ? 1 : 0); ++c) {
-        const uint16_t* a = c < full ? xp + c * 16 * in : padded.data();
-        if (width == 4) tile_group<4>(a, in * 2, wg, block, chunks, sums);
-        else if (width == 3) tile_group<3>(a, in * 2, wg, block, chunks, sums);
-        else if (width == 2) tile_group<2>(a, in * 2, wg, block, chunks, sums);
-        else tile_group<1>(a, in * 2, wg, block, chunks, sums);
-        const int64_t rows = c < full ? 16 : tail;
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t j = 0; j < cols; j += 16) {
-            const __m512 v = _mm512_add_ps(_mm512_load_ps(sums + r * cols + j), _mm512_loadu_ps(b.data() + b0 * 16 + j));
-            const __m256bh h = _mm512_cvtneps_pbh(v);
-            std::memcpy(op + (c * 16 + r) * out + b0 * 16 + j, &h, 32);
-          }
-        }
-      }
-    }
-    _tile_release();
-  });
+#ifdef LATTICE_TILES
+  if (kernel == "amx") {
+    amx_linear(xp, n, in, wp, blocks, b.data(), op);
+    return result;
+  }
+#endif
+#ifdef LATTICE_DOTS
+  dot_linear(xp, n, in, wp, blocks, b.data(), op);
+#endif
   return result;
 }
-
-#else  // no AMX in this build: `tile_linear_available` says so and the callers use oneDNN
-
-bool tile_linear_available() { return false; }
-
-torch::Tensor tile_linear(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&) {
-  TORCH_CHECK(false, "tile_linear: this build has no AMX support");
-}
-
-#endif

@@ -1,9 +1,16 @@
-// Linear layers on the CPU's matrix tiles (Intel AMX, bfloat16): see tile_linear.cpp.
+// Linear layers over one bfloat16 weight layout, on Intel AMX tiles or AVX512-BF16 dot products: see
+// tile_linear.cpp.
 #pragma once
+#include <string>
 #include <torch/extension.h>
 
-// Whether this build and this process can run `tile_linear` (built with AMX, and the OS lets the process use it).
+// The kernel `tile_linear` runs in this process: "amx" (built with AMX, the OS grants the tiles, and AMX is
+// preferred), "avx512_bf16" (built with AVX512-BF16), or "" (neither: the callers use oneDNN).
+std::string tile_linear_kernel();
+// Whether `tile_linear` runs here (`tile_linear_kernel` is not empty).
 bool tile_linear_available();
+// Whether to run AMX where it is granted (the default) or the AVX512-BF16 kernel: set once, before any product.
+void tile_linear_prefer_amx(bool prefer);
 // A dense bfloat16 weight [out, in] (out a multiple of 16, in of 32) laid out for `tile_linear`:
 // [out / 16, in / 2, 16, 2], each block of 16 outputs holding pairs of inputs side by side (the tiles' B layout).
 torch::Tensor tile_pack(const torch::Tensor& weight);
