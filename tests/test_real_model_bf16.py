@@ -36,6 +36,16 @@ def test_self_check_finds_every_width_exact(loaded) -> None:
     assert report.widths == tuple(range(2, 12)) and report.trees
 
 
+def test_self_check_finds_every_width_exact_on_onednn(monkeypatch) -> None:
+    """The products on oneDNN (``LATTICE_TILES=0``; what runs where our kernels cannot), whose bfloat16 product over
+    1536 inputs splits its reduction by row count on AVX512-BF16 CPUs without AMX: the row plans must find that
+    on the model's own activations (before spread-magnitude calibration inputs, widths 4+ differed here)."""
+    monkeypatch.setenv("LATTICE_TILES", "0")
+    model = load_model("smollm2", dtype="bfloat16").model
+    report = check_exactness(make_target(model), 11)
+    assert report.exact, report.failures
+
+
 def test_every_method_equals_plain_decoding_in_bfloat16(loaded) -> None:
     common = dict(eos_token_ids=loaded.eos_token_ids)
     plain = Generator(loaded.model, loaded.tokenizer, method="greedy", **common)

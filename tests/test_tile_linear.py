@@ -1,9 +1,11 @@
-"""The AMX tile products (``csrc/tile_linear.cpp``) that bfloat16 packed linears run on CPUs with AMX.
+"""Our bfloat16 products (``csrc/tile_linear.cpp``) that packed linears run on CPUs with AMX or AVX512-BF16.
 
-Against a float64 product (within bfloat16 rounding of the float32 sums), each row of a k-row product equal to
-that row computed alone, bitwise, at widths within one tile, across tiles and with a padded last tile; the
-weight layout `pack_weight` picks; clear errors. Skipped where the tiles do not run (no AMX, or the native ops
-are off): there bfloat16 products run on oneDNN, which `tests/test_packed_linear.py` covers.
+For each kernel this CPU runs (AMX tiles and the AVX512-BF16 dot products on an AMX CPU, the latter alone on
+AVX512-BF16 CPUs without AMX such as AMD Zen 4): against a float64 product (within bfloat16 rounding of the
+float32 sums), each row of a k-row product equal to that row computed alone, bitwise, at widths within one tile,
+across tiles, with a padded last tile and across the dot kernel's row chunks and input slices; the weight layout
+`pack_weight` picks; clear errors. Skipped where neither runs (AVX2-only CPUs, or the native ops are off): there
+bfloat16 products run on oneDNN, which `tests/test_packed_linear.py` covers.
 """
 
 from __future__ import annotations
@@ -15,12 +17,24 @@ from lattice_inference.targets import native_ops
 from lattice_inference.targets.packed_linear import pack_weight, packed_linear, tile_packed
 
 
-@pytest.fixture(scope="module")
-def tiles():
+def _kernels() -> list[str]:
     built = native_ops.tiles()
     if built is None:
-        pytest.skip("no AMX tile products here (" + (native_ops.unavailable() or "no AMX, or LATTICE_TILES=0") + ")")
-    return built
+        return []
+    return ["amx", "avx512_bf16"] if built.tile_linear_kernel() == "amx" else [built.tile_linear_kernel()]
+
+
+@pytest.fixture(scope="module", params=_kernels() or ["none"])
+def tiles(request):
+    """The built extension, running the kernel named by the parameter (AMX CPUs: each in turn)."""
+    built = native_ops.tiles()
+    if built is None:
+        why = native_ops.unavailable() or "no AVX512-BF16 or AMX, or LATTICE_TILES=0"
+        pytest.skip(f"our bfloat16 products do not run here ({why})")
+    built.tile_linear_prefer_amx(request.param == "amx")
+    assert built.tile_linear_kernel() == request.param
+    yield built
+    built.tile_linear_prefer_amx(True)
 
 
 def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -45,7 +59,7 @@ def test_rows_equal_one_row_products_at_every_width(tiles):
     packed = pack_weight(weight)
     x = _rand(40, 576, seed=6)
     alone = torch.cat([packed_linear(x[i : i + 1], packed, bias) for i in range(40)])
-    for width in (2, 5, 15, 16, 17, 33, 40):  # within a tile, a full tile, a padded last tile
+    for width in (2, 3, 4, 5, 7, 15, 16, 17, 33, 40):  # within a tile/row chunk, full ones, a padded last tile
         assert torch.equal(packed_linear(x[:width], packed, bias), alone[:width]), width
     assert torch.equal(packed_linear(x[7:12], packed, None), packed_linear(x, packed, None)[7:12])
 
@@ -77,7 +91,7 @@ def test_bad_input_gets_a_clear_error(tiles):
 
 @pytest.mark.parametrize("on", [True, False])
 def test_a_bfloat16_lean_target_runs_its_layers_on_the_tiles_or_on_onednn(tiles, on, monkeypatch):
-    """With the tiles (the default here) and without them (``LATTICE_TILES=0``: oneDNN, as on CPUs without AMX),
+    """With our products (the default here) and without them (``LATTICE_TILES=0``: oneDNN, as on AVX2-only CPUs),
     a bfloat16 lean target's k-token rows equal its 1-token steps."""
     from lattice_inference.targets.lean import LeanTarget
     from lattice_inference.testing.toy import toy_config, toy_model

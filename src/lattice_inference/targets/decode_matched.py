@@ -105,18 +105,36 @@ def _pad(rows: torch.Tensor, count: int) -> torch.Tensor:
     return torch.cat([rows, rows.new_zeros(count - rows.shape[0], rows.shape[1])])
 
 
+def calibration_inputs(in_features: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Inputs a `RowPlan` is checked on: `CALIBRATED_ROWS` rows of normal values and as many whose magnitudes
+    spread over 2^-12..2^12, as activations do. The second set matters: with outputs rounded to bfloat16 a kernel
+    that splits its reduction differently by row count shows it only where the float32 sums differ past the
+    rounding, which cancellation between terms of very different sizes makes likely and normal values rarely do
+    (oneDNN's bfloat16 product over 1536 inputs on an AVX512-BF16 CPU without AMX: widths 2-16 differ from one row
+    on such rows, and on normal rows only from width 4 or 5 up, and for some weights not at all)."""
+    generator = torch.Generator().manual_seed(0)
+    normal = torch.randn(CALIBRATED_ROWS, in_features, generator=generator)
+    exponents = torch.randint(-12, 13, (CALIBRATED_ROWS, in_features), generator=generator).float()
+    spread = torch.randn(CALIBRATED_ROWS, in_features, generator=generator) * torch.exp2(exponents)
+    return [x.to(device=device, dtype=dtype) for x in (normal, spread)]
+
+
+def _reproduces(kernel: Kernel, x: torch.Tensor, base: int) -> bool:
+    """Whether every width ``1..len(x)`` of ``kernel`` gives the rows that padded 1-row calls give."""
+    alone = torch.cat([kernel(_pad(x[i : i + 1], base))[:1] for i in range(x.shape[0])])
+    return all(
+        torch.equal(kernel(_pad(x[:m], base) if m < base else x[:m])[:m], alone[:m]) for m in range(1, x.shape[0] + 1)
+    )
+
+
 def calibrate(kernel: Kernel, in_features: int, dtype: torch.dtype, device: torch.device) -> RowPlan:
     """The `RowPlan` of ``kernel`` (a product over ``in_features`` inputs): the smallest base whose padded 1-row
-    results every width up to `CALIBRATED_ROWS` reproduces bitwise, else one row at a time."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(CALIBRATED_ROWS, in_features, generator=generator).to(device=device, dtype=dtype)
+    results every width up to `CALIBRATED_ROWS` reproduces bitwise on every `calibration_inputs` set, else one row
+    at a time."""
+    inputs = calibration_inputs(in_features, dtype, device)
     with torch.inference_mode():
         for base in BASES:
-            alone = torch.cat([kernel(_pad(x[i : i + 1], base))[:1] for i in range(CALIBRATED_ROWS)])
-            if all(
-                torch.equal(kernel(_pad(x[:m], base) if m < base else x[:m])[:m], alone[:m])
-                for m in range(1, CALIBRATED_ROWS + 1)
-            ):
+            if all(_reproduces(kernel, x, base) for x in inputs):
                 return RowPlan(base)
     return RowPlan(0)
 

@@ -80,6 +80,12 @@ def tile_packed(packed: torch.Tensor) -> bool:
     return packed.dim() == 4 and packed.shape[2:] == (16, 2)
 
 
+def packed_kind(packed: torch.Tensor) -> str:
+    """The plan-key kind (`decode_matched.linear_key`) of products over ``packed``: ``"tiles"`` for our kernels,
+    ``"packed"`` for oneDNN's. They round differently, so each is calibrated on its own."""
+    return "tiles" if tile_packed(packed) else "packed"
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` over ``packed = pack_weight(weight)`` (``x`` on the CPU, in its dtype)."""
     if tile_packed(packed):  # laid out by `pack_weight` only where the tiles run: no check per call
@@ -108,7 +114,7 @@ class _FusedGroup:
             biases = [m.bias for m in members]
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.kernel = functools.partial(packed_linear, packed=self.packed, bias=self.bias)
-        self.key = ("packed", (sum(self.splits), members[0].in_features), self.bias is not None)
+        self.key = (packed_kind(self.packed), (sum(self.splits), members[0].in_features), self.bias is not None)
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._pending: set[int] = set()
@@ -192,7 +198,7 @@ def pack_linears(model: nn.Module) -> int:
         packed = pack_weight(weight)
         setattr(module, _PACKED, packed)
         kernel = functools.partial(packed_linear, packed=packed, bias=module.bias)
-        setattr(module, PRODUCT, (linear_key("packed", weight, module.bias), kernel, [module.out_features]))
+        setattr(module, PRODUCT, (linear_key(packed_kind(packed), weight, module.bias), kernel, [module.out_features]))
         module.forward = functools.partial(_packed_forward, module)  # type: ignore[method-assign]
         count += 1
     return count
