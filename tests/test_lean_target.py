@@ -42,11 +42,12 @@ def test_every_path_gives_the_models_own_logits(arch, dtype, matched, native):
     plain = TransformersTarget(model, decode_matched=matched)
     assert lean.native == (native and native_ops.ops() is not None)
     lean.capture_hidden = plain.capture_hidden = True
-    same = _close(dtype) if matched else torch.equal
+    prefilled = _close(dtype) if lean.native else torch.equal  # the native ops prefill too
+    same = _close(dtype) if matched else prefilled  # unmatched rows after a native prefill: over its cache
     rng = random.Random(arch)
     context = [rng.randrange(256) for _ in range(60)]
-    assert torch.equal(lean.prefill(context), plain.prefill(context))
-    assert torch.equal(lean.last_hidden, plain.last_hidden)
+    assert prefilled(lean.prefill(context), plain.prefill(context))
+    assert prefilled(lean.last_hidden, plain.last_hidden)
     for tokens in ([5], [6, 7, 8], [9] * 6, [10]):
         assert same(lean.forward(tokens), plain.forward(tokens)), tokens
         assert same(lean.last_hidden, plain.last_hidden)
@@ -61,7 +62,8 @@ def test_every_path_gives_the_models_own_logits(arch, dtype, matched, native):
     plain.keep_rows(start, [0, 3, 4])
     assert same(lean.forward([7, 8]), plain.forward([7, 8]))
     fused_lean, fused_plain = LeanTarget(model, decode_matched=False), TransformersTarget(model, decode_matched=False)
-    assert torch.equal(
+    fused_same = _close(dtype) if fused_lean.native else torch.equal
+    assert fused_same(
         fused_lean.prefill_with_draft(context, [1, 2, 3]), fused_plain.prefill_with_draft(context, [1, 2, 3])
     )
 

@@ -27,7 +27,7 @@ class GrowableLayer(DynamicLayer):
 
     def _reserve(self, needed: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         capacity = 0 if self._k is None else self._k.shape[-2]
-        if needed <= capacity:
+        if self._k is not None and needed <= capacity:
             return
         size = max(needed, 2 * capacity, MIN_CAPACITY)
         # zeroed, not empty: `block_attention` reads past the length (masked, so only finiteness matters)
@@ -67,10 +67,13 @@ class GrowableLayer(DynamicLayer):
         self._expose()
         return self._k[..., :length, :], self._v[..., :length, :]
 
-    def append_in_place(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def append_in_place(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Grow the length by ``rows`` (the buffers first, as needed) and return the whole key and value buffers,
-        ``[batch, kv_heads, capacity, dim]``, for a caller that writes those rows itself (the native lean step)."""
-        assert self._k is not None and self._v is not None, "append_in_place needs a prefilled layer"
+        ``[batch, kv_heads, capacity, dim]``, for a caller that writes those rows itself (the native lean step).
+        ``like`` (``[batch, kv_heads, 0, dim]``, the cache's dtype and device) sets up an empty layer (a prefill)."""
+        if self._k is None:
+            self.update(like, like)
+        assert self._k is not None and self._v is not None
         self._reserve(self._filled + rows, self._k, self._v)
         self._filled += rows
         self._expose()

@@ -85,7 +85,9 @@ class LeanTarget(TransformersTarget):
         n, start = ids.shape[1], self._length
         mask = attention_mask
         blocks = None
-        if decode_matched.active() and self._native is not None:
+        if self._native is not None and (decode_matched.active() or (mask is None and start == 0)):
+            # matched forwards, and the prefill: there the native ops take a 327-token prompt of SmolLM2 in
+            # bfloat16 in 0.3 s against 1.0 s through PyTorch's elementwise ops (bench/RESULTS.md, session 13)
             hidden = self._native_decoder(ids, positions, _visible_keys(start, n, mask, self.device))
             return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         if decode_matched.active():
@@ -126,8 +128,9 @@ class LeanTarget(TransformersTarget):
         cos, sin = decoder.rotary_emb(x, positions)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         keys, offsets = visible
+        like = x.new_empty(1, self._kv_heads, 0, self._head_dim)
         if self._loop is not None and self._loop.runs(x):
-            buffers = [cache.append_in_place(n) for cache in self._cache.layers]
+            buffers = [cache.append_in_place(n, like) for cache in self._cache.layers]
             x = ops.decode_layers(
                 x, *self._loop.operands, [k[0] for k, _ in buffers], [v[0] for _, v in buffers], cos, sin,
                 keys, offsets, start, self._heads, self._kv_heads, self._layers[0].attn.scaling,
@@ -136,7 +139,7 @@ class LeanTarget(TransformersTarget):
         h = ops.rms_norm(x, *self._layers[0].input_weight)
         last = len(self._layers) - 1
         for index, (layer, cache) in enumerate(zip(self._layers, self._cache.layers, strict=True)):
-            k_buf, v_buf = cache.append_in_place(n)
+            k_buf, v_buf = cache.append_in_place(n, like)
             q = ops.rope_qk_cache(
                 _product(layer.qkv, h), layer.q_weight, layer.k_weight, layer.qk_eps, cos, sin,
                 k_buf[0], v_buf[0], start, self._heads, self._kv_heads,
