@@ -11,7 +11,9 @@ default, the same through the lean decoder loop (``targets/lean.py``). For each 
 - a breakdown of one 1-token step from ``torch.profiler``: matrix products (the linear layers and the LM head),
   attention, every other op (norms, rotary embedding, activations, cache writes, views), and the rest of the
   unprofiled step time (Python, module dispatch: the 1-token wall time above minus the ops' own time; the
-  profiler's own overhead inflates op times a little, so this share is a lower bound).
+  profiler's own overhead inflates op times a little, so this share is a lower bound);
+- the lean forward's products and attention alone at 1/4/8/16 tokens, and its prefill of the prompt through the
+  native ops (the default) and through its PyTorch path.
 
     python bench/profile_step.py --dtype bfloat16 --threads 2
 """
@@ -137,6 +139,20 @@ def lean_parts(target: LeanTarget, context: int, reps: int) -> dict[str, dict[in
     return parts
 
 
+def prefill_times(model: torch.nn.Module, prompt: list[int], reps: int) -> dict[str, float]:
+    """Median ms of the lean target's prefill of ``prompt``: through the native ops and through its PyTorch path
+    (`LeanTarget` with ``native=False``), taking turns."""
+    targets = {"native ops": LeanTarget(model), "PyTorch path": LeanTarget(model, native=False)}
+    times: dict[str, list[float]] = {name: [] for name in targets}
+    for rep in range(reps + 1):
+        for name, target in targets.items():
+            start = time.perf_counter()
+            target.prefill(prompt)
+            if rep:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
@@ -190,6 +206,9 @@ def main() -> None:
             print(f"{name + ' alone':<26}" + "".join(f"{by_width[w]:>8.1f}" for w in PART_WIDTHS))
         rest = {w: all_times["lean"][w] * 1e3 - sum(p[w] for p in parts.values()) for w in PART_WIDTHS}
         print(f"{'the rest':<26}" + "".join(f"{rest[w]:>8.1f}" for w in PART_WIDTHS))
+    prefill = prefill_times(packed_model, prompt, args.reps)
+    shown = ", ".join(f"{path} {ms:.1f}" for path, ms in prefill.items())
+    print(f"\nlean prefill of the {len(prompt)}-token prompt (ms): {shown}")
 
 
 def encode_prompt_ids(loaded: LoadedModel) -> list[int]:
