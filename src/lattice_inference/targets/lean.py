@@ -8,17 +8,18 @@ keeps): embedding, rotary tables from the model's rotary module, each layer's no
 decode-matched), q/k norms, ``apply_rotary_pos_emb``, the cache write (a position-indexed buffer:
 `kv_cache.GrowableLayer`, rollback = set the length), attention, the MLP, the final norm and the LM head.
 
-Attention: a prefill, and every forward without decode matching, makes transformers' own ``sdpa`` call, so those
-logits are the model forward's bit for bit. With decode matching (the default), every forward after the prefill,
-the 1-token step included, runs each layer's row-wise work (norms, q/k norms, rotary embedding, cache write,
-attention, the gated activation, residuals) in the native ops (`native_ops`: four calls per layer instead of
-some fifty PyTorch ops, each row computed by the same instruction sequence at any width, attention over exactly
-the keys each row may see), around the same packed products. Where the native ops are off or cannot be built
-(or for a model they do not cover) it runs the PyTorch path, attention by `block_attention`: fixed-shape float32
-blocks in which each row is computed the same way at any width. Either way a k-token verification's rows equal
-the 1-token steps bitwise (`check_exactness` confirms it at load), and the logits agree with the model forward's
-to float32 rounding of the attention (plain greedy decoding in float32 equals transformers'
-on the real model and the toys). Cache, rollback, draft trees and hidden states for MTP are `TransformersTarget`'s.
+Attention: where the native ops run, the prefill and every decode-matched forward (the default: every forward after
+the prefill, the 1-token step included) run each layer's row-wise work (norms, q/k norms, rotary embedding, cache
+write, attention, the gated activation, residuals) in the native ops (`native_ops`: four calls per layer instead of
+some fifty PyTorch ops, each row computed by the same instruction sequence at any width, attention over exactly the
+keys each row may see), around the same packed products; other forwards without decode matching make transformers'
+own ``sdpa`` call. Where the native ops are off or cannot be built (or for a model they do not cover) the prefill
+makes that call too, so its logits are the model forward's bit for bit, and matched forwards run the PyTorch path,
+attention by `block_attention`: fixed-shape float32 blocks in which each row is computed the same way at any width.
+Either way a k-token verification's rows equal the 1-token steps bitwise (`check_exactness` confirms it at load),
+and the logits agree with the model forward's to float32 rounding of the attention (plain greedy decoding in
+float32 equals transformers' on the real model and the toys). Cache, rollback, draft trees and hidden states for
+MTP are `TransformersTarget`'s.
 """
 
 from __future__ import annotations
