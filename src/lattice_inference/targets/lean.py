@@ -88,7 +88,7 @@ class LeanTarget(TransformersTarget):
         blocks = None
         if self._native is not None and (decode_matched.active() or (mask is None and start == 0)):
             # matched forwards, and the prefill: there the native ops take a 327-token prompt of SmolLM2 in
-            # bfloat16 in 0.3 s against 1.0 s through PyTorch's elementwise ops (bench/RESULTS.md, session 13)
+            # bfloat16 in 289 ms against 352 ms through the PyTorch path (bench/RESULTS.md, session 13)
             hidden = self._native_decoder(ids, positions, _visible_keys(start, n, mask, self.device))
             return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         if decode_matched.active():
