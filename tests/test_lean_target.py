@@ -68,6 +68,19 @@ def test_every_path_gives_the_models_own_logits(arch, dtype, matched, native):
     )
 
 
+def test_long_prompts_prefill_through_the_pytorch_path(monkeypatch):
+    """Past `NATIVE_PREFILL_MAX` tokens the prefill is transformers' own computation again, bit for bit."""
+    from lattice_inference.targets import lean as lean_module
+
+    model = _model("llama", torch.bfloat16)
+    lean, plain = LeanTarget(model), TransformersTarget(model)
+    context = list(range(3, 63))
+    monkeypatch.setattr(lean_module, "NATIVE_PREFILL_MAX", len(context) - 1)
+    assert torch.equal(lean.prefill(context), plain.prefill(context))
+    monkeypatch.setattr(lean_module, "NATIVE_PREFILL_MAX", len(context))
+    assert _close(torch.bfloat16)(lean.prefill(context), plain.prefill(context))
+
+
 def _close(dtype: torch.dtype):
     """Agreement to the rounding of a different attention kernel: relative to the largest logit."""
     tolerance = 1e-4 if dtype == torch.float32 else 6e-2

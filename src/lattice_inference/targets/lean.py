@@ -8,18 +8,18 @@ keeps): embedding, rotary tables from the model's rotary module, each layer's no
 decode-matched), q/k norms, ``apply_rotary_pos_emb``, the cache write (a position-indexed buffer:
 `kv_cache.GrowableLayer`, rollback = set the length), attention, the MLP, the final norm and the LM head.
 
-Attention: where the native ops run, the prefill and every decode-matched forward (the default: every forward after
-the prefill, the 1-token step included) run each layer's row-wise work (norms, q/k norms, rotary embedding, cache
-write, attention, the gated activation, residuals) in the native ops (`native_ops`: four calls per layer instead of
-some fifty PyTorch ops, each row computed by the same instruction sequence at any width, attention over exactly the
-keys each row may see), around the same packed products; other forwards without decode matching make transformers'
-own ``sdpa`` call. Where the native ops are off or cannot be built (or for a model they do not cover) the prefill
-makes that call too, so its logits are the model forward's bit for bit, and matched forwards run the PyTorch path,
-attention by `block_attention`: fixed-shape float32 blocks in which each row is computed the same way at any width.
-Either way a k-token verification's rows equal the 1-token steps bitwise (`check_exactness` confirms it at load),
-and the logits agree with the model forward's to float32 rounding of the attention (plain greedy decoding in
-float32 equals transformers' on the real model and the toys). Cache, rollback, draft trees and hidden states for
-MTP are `TransformersTarget`'s.
+Attention: where the native ops run, the prefill (of prompts up to `NATIVE_PREFILL_MAX` tokens) and every
+decode-matched forward (the default: every forward after the prefill, the 1-token step included) run each layer's
+row-wise work (norms, q/k norms, rotary embedding, cache write, attention, the gated activation, residuals) in the
+native ops (`native_ops`: four calls per layer instead of some fifty PyTorch ops, each row computed by the same
+instruction sequence at any width, attention over exactly the keys each row may see), around the same packed
+products; other forwards without decode matching make transformers' own ``sdpa`` call. Where the native ops are off
+or cannot be built (or for a model they do not cover) the prefill makes that call too, so its logits are the model
+forward's bit for bit, and matched forwards run the PyTorch path, attention by `block_attention`: fixed-shape
+float32 blocks in which each row is computed the same way at any width. Either way a k-token verification's rows
+equal the 1-token steps bitwise (`check_exactness` confirms it at load), and the logits agree with the model
+forward's to float32 rounding of the attention (plain greedy decoding in float32 equals transformers' on the real
+model and the toys). Cache, rollback, draft trees and hidden states for MTP are `TransformersTarget`'s.
 """
 
 from __future__ import annotations
@@ -60,6 +60,12 @@ def lean_supported(model: PreTrainedModel) -> str | None:
     return None
 
 
+NATIVE_PREFILL_MAX = 512
+"""Longest prompt the native ops prefill (else the PyTorch path's flash attention): their attention costs more per
+key pair, so they win on short prompts and lose on long ones (SmolLM2, bfloat16, AMD EPYC Zen 4, 2 threads:
+289 against 352 ms at 327 tokens; about even at 600-1000; 19.7 against 12.1 s at 3000; bench/RESULTS.md)."""
+
+
 class LeanTarget(TransformersTarget):
     """`TransformersTarget` whose forwards run the lean decoder loop (see the module docstring); only for models
     `lean_supported` accepts."""
@@ -86,9 +92,8 @@ class LeanTarget(TransformersTarget):
         n, start = ids.shape[1], self._length
         mask = attention_mask
         blocks = None
-        if self._native is not None and (decode_matched.active() or (mask is None and start == 0)):
-            # matched forwards, and the prefill: there the native ops take a 327-token prompt of SmolLM2 in
-            # bfloat16 in 289 ms against 352 ms through the PyTorch path (bench/RESULTS.md, session 13)
+        prefill = mask is None and start == 0 and n <= NATIVE_PREFILL_MAX
+        if self._native is not None and (decode_matched.active() or prefill):
             hidden = self._native_decoder(ids, positions, _visible_keys(start, n, mask, self.device))
             return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         if decode_matched.active():
