@@ -102,6 +102,28 @@ def test_a_first_draft_in_hand_is_a_sunk_cost_and_needs_no_probe() -> None:
     assert [stale.choose(3, free=False, drafted=1) for _ in range(2 * PROBE_EVERY)] == [0] * (2 * PROBE_EVERY)
 
 
+def test_drafting_pays_weighs_the_first_drafts_own_cost_over_the_keys_seen() -> None:
+    """`choose_tree` treats a drafted first token as spent and verifies even a weak one; `drafting_pays` asks
+    before that cost: a head right a third of the time whose step costs 0.3 of the target's does not pay where a
+    2-token forward costs 1.1 steps (1.33 tokens for 1.4 steps), one right 80 % of the time does. Keys are
+    weighted by how often they came up, and each drafter's key group answers for itself."""
+    costs = ForwardCosts((1, 2, 4), (1.0, 1.1, 1.35))
+    weak, strong = DraftPlanner(costs), DraftPlanner(costs)
+    assert weak.drafting_pays(3)  # nothing seen yet: draft, and learn
+    for planner, right_in in ((weak, (True, False, False)), (strong, (True, True, True, True, False))):
+        planner.observe_drafter_seconds(0.3)
+        for round_ in range(30):
+            planner.choose_tree(1, key=2, drafted=1)
+            planner.record([1], 1, int(right_in[round_ % len(right_in)]), next_token=0, key=2)
+    assert weak.choose_tree(1, key=2, drafted=1)[0] == 1  # in hand, the weak draft is still verified
+    assert not weak.drafting_pays(1) and strong.drafting_pays(1)
+    assert weak.drafting_pays(1, key_group=100)  # another drafter's group has seen nothing yet
+    for _ in range(60):  # a confident band that is nearly always right comes to dominate the weak head's rounds
+        weak.choose_tree(1, key=5, drafted=1)
+        weak.record([1], 1, 1, next_token=0, key=5)
+    assert weak.drafting_pays(1)
+
+
 def test_timed_forwards_correct_a_calibration_that_was_off() -> None:
     """Calibrated on a lucky moment, a 2-token verification looked nearly free (1.02 steps); this generation's timed
     forwards say 1.3, and a draft accepted a quarter of the time stops paying. A slower machine overall (every

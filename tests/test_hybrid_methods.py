@@ -261,8 +261,8 @@ def test_ngram_plus_mtp_equals_greedy_and_uses_both_drafters(models, greedy_runs
 class ScriptedPlan:
     """A `Plan` that answers every `choose` with ``answer`` and records the calls."""
 
-    def __init__(self, answer: int) -> None:
-        self.answer, self.calls = answer, []
+    def __init__(self, answer: int, pays: bool = True) -> None:
+        self.answer, self.pays, self.calls, self.timed = answer, pays, [], 0
 
     def choose(self, available: int, key: int = 0, *, free: bool = True, drafted: int = 0) -> int:
         self.calls.append((available, key, free, drafted))
@@ -271,8 +271,12 @@ class ScriptedPlan:
     def choose_tree(self, available: int, key: int = 0, *, drafted: int = 0, runners_up: int = 0) -> tuple[int, list]:
         return self.choose(available, key, free=False, drafted=drafted), [0] * self.answer
 
+    def drafting_pays(self, available: int, key_group: int = 0, *, runners_up: int = 0) -> bool:
+        return self.pays
+
     def observe_drafter_seconds(self, seconds_per_token: float) -> None:
         assert seconds_per_token > 0
+        self.timed += 1
 
 
 def test_planned_mtp_rounds_are_keyed_by_the_first_drafts_confidence(models):
@@ -333,3 +337,35 @@ def test_planned_mtp_backs_off_while_every_round_is_declined(models):
     assert rounds(2 * BACK_OFF, 0) == ([True] + [False] * (BACK_OFF - 1)) * 2
     assert rounds(1, 0) == [True]  # the next probe, declined again
     assert rounds(BACK_OFF + 3, 1) == [False] * (BACK_OFF - 1) + [True] * 4
+
+
+def test_planned_mtp_drafts_only_probes_while_drafting_does_not_pay(models):
+    """While the planner expects the head's rounds not to pay for their own cost, the head drafts every
+    `BACK_OFF`-th round only (asking again after each probe); a probe catches the head's cache up over the plain
+    rounds (its drafts still equal the head's own chain over every position) and its time, mostly that catch-up,
+    is not reported as a draft's cost."""
+    path = models["random-diverse"]
+    drafter = MtpDrafter(load_mtp_head(path, dtype=torch.float32, draft_length=3))
+    ref = load_mtp_head(path, dtype=torch.float32, draft_length=3)
+    torch.manual_seed(2)
+    hidden, tokens = torch.randn(40, 64), [int(t) for t in torch.randint(0, 50, (41,))]
+    drafter.reset(tokens[:3])
+    drafter.observe(hidden[:3], 0)
+    plan, drafted = ScriptedPlan(0, pays=False), []
+    for position in range(3, 3 + 2 * BACK_OFF):
+        drafter.extend([tokens[position]])
+        planned = drafter.propose_planned(2, plan)
+        drafted.append(planned.proposal)
+        drafter.observe(hidden[position : position + 1], position)
+    probes = [i for i, proposal in enumerate(drafted) if proposal]
+    assert probes == [BACK_OFF - 1, 2 * BACK_OFF - 1] and plan.timed == 0 and drafter.forward_count == 2
+    probe = 2 + BACK_OFF  # the position of the first probe's pending token
+    ref.prefill(hidden[: probe - 1], tokens[1:probe], 0)
+    logits, _ = ref.forward_one(tokens[probe], probe - 1, hidden[probe - 1])
+    assert drafted[BACK_OFF - 1] == [int(torch.argmax(logits))]
+    plan.pays = True
+    drafter.extend([tokens[3 + 2 * BACK_OFF]])
+    assert drafter.propose_planned(2, plan).proposal  # paying again: a draft every round
+    drafter.observe(hidden[3 + 2 * BACK_OFF : 4 + 2 * BACK_OFF], 3 + 2 * BACK_OFF)
+    drafter.extend([tokens[4 + 2 * BACK_OFF]])
+    assert drafter.propose_planned(2, plan).proposal and plan.timed == 2

@@ -43,6 +43,11 @@ class Plan(Protocol):
         verify trees)."""
         ...
 
+    def drafting_pays(self, available: int, key_group: int = 0, *, runners_up: int = 0) -> bool:
+        """Whether drafting a costly proposal's first token is expected to pay for itself, before it is drafted
+        (`choose_tree` decides once it is, its cost spent). ``key_group``: a key of the drafter's group."""
+        return True
+
     def observe_drafter_seconds(self, seconds_per_token: float) -> None:
         """One measured drafting time per drafted token."""
         ...

@@ -128,5 +128,8 @@ class _KeyOffset:
     ) -> tuple[int, list[int]]:
         return self.plan.choose_tree(available, key + self.offset, drafted=drafted, runners_up=runners_up)
 
+    def drafting_pays(self, available: int, key_group: int = 0, *, runners_up: int = 0) -> bool:
+        return self.plan.drafting_pays(available, key_group + self.offset, runners_up=runners_up)
+
     def observe_drafter_seconds(self, seconds_per_token: float) -> None:
         self.plan.observe_drafter_seconds(seconds_per_token)

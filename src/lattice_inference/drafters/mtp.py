@@ -70,7 +70,7 @@ class MtpDrafter(Drafter):
 
     @property
     def _hidden(self) -> torch.Tensor | None:
-        return self._state()._hidden
+        return self._state()._gather()
 
     @property
     def _hidden_start(self) -> int:
@@ -92,8 +92,11 @@ class MtpState(DrafterState):
         self._history = prompt
         self._hidden: torch.Tensor | None = None  # target hiddens for positions _hidden_start ..
         self._hidden_start = 0
+        self._pending: list[torch.Tensor] = []  # hiddens observed since, joined when a draft needs them
+        self._hidden_end = 0  # the position after the last observed hidden
         self._committed = 0  # head cache slots built from target hiddens
         self._declined = 0  # planned rounds declined in a row
+        self._unpaid = 0  # rounds in a row in which drafting was not expected to pay (`Plan.drafting_pays`)
         self.forwards = 0
 
     def extend(self, token_ids: Sequence[int]) -> None:
@@ -101,15 +104,25 @@ class MtpState(DrafterState):
         self._history.extend(int(t) for t in token_ids)
 
     def observe(self, hidden_states: torch.Tensor, start_position: int) -> None:
-        """Record the target's post-norm hidden states for positions ``start_position ..`` (one row each)."""
-        rows = hidden_states.detach()
-        if self._hidden is None:
-            self._hidden, self._hidden_start = rows, start_position
-            return
-        end = self._hidden_start + self._hidden.shape[0]
-        if start_position != end:
-            raise ValueError(f"hidden states must arrive in order: expected position {end}, got {start_position}")
-        self._hidden = torch.cat([self._hidden, rows])
+        """Record the target's post-norm hidden states for positions ``start_position ..`` (one row each). They
+        are joined only when a draft needs them: rounds that do not draft (`propose_planned` backing off) copy
+        nothing."""
+        if self._hidden is None and not self._pending:
+            self._hidden_start = self._hidden_end = start_position
+        elif start_position != self._hidden_end:
+            raise ValueError(
+                f"hidden states must arrive in order: expected position {self._hidden_end}, got {start_position}"
+            )
+        self._pending.append(hidden_states.detach())
+        self._hidden_end += int(hidden_states.shape[0])
+
+    def _gather(self) -> torch.Tensor | None:
+        """Every kept hidden row, from position ``_hidden_start``, as one tensor."""
+        if self._pending:
+            kept = [] if self._hidden is None else [self._hidden]
+            self._hidden = torch.cat(kept + self._pending)
+            self._pending = []
+        return self._hidden
 
     def _row(self, position: int) -> torch.Tensor:
         assert self._hidden is not None
@@ -139,7 +152,9 @@ class MtpState(DrafterState):
         and skips the others, where one acceptance estimate for every round sat near break-even and under-drafted.
         A declined first draft is returned unverified, and the planner learns from it as from a free proposal. When
         the planner declines `BACK_OFF` rounds in a row (a head that does not fit the text), the first draft is
-        drafted only every `BACK_OFF`-th round, until one is wanted again.
+        drafted only every `BACK_OFF`-th round, until one is wanted again. The same holds while the planner expects
+        drafting not to pay for its own cost (`Plan.drafting_pays`): once drafted, even a weak first draft is worth
+        verifying, so declines alone never stop a head that costs more than its accepted tokens save.
 
         Each step also ranks `RUNNERS_UP` next-best tokens (free: the head scored them anyway). Where the target
         verifies draft trees the planner may verify some of them beside the draft token of their depth (the same
@@ -152,6 +167,14 @@ class MtpState(DrafterState):
         if self._declined >= BACK_OFF and self._declined % BACK_OFF:  # backing off: a plain round
             self._declined += 1
             return PlannedDraft([], [])
+        if self._unpaid:  # drafting did not pay when last asked: plain rounds until the next probe
+            self._unpaid = (self._unpaid + 1) % BACK_OFF
+            if self._unpaid:
+                return PlannedDraft([], [])
+        elif not plan.drafting_pays(count, runners_up=RUNNERS_UP):
+            self._unpaid = 1
+            return PlannedDraft([], [])
+        behind = len(self._history) - 2 - self._committed  # positions the head's cache catches up on first
         start = time.perf_counter()
         steps = self._chain(count, RUNNERS_UP)
         first = next(steps, None)
@@ -167,7 +190,8 @@ class MtpState(DrafterState):
             drafted.append(step)
         steps.close()
         self.forwards += len(drafted)
-        plan.observe_drafter_seconds((time.perf_counter() - start) / len(drafted))
+        if behind <= count:  # a probe after plain rounds catches up on all of them: not a round's usual cost
+            plan.observe_drafter_seconds((time.perf_counter() - start) / len(drafted))
         self._declined = 0 if k else self._declined + 1
         tokens = [step.token for step in drafted]
         runners_up = [list(step.runners_up) for step in drafted]
@@ -181,13 +205,14 @@ class MtpState(DrafterState):
         first step also fills the head's cache for positions accepted since the last round; it yields nothing
         before the target's hidden for the latest position has arrived."""
         last = len(self._history) - 2  # position whose hidden predicted the pending token
-        if self._hidden is None or last < self._committed:
+        hidden = self._gather()
+        if hidden is None or last < self._committed:
             return
         self.cache.rollback_to(self._committed)
         catch_up = None
         if last > self._committed:  # slots for newly accepted positions, filled in the first draft forward
             lo, hi = self._committed - self._hidden_start, last - self._hidden_start
-            catch_up = (self._hidden[lo:hi], self._history[self._committed + 1 : last + 1])
+            catch_up = (hidden[lo:hi], self._history[self._committed + 1 : last + 1])
         steps = self.head.draft_steps(
             self._history[-1],
             last,
@@ -203,7 +228,7 @@ class MtpState(DrafterState):
         # Hidden rows before the committed slots are never needed again.
         drop = self._committed - 1 - self._hidden_start
         if drop > 256:
-            self._hidden = self._hidden[drop:]
+            self._hidden = hidden[drop:]
             self._hidden_start += drop
         yield first
         yield from steps
