@@ -262,7 +262,7 @@ class ScriptedPlan:
     """A `Plan` that answers every `choose` with ``answer`` and records the calls."""
 
     def __init__(self, answer: int, pays: bool = True) -> None:
-        self.answer, self.pays, self.calls, self.timed = answer, pays, [], 0
+        self.answer, self.pays, self.calls, self.timed, self.asked = answer, pays, [], 0, 0
 
     def choose(self, available: int, key: int = 0, *, free: bool = True, drafted: int = 0) -> int:
         self.calls.append((available, key, free, drafted))
@@ -272,6 +272,7 @@ class ScriptedPlan:
         return self.choose(available, key, free=False, drafted=drafted), [0] * self.answer
 
     def drafting_pays(self, available: int, key_group: int = 0, *, runners_up: int = 0) -> bool:
+        self.asked += 1
         return self.pays
 
     def observe_drafter_seconds(self, seconds_per_token: float) -> None:
@@ -359,6 +360,7 @@ def test_planned_mtp_drafts_only_probes_while_drafting_does_not_pay(models):
         drafter.observe(hidden[position : position + 1], position)
     probes = [i for i, proposal in enumerate(drafted) if proposal]
     assert probes == [BACK_OFF - 1, 2 * BACK_OFF - 1] and plan.timed == 0 and drafter.forward_count == 2
+    assert plan.asked == 2  # once at the start and once after the first probe
     probe = 2 + BACK_OFF  # the position of the first probe's pending token
     ref.prefill(hidden[: probe - 1], tokens[1:probe], 0)
     logits, _ = ref.forward_one(tokens[probe], probe - 1, hidden[probe - 1])
@@ -369,3 +371,4 @@ def test_planned_mtp_drafts_only_probes_while_drafting_does_not_pay(models):
     drafter.observe(hidden[3 + 2 * BACK_OFF : 4 + 2 * BACK_OFF], 3 + 2 * BACK_OFF)
     drafter.extend([tokens[4 + 2 * BACK_OFF]])
     assert drafter.propose_planned(2, plan).proposal and plan.timed == 2
+    assert plan.asked == 3  # after the second probe; while drafting pays, every `ASK_EVERY`-th round only

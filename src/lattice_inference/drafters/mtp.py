@@ -97,6 +97,7 @@ class MtpState(DrafterState):
         self._committed = 0  # head cache slots built from target hiddens
         self._declined = 0  # planned rounds declined in a row
         self._unpaid = 0  # rounds in a row in which drafting was not expected to pay (`Plan.drafting_pays`)
+        self._since_asked = ASK_EVERY - 1  # rounds since `Plan.drafting_pays` was last asked (the first round asks)
         self.forwards = 0
 
     def extend(self, token_ids: Sequence[int]) -> None:
@@ -171,9 +172,13 @@ class MtpState(DrafterState):
             self._unpaid = (self._unpaid + 1) % BACK_OFF
             if self._unpaid:
                 return PlannedDraft([], [])
-        elif not plan.drafting_pays(count, runners_up=RUNNERS_UP):
-            self._unpaid = 1
-            return PlannedDraft([], [])
+        else:
+            self._since_asked += 1
+            if self._since_asked >= ASK_EVERY:
+                self._since_asked = 0
+                if not plan.drafting_pays(count, runners_up=RUNNERS_UP):
+                    self._unpaid, self._since_asked = 1, ASK_EVERY - 1  # after the probe, ask again at once
+                    return PlannedDraft([], [])
         behind = len(self._history) - 2 - self._committed  # positions the head's cache catches up on first
         start = time.perf_counter()
         steps = self._chain(count, RUNNERS_UP)
@@ -238,6 +243,9 @@ RUNNERS_UP = 3
 """Next-best tokens ranked at each draft step under the planner (candidate leaves of a draft tree)."""
 BACK_OFF = 16
 """After this many declined rounds in a row, the first draft is drafted only every this many rounds."""
+ASK_EVERY = 4
+"""While drafting pays, `Plan.drafting_pays` is asked every this many rounds (it weighs every confidence band's
+plan: ~0.2 ms, a step's 1-2 %; its answer moves slowly)."""
 CONFIDENCE_EDGES = (0.4, 0.6, 0.8, 0.9)
 """Where the first draft's confidence (the head's top probability) changes planner key."""
 
