@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lattice_inference.acceptance import CARRY
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.draft_planner import PROBE_EVERY, DraftPlanner
 from lattice_inference.targets.forward_cost import (
@@ -22,6 +23,8 @@ FLAT = ForwardCosts((1, 2, 9), (1.0, 1.0, 1.0))
 """Verification as cheap as a decode step (a GPU, or a model whose step is all overhead)."""
 STEEP = ForwardCosts((1, 2, 9), (1.0, 2.0, 3.0))
 """A 2-token forward costs two steps (this CPU's F.linear without packed weights)."""
+MILD = ForwardCosts((1, 2, 9), (1.0, 1.1, 1.8))
+"""Verification that grows with its width, as on a CPU whose products are compute-bound at 16 rows."""
 
 
 def test_forward_costs_interpolate_between_and_beyond_measured_widths() -> None:
@@ -222,3 +225,40 @@ def test_a_fallback_drafters_misses_do_not_lower_another_drafters_estimates() ->
         planner.record([1, 1], 2, 0, next_token=0, key=100)  # the head: always wrong
     assert planner.acceptance(0, key=3) > 0.9  # a 3-gram match, never seen: the lookups' rate
     assert planner.acceptance(0, key=101) < 0.1  # another head key: the head's rate
+
+
+def test_carried_acceptance_keeps_the_rates_and_caps_the_evidence() -> None:
+    planner = DraftPlanner(FLAT)
+    for _ in range(40):
+        planner.record([1] * 4, 4, 3, next_token=0, key=3)
+    fresh = DraftPlanner(FLAT, learned=planner.stats.carried())
+    for position in range(4):
+        assert fresh.acceptance(position, 3) == pytest.approx(planner.acceptance(position, 3), abs=0.03)
+    assert fresh.acceptance(0, 3) > 0.9 > 0.3 > fresh.acceptance(3, 3)
+    for _ in range(int(CARRY)):  # the text changes: a new request's own rounds soon outweigh what was carried
+        for p in (fresh, planner):
+            p.record([1], 1, 0, next_token=0, key=3)
+    assert fresh.acceptance(0, 3) < planner.acceptance(0, 3) - 0.1
+
+
+class WholeDrafter(OracleDrafter):
+    """Drafts as much of the true continuation as it is asked for."""
+
+    def draft(self, history: list[int], max_tokens: int) -> list[int]:
+        return self.reference[len(history) : len(history) + max_tokens]
+
+
+def test_a_decoders_next_generation_starts_from_what_the_last_one_learned() -> None:
+    """A request whose drafts are all accepted no longer ramps its drafts up from the prior when the one before
+    it taught the planner so; a fresh decoder does, and every output is greedy's."""
+    model = ContextKeyedTarget(vocab=12, seed=4)
+    prompt = [1, 2]
+    expected = model.greedy(prompt, 40)
+    drafter = WholeDrafter(prompt + model.greedy(prompt, 60), vocab=12, corrupt=0.0)
+    dec = SpeculativeDecoder(model, drafter, max_draft=8, adaptive=True, costs=MILD)
+    first, second = dec.generate(prompt, 40), dec.generate(prompt, 40)
+    assert first.token_ids == second.token_ids == expected
+    assert second.metrics.draft_lengths[0] > first.metrics.draft_lengths[0]
+    assert second.metrics.target_forwards < first.metrics.target_forwards
+    fresh = SpeculativeDecoder(model, drafter, max_draft=8, adaptive=True, costs=MILD).generate(prompt, 40)
+    assert fresh.token_ids == expected and fresh.metrics.draft_lengths == first.metrics.draft_lengths

@@ -207,3 +207,29 @@ def test_repetition_penalty_equals_transformers_and_speculation(loaded, generato
         sampled = dict(temperature=0.8, seed=i, repetition_penalty=1.3, presence_penalty=0.5)
         reference = generators["greedy"].generate(ids, BUDGET, **sampled).token_ids
         assert generators["ngram"].generate(ids, BUDGET, **sampled).token_ids == reference, i
+
+
+def test_each_request_starts_from_what_the_last_one_learned(loaded) -> None:
+    """A decoder carries its planner's acceptance from one request to the next: asked to copy a text a second
+    time, prompt lookup drafts more in its first round and needs fewer forwards (costs given, so nothing here
+    depends on timing), and every output is plain decoding's."""
+    from lattice_inference.decode import SpeculativeDecoder
+    from lattice_inference.drafters.ngram import NgramDrafter
+    from lattice_inference.prompt_codec import PromptCodec
+    from lattice_inference.targets import make_target
+    from lattice_inference.targets.forward_cost import ForwardCosts
+
+    codec = PromptCodec(loaded.tokenizer, list(loaded.eos_token_ids))
+    text = (
+        "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+        "How vexingly quick daft zebras jump!"
+    )
+    ids = codec.encode_messages([{"role": "user", "content": f"Repeat this text exactly:\n{text}"}])
+    target = make_target(loaded.model)
+    plain = SpeculativeDecoder(target, None, eos_token_ids=loaded.eos_token_ids).generate(ids, 40).token_ids
+    costs = ForwardCosts((1, 2, 9), (1.0, 1.1, 1.8))
+    dec = SpeculativeDecoder(target, NgramDrafter(max_draft=10), eos_token_ids=loaded.eos_token_ids, costs=costs)
+    first, second = dec.generate(ids, 40), dec.generate(ids, 40)
+    assert first.token_ids == second.token_ids == plain
+    assert second.metrics.draft_lengths[0] > first.metrics.draft_lengths[0]
+    assert second.metrics.target_forwards < first.metrics.target_forwards

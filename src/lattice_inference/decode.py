@@ -24,6 +24,7 @@ from collections.abc import Generator, Iterable, Iterator, Sequence
 
 import torch
 
+from lattice_inference.acceptance import AcceptanceStats
 from lattice_inference.draft_planner import DraftPlanner
 from lattice_inference.drafters.base import Drafter, PlannedDraft
 from lattice_inference.drafters.suffix_index import SuffixIndex
@@ -52,7 +53,9 @@ class SpeculativeDecoder:
     planner forward costs instead of measuring them (they stand as given; measured ones are corrected by each
     generation's timed forwards).
     The decoder holds no per-generation state: each call of `start` (or `stream`, `generate`) makes a new
-    `Generation`; ``metrics`` and ``stop_reason`` are the most recent generation's. Generations run in turn:
+    `Generation`; ``metrics`` and ``stop_reason`` are the most recent generation's. Across generations it keeps
+    only what its planner learned about acceptance (rates by drafter key, never text): each generation's planner
+    starts from the previous one's (`lattice_inference.acceptance`). Generations run in turn:
     starting one ends any earlier one still being iterated.
     """
 
@@ -84,6 +87,7 @@ class SpeculativeDecoder:
             name = type(target).__name__
             raise ConfigError(f"the drafter needs hidden states, which {name} cannot provide")
         self._wants_hidden = wants_hidden
+        self._learned: AcceptanceStats | None = None  # what the last generation's planner learned
 
     @property
     def metrics(self) -> GenerationMetrics:
@@ -184,7 +188,8 @@ class SpeculativeDecoder:
             if self.exactness is not None:
                 m.exact, m.exactness = self.exactness.exact, self.exactness.line()
             if costs is not None:
-                gen.planner = DraftPlanner(costs, max_leaves=self._leaves())
+                learned = self._learned.carried() if self._learned is not None else None
+                gen.planner = DraftPlanner(costs, max_leaves=self._leaves(), learned=learned)
         start = time.perf_counter()
         first, hidden, rows = self._prefill(gen)
         m.prefill_s = time.perf_counter() - start
@@ -224,6 +229,8 @@ class SpeculativeDecoder:
                 if out:
                     yield out
         finally:
+            if gen.planner is not None:
+                self._learned = gen.planner.stats
             m.decode_s = time.perf_counter() - start
             m.drafter_forwards = gen.drafter_state.forward_count if gen.drafter_state is not None else 0
 

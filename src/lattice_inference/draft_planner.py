@@ -8,12 +8,14 @@ per second, ``E(k) / (cost(k + 1) + k * drafter_cost)``, where ``cost`` is the t
 once per model (`ForwardCosts`) and corrected by the forwards each generation times. When drafts keep failing,
 ``k = 0`` wins and the round is plain decoding.
 
-``p_j`` is learned online, per generation: exponentially decayed counts of offered and accepted tokens at each
-position, kept separately for each *key* the drafter reports with its proposal (for n-gram lookup, the length of
-the matched n-gram: longer matches copy better) and blended with the estimate over all of that drafter's keys at
-that position, which starts from a prior. A lookup proposal is free, so the planner also learns from the
-positions it did not verify: when every verified token is accepted, the target's next token shows whether the
-next draft token would have been, which lets a planner that stopped drafting notice when drafting would pay again.
+``p_j`` is learned online (`lattice_inference.acceptance`): exponentially decayed counts of offered and accepted
+tokens at each position, kept separately for each *key* the drafter reports with its proposal (for n-gram lookup,
+the length of the matched n-gram: longer matches copy better) and blended with the estimate over all of that
+drafter's keys at that position, which starts from a prior; each generation starts from what the decoder's
+previous one learned, capped so that its own rounds soon outweigh it. A lookup proposal is free, so the planner
+also learns from the positions it did not verify: when every verified token is accepted, the target's next token
+shows whether the next draft token would have been, which lets a planner that stopped drafting notice when
+drafting would pay again.
 
 Draft trees (`choose_tree`, where the target verifies them): a drafter that ranks its tokens offers, at each draft
 depth ``j``, runners-up to its draft token there. Verified as leaves beside it, a runner-up of rank ``r`` adds one
@@ -27,22 +29,12 @@ the forward by one row, and leaves are added, best gain first, while the rate gr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
+from lattice_inference.acceptance import KEY_GROUP, AcceptanceStats
 from lattice_inference.targets.forward_cost import ForwardCosts
 
-PRIOR = 0.6
-"""Acceptance assumed at every position before anything is observed."""
-PRIOR_WEIGHT = 2.0
-"""How many observations the prior is worth."""
-KEY_WEIGHT = 3.0
-"""How many observations the drafter-wide estimate is worth against one key's own counts."""
-DECAY = 0.97
-"""Weight kept by older observations at each new one (recent rounds count more: text changes its nature)."""
-KEY_GROUP = 100
-"""Keys that share a hundred share the estimate their own counts are blended with: a drafter's keys lie in one
-hundred (`FallbackDrafter` offsets each place in its order by 100), so an MTP head's misses never lower the
-estimates of n-gram matches, nor the reverse."""
+__all__ = ["KEY_GROUP", "PROBE_EVERY", "DraftPlanner"]
+
 GAIN_MARGIN = 0.25
 """A longer draft must promise more throughput by this fraction of its added cost to be preferred: one costing 8 %
 more to verify and draft needs 2 % more tokens per second. Where verification is flat (a wider forward costs
@@ -52,55 +44,38 @@ COST_PRIOR_WEIGHT = 4.0
 """How many timed forwards of a width the calibrated cost is worth (`DraftPlanner.observe_forward_seconds`)."""
 COST_DECAY = 0.99
 """Weight kept by older timed forwards at each new one (costs drift more slowly than acceptance)."""
-ALT_PRIORS = (0.15, 0.08, 0.04)
-"""Chance assumed that the runner-up of each rank (the last for any later one) holds where the draft token failed,
-before anything is observed: less for each rank down (the shipped SmolLM2 head's second choice, teacher-forced on
-chat: 0.19; third 0.11; fourth 0.06)."""
 PROBE_EVERY = 16
 """After this many plain rounds in a row, a drafter whose proposals cost a forward drafts one token anyway, so
 the planner sees whether its acceptance came back (lookup drafters need no probe: their unverified proposals
 are checked for free)."""
 
 
-@dataclass
-class _Counts:
-    offered: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
-
-    def add(self, position: int, accepted: bool) -> None:
-        while len(self.offered) <= position:
-            self.offered.append(0.0)
-            self.accepted.append(0.0)
-        self.offered[position] = self.offered[position] * DECAY + 1.0
-        self.accepted[position] = self.accepted[position] * DECAY + float(accepted)
-
-    def rate(self, position: int, prior: float, weight: float) -> float:
-        if position >= len(self.offered):
-            return prior
-        return (self.accepted[position] + weight * prior) / (self.offered[position] + weight)
-
-
 class DraftPlanner:
     """Chooses each round's draft length from learned acceptance and measured verification cost.
 
     One planner per generation. ``costs`` is the target's `ForwardCosts`; ``drafter_cost`` the drafter's cost
-    per drafted token in one-token target forwards (0 for lookup drafters).
+    per drafted token in one-token target forwards (0 for lookup drafters); ``learned``: the acceptance to start
+    from (`AcceptanceStats.carried` of the decoder's previous generation; None: the prior).
     """
 
-    def __init__(self, costs: ForwardCosts, drafter_cost: float = 0.0, *, max_leaves: int = 0) -> None:
+    def __init__(
+        self,
+        costs: ForwardCosts,
+        drafter_cost: float = 0.0,
+        *,
+        max_leaves: int = 0,
+        learned: AcceptanceStats | None = None,
+    ) -> None:
         self.costs = costs
         self.drafter_cost = drafter_cost
         self.max_leaves = max_leaves
         """Most runners-up `choose_tree` verifies in a round (0: never a tree; the decoder sets it where the target
         verifies trees)."""
-        self._groups: dict[int, _Counts] = {}
-        self._by_key: dict[int, _Counts] = {}
-        self._alt_groups: dict[tuple[int, int], _Counts] = {}  # (key group, depth) -> counts by rank
-        self._alt_by_key: dict[tuple[int, int], _Counts] = {}  # (key, depth) -> counts by rank
+        self.stats = learned if learned is not None else AcceptanceStats()
+        """Acceptance learned so far (with what the decoder carried in from earlier generations)."""
         self._plain_rounds = 0
         self._drift = [0.0, 0.0]  # decayed count and sum of timed / calibrated seconds, every width
         self._timed: dict[int, list[float]] = {}  # the same, per width
-        self._seen: dict[int, dict[int, float]] = {}  # key group -> decayed count of drafted rounds per key
 
     def observe_drafter_seconds(self, seconds_per_token: float) -> None:
         """Fold one measured drafting time per token into ``drafter_cost`` (a running average)."""
@@ -131,13 +106,12 @@ class DraftPlanner:
 
     def acceptance(self, position: int, key: int = 0) -> float:
         """Estimated chance that draft position ``position`` (0-based) is accepted once the earlier ones were."""
-        return _blend(self._groups.get(key // KEY_GROUP), self._by_key.get(key), position, PRIOR)
+        return self.stats.acceptance(position, key)
 
     def alternative(self, depth: int, rank: int, key: int = 0) -> float:
         """Estimated chance that the runner-up of ``rank`` (0: the best after the draft token) at draft position
         ``depth`` (0-based) is the target's token, once the draft token there failed."""
-        prior = ALT_PRIORS[min(rank, len(ALT_PRIORS) - 1)]
-        return _blend(self._alt_groups.get((key // KEY_GROUP, depth)), self._alt_by_key.get((key, depth)), rank, prior)
+        return self.stats.alternative(depth, rank, key)
 
     def choose_tree(
         self, available: int, key: int = 0, *, drafted: int = 0, runners_up: int = 0
@@ -146,7 +120,7 @@ class DraftPlanner:
         length ``k`` and, per depth ``0..k-1``, how many runners-up to verify as leaves beside it (the module
         docstring has the rule; at most ``max_leaves`` in all). Without leaves it is `choose` exactly."""
         if drafted:
-            self._note_key(key)
+            self.stats.note_key(key)
         k = self.choose(available, key, free=False, drafted=drafted)
         chain = (k, self._yield(k, key), self.relative(k + 1) + max(0, k - drafted) * self.drafter_cost)
         best_k, best_leaves, _, _ = self._tree(available, key, chain, drafted, runners_up)
@@ -163,7 +137,7 @@ class DraftPlanner:
         beats discarding it; this is the decision before that cost. A head whose drafts are right about a third of
         the time on grounded text took 1.7 plain steps a round for 1.35 tokens where verification is not flat
         [EPYC Zen 4]. ``key_group``: any key of the drafter's group (`KEY_GROUP`). Until a key was seen: yes."""
-        seen = self._seen.get(key_group // KEY_GROUP)
+        seen = self.stats.seen.get(key_group // KEY_GROUP)
         if not seen:
             return True
         tokens = cost = 0.0
@@ -175,13 +149,6 @@ class DraftPlanner:
         total = sum(seen.values())
         rate, cost = tokens / total, cost / total + self.drafter_cost
         return _better(rate / cost, cost, 1.0, 1.0)
-
-    def _note_key(self, key: int) -> None:
-        """Count one drafted round under ``key`` (decayed like the acceptance counts)."""
-        seen = self._seen.setdefault(key // KEY_GROUP, {})
-        for other in seen:
-            seen[other] *= DECAY
-        seen[key] = seen.get(key, 0.0) + 1.0
 
     def _chain(self, available: int, key: int, per_token: float, drafted: int) -> tuple[int, float, float]:
         """The best draft length ``k`` of 0..``available`` under ``key`` (the most tokens per one-token forward,
@@ -256,16 +223,13 @@ class DraftPlanner:
         """Learn from one round: ``verified`` tokens of ``proposal`` were checked and ``accepted`` of them taken;
         ``next_token`` is the target's own token after them. Where everything verified was accepted and the
         proposal had more, ``next_token`` also says whether the next proposed token would have been."""
-        counts = self._by_key.setdefault(key, _Counts())
-        group = self._groups.setdefault(key // KEY_GROUP, _Counts())
         outcomes = [True] * accepted
         if accepted < verified:
             outcomes.append(False)
         elif verified < len(proposal):
             outcomes.append(proposal[verified] == next_token)
         for position, ok in enumerate(outcomes):
-            group.add(position, ok)
-            counts.add(position, ok)
+            self.stats.add(position, ok, key)
 
     def record_runners_up(
         self, runners_up: Sequence[Sequence[int]], depth: int, target_token: int, key: int = 0
@@ -274,21 +238,11 @@ class DraftPlanner:
         and the target's token there was ``target_token``: whether each ranked runner-up there would have held."""
         if depth >= len(runners_up):
             return
-        group = self._alt_groups.setdefault((key // KEY_GROUP, depth), _Counts())
-        counts = self._alt_by_key.setdefault((key, depth), _Counts())
         for rank, token in enumerate(runners_up[depth]):
-            group.add(rank, token == target_token)
-            counts.add(rank, token == target_token)
+            self.stats.add_runner_up(depth, rank, token == target_token, key)
 
 
 def _better(rate: float, cost: float, best_rate: float, best_cost: float) -> bool:
     """Whether a plan with ``rate`` (tokens per one-token forward) at ``cost`` beats the best so far (see
     `GAIN_MARGIN`)."""
     return rate > best_rate * (1.0 + GAIN_MARGIN * max(0.0, cost / best_cost - 1.0)) * (1.0 + 1e-9)
-
-
-def _blend(group: _Counts | None, counts: _Counts | None, position: int, prior: float) -> float:
-    """A key's estimate at ``position``: its own decayed counts, blended with its drafter-wide ``group`` estimate,
-    which is blended with ``prior``."""
-    base = prior if group is None else group.rate(position, prior, PRIOR_WEIGHT)
-    return base if counts is None else counts.rate(position, base, KEY_WEIGHT)

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from lattice_inference.draft_planner import KEY_GROUP
+from lattice_inference.acceptance import KEY_GROUP
 from lattice_inference.drafters.base import Drafter, DrafterState, Plan, PlannedDraft, Proposal
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
