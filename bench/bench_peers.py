@@ -256,12 +256,14 @@ def main() -> None:
             results.update(run_vllm(args.vllm_python, args, encoded, loaded.eos_token_ids, skipped))
         except Exception as exc:  # any failure of the peer: report it and go on
             print(f"[peers] vLLM failed: {exc!r}", file=sys.stderr)
-    table = summarise(results, prompts, "transformers greedy")
+    # the reference: transformers' greedy, or ours where --skip left it out
+    reference = next(e for e in ("transformers greedy", "ours greedy", *results) if e in results)
+    table = summarise(results, prompts, reference)
     print("command: python " + " ".join(sys.argv))
     print(f"model {loaded.source} ({args.dtype}), {n} new tokens, {args.reps} reps, {torch.get_num_threads()} threads")
     for name, group in table.items():
         print(f"\n== {name}: {group['prompts']} prompts ==")
-        print(f"{'engine':<26} {'tok/s':>7} {'vs transformers greedy':>23} {'= own plain':>12} {'= transformers':>15}")
+        print(f"{'engine':<26} {'tok/s':>7} {'vs ' + reference:>23} {'= own plain':>12} {'= ' + reference:>15}")
         for engine, r in group["engines"].items():
             print(
                 f"{engine:<26} {r['tokens_per_s']:>7.1f} {r['speedup']:>22.2f}x {r['identical_to_own_plain']:>12.0%}"
