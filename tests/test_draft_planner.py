@@ -262,3 +262,11 @@ def test_a_decoders_next_generation_starts_from_what_the_last_one_learned() -> N
     assert second.metrics.target_forwards < first.metrics.target_forwards
     fresh = SpeculativeDecoder(model, drafter, max_draft=8, adaptive=True, costs=MILD).generate(prompt, 40)
     assert fresh.token_ids == expected and fresh.metrics.draft_lengths == first.metrics.draft_lengths
+    # scopes (a server's tenants): another scope starts from the prior, its own scope from what it learned
+    other = dec.start(prompt, 40, scope="bob").result()
+    assert other.metrics.draft_lengths == first.metrics.draft_lengths
+    assert dec.start(prompt, 40, scope="bob").result().metrics.draft_lengths == second.metrics.draft_lengths
+    assert dec.start(prompt, 40, scope=None).result().metrics.draft_lengths == first.metrics.draft_lengths
+    dec.forget("bob")
+    assert dec.learned("bob") is None and dec.learned() is not None
+    assert dec.start(prompt, 40, scope="bob").result().metrics.draft_lengths == first.metrics.draft_lengths

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lattice_inference.errors import ConfigError
+from lattice_inference.options import DecodeOptions
 from lattice_inference.serve.tenants import SHARED, SuffixScopes, tenant_of
 
 from .serve_harness import PROMPTS, load_tiny, request, running_server
@@ -78,3 +79,19 @@ def test_without_keys_requests_share_nothing_unless_scoped(loaded):
         assert complete(base, "none") == (text, alone)
         complete(base, "none", scope="team")
         assert complete(base, "none", scope="team")[1] < alone
+
+
+def test_the_planners_learned_acceptance_stays_within_a_tenant(loaded):
+    """The draft planner's acceptance rates, carried from one request to the next, are kept per tenant (as the
+    suffix index): a tenant's first request never starts from another's, and clearing forgets them too."""
+    with running_server(loaded, method="ngram", api_key=["alice", "bob"]) as (base, app):
+        alice, bob = tenant_of("tenant", "alice", None), tenant_of("tenant", "bob", None)
+        text, _ = complete(base, "alice", adaptive=True)
+        decoder = app.state.server.engine.generator(DecodeOptions(method="ngram")).decoder
+        learned = decoder.learned(alice)
+        assert learned is not None and decoder.learned(bob) is None and decoder.learned() is None
+        assert complete(base, "bob", adaptive=True)[0] == text
+        assert decoder.learned(bob) not in (None, learned) and decoder.learned(alice) is learned
+        complete(base, "alice", adaptive=True, clear_index=True)
+        assert decoder.learned(alice) not in (None, learned)  # forgotten, then learned from this request alone
+        assert decoder.learned() is None  # nothing outside the tenants

@@ -245,6 +245,7 @@ class Generator:
         logprobs: int | None = None,
         *,
         suffix_index: SuffixIndex | None = None,
+        scope: str | None = "",
         **sampling: Unpack[SamplingArgs],
     ) -> Generation:
         """Validate and start one generation; iterate over it for token-id chunks (``.seed``, ``.metrics``,
@@ -257,10 +258,12 @@ class Generator:
         take the generator's defaults (`DecodeOptions.sampling`, greedy unless set).
 
         ``suffix_index`` (suffix methods): the cross-request index to draft from and add this generation to, in
-        place of the generator's own (``lattice serve`` passes each tenant's)."""
+        place of the generator's own (``lattice serve`` passes each tenant's). ``scope``: whose learned acceptance
+        the draft planner starts from and leaves its own to (each request starts from the last one's of its scope;
+        ``lattice serve`` passes the tenant; None: nothing carried)."""
         options = self.sampling(**sampling)
         index = suffix_index if suffix_index is not None else self.suffix_index
-        return self.decoder.start(self.encode(prompt, chat), max_new_tokens, options, logprobs, index)
+        return self.decoder.start(self.encode(prompt, chat), max_new_tokens, options, logprobs, index, scope)
 
     def clear_suffix_index(self) -> None:
         """Forget the earlier generations the suffix methods draft from (nothing for other methods)."""
@@ -306,11 +309,13 @@ class Generator:
         logprobs: int | None = None,
         *,
         suffix_index: SuffixIndex | None = None,
+        scope: str | None = "",
         **sampling: Unpack[SamplingArgs],
     ) -> GenerationResult:
         """Generate to the end; return text, token ids, stop reason, metrics, the seed and, with ``logprobs=N``,
-        each token's `TokenLogprob` (sampling and ``suffix_index`` as `start`)."""
-        result = self.start(prompt, max_new_tokens, chat, logprobs, suffix_index=suffix_index, **sampling).result()
+        each token's `TokenLogprob` (sampling, ``suffix_index`` and ``scope`` as `start`)."""
+        started = self.start(prompt, max_new_tokens, chat, logprobs, suffix_index=suffix_index, scope=scope, **sampling)
+        result = started.result()
         result.text = cast(str, self.tokenizer.decode(result.token_ids, skip_special_tokens=True))
         return result
 

@@ -20,6 +20,7 @@ the target's measured forward costs; that changes only how many forwards the out
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Generator, Iterable, Iterator, Sequence
 
 import torch
@@ -41,6 +42,8 @@ from lattice_inference.verify import DraftTree, Verdict, verify_prefix
 __all__ = ["Generation", "GenerationResult", "SpeculativeDecoder"]
 
 _GREEDY = SamplingOptions()
+MAX_SCOPES = 256
+"""Most scopes whose learned acceptance a decoder keeps (the least recently used dropped first; a few KB each)."""
 
 
 class SpeculativeDecoder:
@@ -54,8 +57,9 @@ class SpeculativeDecoder:
     generation's timed forwards).
     The decoder holds no per-generation state: each call of `start` (or `stream`, `generate`) makes a new
     `Generation`; ``metrics`` and ``stop_reason`` are the most recent generation's. Across generations it keeps
-    only what its planner learned about acceptance (rates by drafter key, never text): each generation's planner
-    starts from the previous one's (`lattice_inference.acceptance`). Generations run in turn:
+    only what its planner learned about acceptance (rates by drafter key, never text), per *scope*: each
+    generation's planner starts from the previous one's of its scope (`lattice_inference.acceptance`; `MAX_SCOPES`
+    most recent scopes kept; ``lattice serve`` gives each tenant its own). Generations run in turn:
     starting one ends any earlier one still being iterated.
     """
 
@@ -87,7 +91,7 @@ class SpeculativeDecoder:
             name = type(target).__name__
             raise ConfigError(f"the drafter needs hidden states, which {name} cannot provide")
         self._wants_hidden = wants_hidden
-        self._learned: AcceptanceStats | None = None  # what the last generation's planner learned
+        self._learned: OrderedDict[str, AcceptanceStats] = OrderedDict()  # scope -> its last planner's stats
 
     @property
     def metrics(self) -> GenerationMetrics:
@@ -122,6 +126,7 @@ class SpeculativeDecoder:
         sampling: SamplingOptions | None = None,
         logprobs: int | None = None,
         suffix_index: SuffixIndex | None = None,
+        scope: str | None = "",
     ) -> Generation:
         """Validate the request and return a `Generation` to iterate (chunks of tokens as they are accepted).
 
@@ -130,6 +135,8 @@ class SpeculativeDecoder:
         ``logprobs=N`` records each emitted token's log-probability and the ``N`` most likely tokens at its
         index (``Generation.logprobs``, from the rows that chose them). ``suffix_index``: the cross-request index
         the drafter may draft from and add this generation to (`Drafter.start`; None: this request only).
+        ``scope``: whose learned acceptance the planner starts from and leaves its own to (the same scope's next
+        generation starts from it; None: nothing carried in or out).
         """
         prompt_ids = [int(t) for t in prompt_ids]
         self._validate(prompt_ids, max_new_tokens)
@@ -137,6 +144,7 @@ class SpeculativeDecoder:
             raise ConfigError(f"logprobs must be a number of most likely tokens >= 0, or None, got {logprobs!r}")
         gen = Generation(prompt_ids, max_new_tokens, sampling or _GREEDY, self.target.vocab_size, logprobs)
         gen.suffix_index = suffix_index
+        gen.scope = scope
         gen._chunks = self._run(gen)
         self.last = gen
         return gen
@@ -188,7 +196,8 @@ class SpeculativeDecoder:
             if self.exactness is not None:
                 m.exact, m.exactness = self.exactness.exact, self.exactness.line()
             if costs is not None:
-                learned = self._learned.carried() if self._learned is not None else None
+                learned = self._learned.get(gen.scope) if gen.scope is not None else None
+                learned = learned.carried() if learned is not None else None
                 gen.planner = DraftPlanner(costs, max_leaves=self._leaves(), learned=learned)
         start = time.perf_counter()
         first, hidden, rows = self._prefill(gen)
@@ -229,10 +238,24 @@ class SpeculativeDecoder:
                 if out:
                     yield out
         finally:
-            if gen.planner is not None:
-                self._learned = gen.planner.stats
+            if gen.planner is not None and gen.scope is not None:
+                self._keep_learned(gen.scope, gen.planner.stats)
             m.decode_s = time.perf_counter() - start
             m.drafter_forwards = gen.drafter_state.forward_count if gen.drafter_state is not None else 0
+
+    def _keep_learned(self, scope: str, stats: AcceptanceStats) -> None:
+        self._learned[scope] = stats
+        self._learned.move_to_end(scope)
+        while len(self._learned) > MAX_SCOPES:
+            self._learned.popitem(last=False)
+
+    def learned(self, scope: str = "") -> AcceptanceStats | None:
+        """What the last generation of ``scope`` learned about acceptance (None: no generation of it kept)."""
+        return self._learned.get(scope)
+
+    def forget(self, scope: str) -> None:
+        """Drop what generations of ``scope`` learned (a tenant clearing what it left behind)."""
+        self._learned.pop(scope, None)
 
     def prepare(self) -> float:
         """Run now what the first drafted generation would otherwise run before its prefill: the target's

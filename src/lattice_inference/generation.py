@@ -89,6 +89,8 @@ class Generation:
         """This generation's adaptive draft planner (None: fixed draft lengths, or no drafter)."""
         self.suffix_index: SuffixIndex | None = None
         """The cross-request index this generation drafts from and is added to (None: its own tokens only)."""
+        self.scope: str | None = ""
+        """Whose learned acceptance the planner starts from and leaves its own to (`SpeculativeDecoder.start`)."""
         self.drafter_state: DrafterState | None = None
         """What the drafter knows about this generation's sequence (`Drafter.start`; None: no drafter)."""
         self.token_ids: list[int] = []

@@ -315,9 +315,17 @@ class Engine:
         text, stops = TextStream(self.tokenizer), StopMatcher(job.stops)
         if job.clear_index:
             self.suffix_scopes.clear(job.tenant)
+            for other in self._generators.values():
+                if job.tenant is not None:
+                    other.decoder.forget(job.tenant)
         index = self.suffix_scopes.index_for(job.tenant) if "suffix" in job.settings.drafters else None
-        state = gen.start(
-            job.prompt_ids, job.max_tokens, logprobs=job.logprobs, suffix_index=index, **asdict(job.sampling)
+        state = gen.start(  # the planner's learned acceptance is carried within the tenant only, as its index
+            job.prompt_ids,
+            job.max_tokens,
+            logprobs=job.logprobs,
+            suffix_index=index,
+            scope=job.tenant,
+            **asdict(job.sampling),
         )
         reason = "cancelled"
         released: list[str] = []
