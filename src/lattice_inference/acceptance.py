@@ -6,11 +6,12 @@ the chance that position ``j`` is accepted once positions ``0..j-1`` were, is th
 rate over its key group (a drafter's keys share a hundred, `KEY_GROUP`), which is blended with `PRIOR`. Runners-up
 (draft trees) are counted alike per key, depth and rank, blended with `ALT_PRIORS`.
 
-A decoder keeps what its last generation learned (`AcceptanceStats.carried`) and starts the next one from it,
-each count capped at `CARRY` observations so that a new request's own rounds soon outweigh it: acceptance by key
-is mostly a property of the model and the drafter, and a request starting from the prior ramps its drafts up one
-position per round (a regenerated answer, copied in full, verified 4, 6, 7, 8, 9, 10 tokens in its first six
-rounds [EPYC Zen 4]). Only rates by key travel, never text, so one decoder may serve many tenants.
+A decoder keeps what the last generation of each scope learned (`AcceptanceStats.carried`) and starts that
+scope's next one from it, each count capped at `CARRY` observations so that a new request's own rounds soon
+outweigh it: acceptance by key is mostly a property of the model and the drafter, and a request starting from the
+prior ramps its drafts up one position per round (a regenerated answer, copied in full, verified 4, 6, 7, 8, 9, 10
+tokens in its first six rounds [EPYC Zen 4]). Only rates by key travel, never text; ``lattice serve`` still keeps
+them per tenant, as its suffix indexes, since a request's timing would show what another tenant's taught.
 """
 
 from __future__ import annotations
