@@ -313,11 +313,10 @@ class Engine:
         """
         gen = self.generator(job.settings)
         text, stops = TextStream(self.tokenizer), StopMatcher(job.stops)
-        if job.clear_index:
+        if job.clear_index and job.tenant is not None:  # a request of no tenant keeps nothing to clear
             self.suffix_scopes.clear(job.tenant)
             for other in self._generators.values():
-                if job.tenant is not None:
-                    other.decoder.forget(job.tenant)
+                other.decoder.forget(job.tenant)
         index = self.suffix_scopes.index_for(job.tenant) if "suffix" in job.settings.drafters else None
         state = gen.start(  # the planner's learned acceptance is carried within the tenant only, as its index
             job.prompt_ids,
