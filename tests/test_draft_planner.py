@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -270,3 +272,41 @@ def test_a_decoders_next_generation_starts_from_what_the_last_one_learned() -> N
     dec.forget("bob")
     assert dec.learned("bob") is None and dec.learned() is not None
     assert dec.start(prompt, 40, scope="bob").result().metrics.draft_lengths == first.metrics.draft_lengths
+
+
+def test_a_key_with_a_stated_prior_starts_from_it_rather_than_its_groups_rate() -> None:
+    """A drafter that knows a kind of match copies well (`Drafter.key_priors`) has it drafted in full from its
+    first round, while the group's other keys keep the group's rate; its own rounds still correct it, and a carried
+    copy keeps the priors."""
+    planner = DraftPlanner(MILD, priors={6: 0.95})
+    for _ in range(10):
+        planner.record([1, 1, 1], 3, 0, next_token=0, key=2)  # shallow matches keep failing
+    assert planner.acceptance(0, key=3) < 0.3  # another shallow key: the group's rate
+    assert planner.acceptance(0, key=6) == pytest.approx(0.95)
+    assert planner.choose(8, key=6) == 8 and planner.choose(8, key=3) == 0
+    carried = DraftPlanner(MILD, learned=planner.stats.carried())
+    assert carried.acceptance(4, key=6) == pytest.approx(0.95)
+    for _ in range(6):
+        planner.record([1, 1], 2, 0, next_token=0, key=6)
+    assert planner.acceptance(0, key=6) < 0.5
+
+
+class ConfidentDrafter(WholeDrafter):
+    """`WholeDrafter`, stating that its proposals (key 0) are nearly always right."""
+
+    key_priors = MappingProxyType({0: 0.95})
+
+
+def test_a_drafters_stated_prior_sets_its_first_rounds_draft_length() -> None:
+    """A fresh decoder whose drafter states a high prior for its key verifies the whole draft from the first round
+    (one without ramps up from the default prior), and the output is greedy's either way."""
+    model = ContextKeyedTarget(vocab=12, seed=4)
+    prompt = [1, 2]
+    expected = model.greedy(prompt, 40)
+    reference = prompt + model.greedy(prompt, 60)
+    sure = SpeculativeDecoder(model, ConfidentDrafter(reference, vocab=12, corrupt=0.0), max_draft=8, costs=MILD)
+    plain = SpeculativeDecoder(model, WholeDrafter(reference, vocab=12, corrupt=0.0), max_draft=8, costs=MILD)
+    confident, ramping = sure.generate(prompt, 40), plain.generate(prompt, 40)
+    assert confident.token_ids == ramping.token_ids == expected
+    assert confident.metrics.draft_lengths[0] == 8 > ramping.metrics.draft_lengths[0]
+    assert confident.metrics.target_forwards < ramping.metrics.target_forwards

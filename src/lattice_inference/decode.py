@@ -198,7 +198,8 @@ class SpeculativeDecoder:
             if costs is not None:
                 learned = self._learned.get(gen.scope) if gen.scope is not None else None
                 learned = learned.carried() if learned is not None else None
-                gen.planner = DraftPlanner(costs, max_leaves=self._leaves(), learned=learned)
+                priors = self.drafter.key_priors if self.drafter is not None else None
+                gen.planner = DraftPlanner(costs, max_leaves=self._leaves(), learned=learned, priors=priors)
         start = time.perf_counter()
         first, hidden, rows = self._prefill(gen)
         m.prefill_s = time.perf_counter() - start

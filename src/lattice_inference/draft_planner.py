@@ -28,7 +28,7 @@ the forward by one row, and leaves are added, best gain first, while the rate gr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from lattice_inference.acceptance import KEY_GROUP, AcceptanceStats
 from lattice_inference.targets.forward_cost import ForwardCosts
@@ -55,7 +55,8 @@ class DraftPlanner:
 
     One planner per generation. ``costs`` is the target's `ForwardCosts`; ``drafter_cost`` the drafter's cost
     per drafted token in one-token target forwards (0 for lookup drafters); ``learned``: the acceptance to start
-    from (`AcceptanceStats.carried` of the decoder's previous generation; None: the prior).
+    from (`AcceptanceStats.carried` of the decoder's previous generation; None: the prior, and ``priors``, the
+    drafter's `Drafter.key_priors`, for the keys it states them for).
     """
 
     def __init__(
@@ -65,13 +66,14 @@ class DraftPlanner:
         *,
         max_leaves: int = 0,
         learned: AcceptanceStats | None = None,
+        priors: Mapping[int, float] | None = None,
     ) -> None:
         self.costs = costs
         self.drafter_cost = drafter_cost
         self.max_leaves = max_leaves
         """Most runners-up `choose_tree` verifies in a round (0: never a tree; the decoder sets it where the target
         verifies trees)."""
-        self.stats = learned if learned is not None else AcceptanceStats()
+        self.stats = learned if learned is not None else AcceptanceStats(priors)
         """Acceptance learned so far (with what the decoder carried in from earlier generations)."""
         self._plain_rounds = 0
         self._drift = [0.0, 0.0]  # decayed count and sum of timed / calibrated seconds, every width

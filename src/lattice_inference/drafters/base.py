@@ -16,8 +16,9 @@ forwards, no use of the sampler); the decode loop reads them directly, never by 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -159,6 +160,11 @@ class Drafter(Protocol):
     proposes_trees: bool = False
     """Whether a planned proposal may rank runners-up beside its draft tokens (`PlannedDraft.runners_up`), which the
     decoder may verify as a draft tree where the target can: it then lets the planner add leaves."""
+
+    key_priors: Mapping[int, float] = MappingProxyType({})
+    """Acceptance the planner assumes for a planner key before that key's own rounds are seen, where the drafter
+    knows better than its drafter-wide estimate (a suffix match 32 tokens deep continues as before); keys not
+    here start from that estimate (`lattice_inference.acceptance`)."""
 
     _reset_sampler: Sampler | None = None
     _reset_index: SuffixIndex | None = None

@@ -34,6 +34,7 @@ class FallbackDrafter(Drafter):
         self.uses_hidden_states = any(d.uses_hidden_states for d in self.drafters)
         self.proposes_for_free = all(d.proposes_for_free for d in self.drafters)
         self.proposes_trees = any(d.proposes_trees for d in self.drafters)
+        self.key_priors = {KEY_GROUP * i + k: p for i, d in enumerate(self.drafters) for k, p in d.key_priors.items()}
 
     def new_state(
         self, prompt_ids: Sequence[int], sampler: Sampler | None = None, suffix_index: SuffixIndex | None = None

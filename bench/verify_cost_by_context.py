@@ -1,0 +1,83 @@
+"""What verifying k tokens costs as the context grows, and how much of it is attention.
+
+The draft planner weighs each draft against the target's forward costs, measured once per model after a short
+context (`targets/forward_cost.py`, ``CALIBRATION_CONTEXT``) and corrected by the forwards each generation times.
+Agentic requests run at hundreds of tokens of context, where every row of a k-token forward attends over the
+whole cache: this prints, for each ``--contexts`` length, the cost of a forward of each ``--widths`` width in
+1-token forwards (the planner's measurement, taken after that context: fastest of ``--repeats``), and the native
+attention alone at that context and width, summed over the model's layers (median of ``--reps`` timings).
+
+    python bench/verify_cost_by_context.py --dtype bfloat16 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import PreTrainedModel
+
+from lattice_inference.cli import quiet_transformers
+from lattice_inference.loading import load_model
+from lattice_inference.targets import LeanTarget, forward_cost, make_target, native_ops
+
+
+def attention_ms(model: PreTrainedModel, context: int, width: int, reps: int) -> float:
+    """Milliseconds of the native attention of ``width`` chained rows over ``context`` cached keys, every layer
+    of ``model`` (its head counts, head size and dtype; random queries, keys and values)."""
+    ops = native_ops.ops()
+    assert ops is not None
+    config, dtype = model.config, model.dtype
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    k = torch.randn(kv_heads, context + width, dim).to(dtype)
+    v = torch.randn(kv_heads, context + width, dim).to(dtype)
+    q = torch.randn(heads, width, dim)
+    keys = torch.arange(context + width)
+    ends = torch.arange(context + 1, context + width + 1)
+    spans = torch.stack([torch.zeros_like(ends), ends], 1).contiguous()
+    layers = config.num_hidden_layers
+    ops.attention(q, k, v, keys, spans, 0.125)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(layers):
+            ops.attention(q, k, v, keys, spans, 0.125)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="as `lattice bench --model` (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--contexts", default="64,300,600,900")
+    parser.add_argument("--widths", default="1,2,4,8,11,16")
+    parser.add_argument("--repeats", type=int, default=5, help="forwards per width and context (fastest kept)")
+    parser.add_argument("--reps", type=int, default=15, help="timings of the attention alone (median kept)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    quiet_transformers()
+    loaded = load_model(args.model, dtype=args.dtype)
+    target = make_target(loaded.model)
+    widths = [int(w) for w in args.widths.split(",")]
+    native = isinstance(target, LeanTarget) and native_ops.ops() is not None
+    print(f"{type(target).__name__}, {args.dtype}, {args.threads} threads, kernel {native_ops.tile_kernel()}")
+    head = f"{'context':>8} {'1-token ms':>11}  " + " ".join(f"{w:>6}" for w in widths)
+    print("forward of k tokens, in 1-token forwards; then attention alone (ms, all layers)")
+    print(head)
+    for context in [int(c) for c in args.contexts.split(",")]:
+        forward_cost.CALIBRATION_CONTEXT = context  # the planner's measurement, after this much context
+        costs = forward_cost.measure_forward_costs(target, widths, repeats=args.repeats)
+        ratios = " ".join(f"{costs.relative(w):>6.2f}" for w in widths)
+        print(f"{context:>8} {costs.measured[0] * 1000:>11.2f}  {ratios}")
+        if native:
+            attn = " ".join(f"{attention_ms(loaded.model, context, w, args.reps):>6.2f}" for w in widths)
+            print(f"{'':>8} {'attention':>11}  {attn}")
+
+
+if __name__ == "__main__":
+    main()
