@@ -6,8 +6,7 @@ the chance that position ``j`` is accepted once positions ``0..j-1`` were, is th
 rate over its key group (a drafter's keys share a hundred, `KEY_GROUP`), which is blended with `PRIOR`; a key
 whose drafter states a prior for it (`Drafter.key_priors`: a suffix match 32 tokens deep, accepted at every
 position of 74 rounds on the shipped traces, where its group's rate was 0.6) blends its own counts with that
-instead. Runners-up
-(draft trees) are counted alike per key, depth and rank, blended with `ALT_PRIORS`.
+instead. Runners-up (draft trees) are counted alike per key, depth and rank, blended with `ALT_PRIORS`.
 
 A decoder keeps what the last generation of each scope learned (`AcceptanceStats.carried`) and starts that
 scope's next one from it, each count capped at `CARRY` observations so that a new request's own rounds soon
