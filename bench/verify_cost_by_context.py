@@ -5,7 +5,8 @@ context (`targets/forward_cost.py`, ``CALIBRATION_CONTEXT``) and corrected by th
 Agentic requests run at hundreds of tokens of context, where every row of a k-token forward attends over the
 whole cache: this prints, for each ``--contexts`` length, the cost of a forward of each ``--widths`` width in
 1-token forwards (the planner's measurement, taken after that context: fastest of ``--repeats``), and the native
-attention alone at that context and width, summed over the model's layers (median of ``--reps`` timings).
+attention alone at that context over 1, 4, 8 and 16 rows, every layer's (`profile_step.lean_parts`, median of
+``--reps`` timings).
 
     python bench/verify_cost_by_context.py --dtype bfloat16 --threads 2
 """
@@ -13,40 +14,14 @@ attention alone at that context and width, summed over the model's layers (media
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-from transformers import PreTrainedModel
+from profile_step import lean_parts
 
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.loading import load_model
-from lattice_inference.targets import LeanTarget, forward_cost, make_target, native_ops
-
-
-def attention_ms(model: PreTrainedModel, context: int, width: int, reps: int) -> float:
-    """Milliseconds of the native attention of ``width`` chained rows over ``context`` cached keys, every layer
-    of ``model`` (its head counts, head size and dtype; random queries, keys and values)."""
-    ops = native_ops.ops()
-    assert ops is not None
-    config, dtype = model.config, model.dtype
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    k = torch.randn(kv_heads, context + width, dim).to(dtype)
-    v = torch.randn(kv_heads, context + width, dim).to(dtype)
-    q = torch.randn(heads, width, dim)
-    keys = torch.arange(context + width)
-    ends = torch.arange(context + 1, context + width + 1)
-    spans = torch.stack([torch.zeros_like(ends), ends], 1).contiguous()
-    layers = config.num_hidden_layers
-    ops.attention(q, k, v, keys, spans, 0.125)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(layers):
-            ops.attention(q, k, v, keys, spans, 0.125)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+from lattice_inference.targets import LeanTarget, make_target, native_ops
+from lattice_inference.targets.forward_cost import measure_forward_costs
 
 
 def main() -> None:
@@ -70,13 +45,13 @@ def main() -> None:
     print("forward of k tokens, in 1-token forwards; then attention alone (ms, all layers)")
     print(head)
     for context in [int(c) for c in args.contexts.split(",")]:
-        forward_cost.CALIBRATION_CONTEXT = context  # the planner's measurement, after this much context
-        costs = forward_cost.measure_forward_costs(target, widths, repeats=args.repeats)
+        costs = measure_forward_costs(target, widths, repeats=args.repeats, context=context)
         ratios = " ".join(f"{costs.relative(w):>6.2f}" for w in widths)
         print(f"{context:>8} {costs.measured[0] * 1000:>11.2f}  {ratios}")
-        if native:
-            attn = " ".join(f"{attention_ms(loaded.model, context, w, args.reps):>6.2f}" for w in widths)
-            print(f"{'':>8} {'attention':>11}  {attn}")
+        attention = lean_parts(target, context, args.reps).get("attention") if native else None
+        if attention:
+            cells = " ".join(f"{w}: {ms:.2f}" for w, ms in attention.items())
+            print(f"{'':>8} attention alone, ms by rows: {cells}")
 
 
 if __name__ == "__main__":

@@ -56,24 +56,26 @@ def calibration_widths(max_width: int) -> list[int]:
     return [*widths, max_width]
 
 
-def measure_forward_costs(target: Target, widths: Sequence[int], repeats: int = 3) -> ForwardCosts:
-    """Time forwards of each width on ``target`` after a scratch prefill (one untimed forward of the widest
-    width first warms the kernels up), the widths taking turns within each repeat so that a busy moment of the
-    machine hits them alike; the fastest of each width's ``repeats`` is kept. This resets the target's cache."""
+def measure_forward_costs(
+    target: Target, widths: Sequence[int], repeats: int = 3, context: int = CALIBRATION_CONTEXT
+) -> ForwardCosts:
+    """Time forwards of each width on ``target`` after a scratch prefill of ``context`` tokens (one untimed
+    forward of the widest width first warms the kernels up), the widths taking turns within each repeat so that a
+    busy moment of the machine hits them alike; the fastest of each width's ``repeats`` is kept. This resets the
+    target's cache."""
     widths = sorted(set(widths) | {1})
     vocab = target.vocab_size
-    context = [(7 * i + 3) % vocab for i in range(CALIBRATION_CONTEXT)]
-    target.prefill(context)
+    target.prefill([(7 * i + 3) % vocab for i in range(context)])
     warm = [(11 * i + 5) % vocab for i in range(widths[-1])]
     target.forward(warm)
-    target.rollback(CALIBRATION_CONTEXT)
+    target.rollback(context)
     best = [float("inf")] * len(widths)
     for _ in range(repeats):
         for i, w in enumerate(widths):
             start = time.perf_counter()
             target.forward(warm[:w])
             best[i] = min(best[i], time.perf_counter() - start)
-            target.rollback(CALIBRATION_CONTEXT)
+            target.rollback(context)
     return ForwardCosts(tuple(widths), tuple(best))
 
 
