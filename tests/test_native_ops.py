@@ -122,3 +122,34 @@ def test_attention_rows_see_their_keys_and_equal_one_row_calls(ops, dtype):
         ops.attention(q[:, :1].contiguous(), k_cache, v_cache, *_keys([[0, 64]]), 0.2)
     with pytest.raises(RuntimeError, match=r"row 0 sees keys 0\.\.17 of 16"):
         ops.attention(q[:, :1].contiguous(), k_cache, v_cache, chain, torch.tensor([[0, 17]]), 0.2)
+
+
+@pytest.mark.parametrize("dots", [True, False])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_bfloat16_attention_at_model_head_sizes_is_row_exact_and_rounds_as_bfloat16_attention(ops, dim, dots):
+    """Head sizes 64 and 128 in bfloat16 run on AVX512-BF16 dot products where the CPU has them (``dots``; else,
+    and with ``attention_bf16_dots(False)``, on float32 lanes): each row equals that row alone at every key count
+    (odd ones leave a key pair half empty, 16-key blocks half full), and the outputs stay within what rounding the
+    query and the probabilities to bfloat16 costs (transformers' bfloat16 attention rounds them so too)."""
+    heads, kv_heads = 9, 3
+    k_cache = _rand(kv_heads, 160, dim, dtype=torch.bfloat16, seed=7)
+    v_cache = _rand(kv_heads, 160, dim, dtype=torch.bfloat16, seed=8)
+    visible = [list(range(1 + 7 * i)) for i in range(16)] + [[*range(20), 31, 57], [3, 90, 150]]
+    q = _rand(heads, len(visible), dim, dtype=torch.float32, seed=9)
+    scale = dim**-0.5
+    ops.attention_bf16_dots(dots)
+    try:
+        out = ops.attention(q, k_cache, v_cache, *_keys(visible), scale)
+        chain = torch.arange(106)  # the first 16 rows as prefixes of one list, computed together
+        spans = torch.tensor([[0, 1 + 7 * i] for i in range(16)])
+        assert torch.equal(ops.attention(q[:, :16].contiguous(), k_cache, v_cache, chain, spans, scale), out[:16])
+        for r, keys in enumerate(visible):
+            alone = ops.attention(q[:, r : r + 1].contiguous(), k_cache, v_cache, *_keys([keys]), scale)
+            assert torch.equal(alone[0], out[r]), r
+            for head in range(heads):
+                k, v = k_cache[head // 3, keys].double(), v_cache[head // 3, keys].double()
+                want = torch.softmax(q[head, r].double() @ k.T * scale, -1) @ v
+                got = out[r, head * dim : (head + 1) * dim].double()
+                assert (got - want).abs().max() <= 1.5e-2, (r, head, float((got - want).abs().max()))
+    finally:
+        ops.attention_bf16_dots(native_ops.bf16_attention_dots())

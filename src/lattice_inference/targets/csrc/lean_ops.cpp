@@ -216,6 +216,30 @@ inline f8 sum8x8(const f8* a) {
   return __builtin_shuffle(u[0], u[1], first) + __builtin_shuffle(u[0], u[1], second);
 }
 
+// A row's softmax numerators in place: exp(score - the largest of its ``count`` scores), lanes from ``count`` up to
+// ``padded`` (a multiple of 8) set to zero; returns their sum (8 lanes, then `sum8`) in every lane.
+inline f8 exp_scores(float* sc, int64_t count, int64_t padded) {
+  f8 top = splat(-INFINITY);  // the largest score: the same whichever order the comparisons take
+  int64_t j = 0;
+  for (; j + L <= count; j += L) top = vmax(top, load8(sc + j));
+  float m = -INFINITY, lanes[L];
+  std::memcpy(lanes, &top, sizeof lanes);
+  for (int t = 0; t < L; ++t) m = lanes[t] > m ? lanes[t] : m;
+  for (; j < count; ++j) m = sc[j] > m ? sc[j] : m;
+  f8 total = splat(0.f);
+  for (j = 0; j < padded; j += L) {
+    f8 e = vexp(load8(sc + j) - splat(m));
+    if (j + L > count) {  // the last chunk: lanes past the row's keys count zero
+      std::memcpy(lanes, &e, sizeof lanes);
+      for (int64_t t = count - j; t < L; ++t) lanes[t] = 0.f;
+      std::memcpy(&e, lanes, sizeof e);
+    }
+    store8(sc + j, e);
+    total += e;
+  }
+  return splat(sum8(total));
+}
+
 // One key-value head's attention for a run of ``rows`` rows whose keys are prefixes of one list (``counts[r]`` keys
 // each; a tree's rows come one at a time), with DV = head_dim / 8 chunks: per row, the scores of its ``groups``
 // query heads over its keys, 8 at a time (a row's last 8 may hold keys past its own, whose scores are dropped),
@@ -257,21 +281,7 @@ void attend(const float* qs, int64_t q_stride, int64_t groups, const T* kc, cons
     const int64_t count = counts[r], padded = (count + L - 1) / L * L;
     for (int64_t g = 0; g < groups; ++g) {
       float* sc = scores.data() + (r * groups + g) * span;
-      float m = -INFINITY;
-      for (int64_t j = 0; j < count; ++j) m = sc[j] > m ? sc[j] : m;
-      f8 total = splat(0.f);
-      for (int64_t j = 0; j < padded; j += L) {
-        f8 e = vexp(load8(sc + j) - splat(m));
-        if (j + L > count) {  // the last chunk: lanes past the row's keys count zero
-          float lanes[L];
-          std::memcpy(lanes, &e, sizeof lanes);
-          for (int64_t t = count - j; t < L; ++t) lanes[t] = 0.f;
-          std::memcpy(&e, lanes, sizeof e);
-        }
-        store8(sc + j, e);
-        total += e;
-      }
-      const f8 sum = splat(sum8(total));
+      const f8 sum = exp_scores(sc, count, padded);
       for (int64_t j = 0; j < padded; j += L) store8(sc + j, load8(sc + j) / sum);
     }
   }
@@ -304,6 +314,136 @@ void attend(const float* qs, int64_t q_stride, int64_t groups, const T* kc, cons
       for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(sums[i]);
     }
 }
+
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define LATTICE_BF16_ATTENTION 1
+// Lane j of the result: the sum of a[j]'s 16 lanes, by one fixed tree (pairs of lanes, then of 128-bit quarters).
+inline __m512 sum16x16(const __m512* a) {
+  __m512 s[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i)
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+    t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+}
+
+// Two bfloat16 rows of 16 values each as one vector of their pairs: (a[i], b[i]) side by side.
+inline __m512i interleave16(const uint16_t* a, const uint16_t* b) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a)),
+                                          _mm256_loadu_si256((const __m256i*)b), 1);
+  return _mm512_permutexvar_epi16(idx, both);
+}
+
+// `attend` for bfloat16 caches with AVX512-BF16 dot products, as transformers' bfloat16 attention rounds: the
+// query rounded to bfloat16, each score one float32 sum of `vdpbf16ps` products over the head's dimensions (16
+// lanes, reduced by `sum16x16`), the softmax in float32, the probabilities rounded to bfloat16, each output lane
+// summing its keys' products a pair of keys at a time, in key order. D = head_dim / 32 (dimension pairs come 16
+// to a vector). The same sequence for a row at any width, whichever rows come with it.
+template <int D>
+void attend_bf16(const float* qs, int64_t q_stride, int64_t groups, const c10::BFloat16* kc,
+                 const c10::BFloat16* vc, const int64_t* keys, const int64_t* counts, int64_t rows, float scale,
+                 std::vector<float>& scores, std::vector<float>& accs, c10::BFloat16* dst, int64_t dst_row_stride,
+                 int64_t dst_stride) {
+  constexpr int64_t d = D * 32;
+  const auto* kh = reinterpret_cast<const uint16_t*>(kc);
+  const auto* vh = reinterpret_cast<const uint16_t*>(vc);
+  int64_t widest = 0;
+  for (int64_t r = 0; r < rows; ++r) widest = std::max(widest, counts[r]);
+  const int64_t span = (widest + 15) / 16 * 16;
+  scores.resize(rows * groups * span);
+  // the queries in bfloat16 (round to nearest even), D vectors of 16 dimension pairs per (row, head)
+  std::vector<__m512i> qb(rows * groups * D);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int c = 0; c < D; ++c) {
+        const float* qv = qs + r * d + g * q_stride + c * 32;
+        qb[(r * groups + g) * D + c] =
+            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qv + 16), _mm512_loadu_ps(qv));
+      }
+  for (int64_t j0 = 0; j0 < span; j0 += 16) {
+    const uint16_t* kr[16];
+    for (int j = 0; j < 16; ++j) kr[j] = kh + (j0 + j < widest ? keys[j0 + j] : keys[0]) * d;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (j0 >= counts[r]) continue;
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m512i* q = qb.data() + (r * groups + g) * D;
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j) {
+          acc[j] = _mm512_setzero_ps();
+          for (int c = 0; c < D; ++c)
+            acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(kr[j] + c * 32), (__m512bh)q[c]);
+        }
+        _mm512_storeu_ps(scores.data() + (r * groups + g) * span + j0,
+                         _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale)));
+      }
+    }
+  }
+  // softmax per (row, head) over its own keys, in float32; probabilities past a row's keys are zero
+  std::vector<uint16_t> probs(rows * groups * span);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t count = counts[r], padded = (count + L - 1) / L * L;
+    for (int64_t g = 0; g < groups; ++g) {
+      float* sc = scores.data() + (r * groups + g) * span;
+      const f8 sum = exp_scores(sc, count, padded);
+      uint16_t* pr = probs.data() + (r * groups + g) * span;
+      auto* pb = reinterpret_cast<c10::BFloat16*>(pr);
+      for (int64_t j = 0; j < padded; j += L) store_as(pb + j, round8(load8(sc + j) / sum, pb));
+      for (int64_t j = padded; j < span; ++j) pr[j] = 0;
+    }
+  }
+  // value sums: lanes are dimensions; one `vdpbf16ps` per pair of keys (j, j + 1) and 16 dimensions, in key order
+  accs.assign(rows * groups * d, 0.f);
+  alignas(64) uint16_t zero[d] = {0};
+  __m512i vp[8][2 * D];  // a block of 16 keys as 8 pairs, 2 * D vectors of 16 dimensions each
+  for (int64_t j0 = 0; j0 < widest; j0 += 16) {
+    for (int i = 0; i < 8; ++i) {
+      const int64_t a = j0 + 2 * i, b = a + 1;
+      const uint16_t* va = a < widest ? vh + keys[a] * d : zero;
+      const uint16_t* vb = b < widest ? vh + keys[b] * d : zero;
+      for (int c = 0; c < 2 * D; ++c) vp[i][c] = interleave16(va + c * 16, vb + c * 16);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t count = counts[r];
+      if (j0 >= count) continue;
+      const int64_t pairs = std::min<int64_t>(8, (count - j0 + 1) / 2);
+      const bool odd = count - j0 < 16 && (count - j0) % 2 == 1;  // the row's last pair holds one of its keys
+      __m512i last[2 * D];
+      if (odd) {
+        const int64_t a = count - 1;
+        for (int c = 0; c < 2 * D; ++c) last[c] = interleave16(vh + keys[a] * d + c * 16, zero + c * 16);
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint32_t* pw = reinterpret_cast<const uint32_t*>(probs.data() + (r * groups + g) * span + j0);
+        float* sums = accs.data() + (r * groups + g) * d;
+        __m512 acc[2 * D];
+        for (int c = 0; c < 2 * D; ++c) acc[c] = _mm512_loadu_ps(sums + c * 16);
+        for (int64_t i = 0; i < pairs; ++i) {
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[i]));
+          const __m512i* v = odd && i + 1 == pairs ? last : vp[i];
+          for (int c = 0; c < 2 * D; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)v[c], p);
+        }
+        for (int c = 0; c < 2 * D; ++c) _mm512_storeu_ps(sums + c * 16, acc[c]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* sums = accs.data() + (r * groups + g) * d;
+      c10::BFloat16* out = dst + r * dst_row_stride + g * dst_stride;
+      for (int64_t i = 0; i < d; ++i) out[i] = static_cast<c10::BFloat16>(sums[i]);
+    }
+}
+#endif
+
+bool bf16_attention_dots = true;  // `attention_bf16_dots`
 
 // Attention of each row and key-value head (its ``groups`` query heads together): q [H, n, D] float, caches
 // [K, capacity, D] of T; row r sees the cache rows keys[spans[r][0] .. spans[r][1]) in that order. Scores,
@@ -352,6 +492,17 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
       T* dst = outp + r0 * heads * d + kv * groups * d;
       const int64_t* ks = kp + op[2 * r0];
       const int64_t* cs = counts.data() + r0;
+#ifdef LATTICE_BF16_ATTENTION
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (bf16_attention_dots && (d == 64 || d == 128)) {
+          if (d == 64)
+            attend_bf16<2>(qs, n * d, groups, kc_h, vc_h, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
+          else
+            attend_bf16<4>(qs, n * d, groups, kc_h, vc_h, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
+          continue;
+        }
+      }
+#endif
       if (dv == 8)
         attend<T, 8>(qs, n * d, groups, kc_h, vc_h, dv, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
       else if (dv == 16)
@@ -513,6 +664,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qk_cache", &rope_qk_cache);
   m.def("attention", &attention);
   m.def("silu_mul", &silu_mul);
+  m.def("attention_bf16_dots", [](bool on) { bf16_attention_dots = on; });
   m.def("tile_linear_available", &tile_linear_available);
   m.def("tile_linear_kernel", &tile_linear_kernel);
   m.def("tile_linear_prefer_amx", &tile_linear_prefer_amx);
