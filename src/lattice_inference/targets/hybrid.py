@@ -251,7 +251,7 @@ class HybridTarget(CausalLMTarget):
         with torch.inference_mode():
             for layer, source in sources.items():
                 self._recurrent(layer).copy_(source.state_at(length - window.start))
-            self._cache.crop(length - self._length)
+            self._crop(length - self._length)
         self._set_length(length)
 
     def _restore_snapshot_and_replay(self, window: _Window, length: int) -> None:
@@ -262,7 +262,7 @@ class HybridTarget(CausalLMTarget):
         with torch.inference_mode():
             for layer, state in window.snapshot.items():
                 self._recurrent(layer).copy_(state)
-            self._cache.crop(window.start - self._length)
+            self._crop(window.start - self._length)
         self._set_length(window.start)
         if replay:
             self.forward(replay)
@@ -322,9 +322,25 @@ class HybridTarget(CausalLMTarget):
         """Forget the rollback window of the last forward and trim the conv history it needed."""
         if self._cache is not None and self._uncommitted:
             with torch.inference_mode():
-                self._cache.crop(0)
+                self._crop(0)
         self._uncommitted = False
         self._window = None
+
+    def _crop(self, tokens: int) -> None:
+        """``Cache.crop(tokens)`` (``tokens <= 0``) of the conv states and attention KV that leaves each GDN layer's
+        recurrent state as the rollback has just written it.
+
+        transformers 5.25 crops recurrent states too, from a history it fills only when asked to keep
+        intermediate states (and replaces the state tensor, which `_layer_of_state` keys on): we hand it the current
+        state as that history, so its crop keeps it. 5.24 has no such history and ignores the field.
+        """
+        assert self._cache is not None
+        for i in self._linear_layers():
+            layer = self._cache.layers[i]
+            assert isinstance(layer, LinearAttentionCacheLayerMixin)
+            kept = [layer.recurrent_states[s] for s in range(layer.number_of_states)]
+            vars(layer)["recurrent_states_history"] = {s: [state] * max(1, -tokens) for s, state in enumerate(kept)}
+        self._cache.crop(tokens)
 
     def _set_length(self, length: int) -> None:
         self._length = length

@@ -121,3 +121,18 @@ def use_growable_layers(cache: DynamicCache) -> DynamicCache:
     """
     cache.layers = [GrowableLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def record_past(cache: DynamicCache) -> DynamicCache:
+    """Switch on ``cache``'s past recording (so conv and sliding-window layers can be cropped), keeping no
+    intermediate recurrent states, in place.
+
+    transformers 5.25 added ``recurrent_states_to_keep`` to ``activate_past_recording`` with a default of
+    ``None``, which its own Gated DeltaNet forward then compares with an int (5.24 has no such field). Our
+    hybrid target rolls recurrent state back itself, so it keeps none.
+    """
+    cache.activate_past_recording()
+    for layer in cache.layers:
+        if getattr(layer, "recurrent_states_to_keep", 0) is None:
+            layer.recurrent_states_to_keep = 0
+    return cache

@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 from lattice_inference.errors import TokenError, UnsupportedModelError
 from lattice_inference.targets import decode_matched as decode_matched_module
 from lattice_inference.targets.base import Target
-from lattice_inference.targets.kv_cache import GrowableLayer, use_growable_layers
+from lattice_inference.targets.kv_cache import GrowableLayer, record_past, use_growable_layers
 from lattice_inference.targets.packed_linear import pack_linears
 
 
@@ -135,8 +135,7 @@ class CausalLMTarget(Target):
 
     def _new_cache(self) -> None:
         """Start from an empty cache that records past states so that it can be cropped."""
-        self._cache = use_growable_layers(DynamicCache(config=self.model.config))
-        self._cache.activate_past_recording()
+        self._cache = record_past(use_growable_layers(DynamicCache(config=self.model.config)))
         self._length = 0
 
     def _run(
