@@ -3,8 +3,9 @@
 Why a separate target: these models keep, next to the attention KV cache, a *recurrent* state per Gated DeltaNet
 (GDN) layer (a ``[heads, d_k, d_v]`` matrix updated by the delta rule at every token) plus a short conv state.
 transformers' ``Cache.crop(-n)`` after ``activate_past_recording()`` restores the conv state and the attention KV,
-but leaves the recurrent state as it was after the *last drafted* token, so a speculative decoder built on it is
-silently wrong after any rejection. `TransformersTarget` therefore refuses these models.
+but (5.24) leaves the recurrent state as it was after the *last drafted* token, so a speculative decoder built on
+it is silently wrong after any rejection; 5.25 restores it only when told to keep states, which makes the last k
+tokens run one by one. `TransformersTarget` therefore refuses these models.
 
 How rollback works here:
 
