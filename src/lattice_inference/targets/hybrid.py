@@ -336,11 +336,11 @@ class HybridTarget(CausalLMTarget):
         state as that history, so its crop keeps it. 5.24 has no such history and ignores the field.
         """
         assert self._cache is not None
-        for i in self._linear_layers():
+        for i in self._linear_layers() if tokens < 0 else []:  # crop(0) only trims conv history
             layer = self._cache.layers[i]
             assert isinstance(layer, LinearAttentionCacheLayerMixin)
             kept = [layer.recurrent_states[s] for s in range(layer.number_of_states)]
-            vars(layer)["recurrent_states_history"] = {s: [state] * max(1, -tokens) for s, state in enumerate(kept)}
+            vars(layer)["recurrent_states_history"] = {s: [state] * -tokens for s, state in enumerate(kept)}
         self._cache.crop(tokens)
 
     def _set_length(self, length: int) -> None:
