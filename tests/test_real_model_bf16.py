@@ -73,3 +73,26 @@ def test_every_method_equals_plain_decoding_in_bfloat16(loaded) -> None:
         got = methods["ngram"].generate(ids, BUDGET, temperature=0.8, top_p=0.95, seed=i)
         assert got.token_ids == sampled, (p.id, "sampled")
     assert all(accepted.values()), accepted
+
+
+def test_a_conversation_reusing_its_cache_equals_fresh_prefills(loaded) -> None:
+    """Three chat turns, each prompt holding the earlier turns and answers: generators that keep the cached rows
+    of the shared prefix (``prefix_cache``, the default) emit what generators computing every prompt row emit."""
+    common = dict(eos_token_ids=loaded.eos_token_ids)
+    first = load_prompts(GROUNDED_TASKS)[0]
+    document = first.prompt or (first.messages or [{}])[-1]["content"]
+    questions = ["Summarise the text in one sentence.", "Quote its first sentence.", "Name one thing it mentions."]
+    for method in ("greedy", "ngram"):
+        reusing = Generator(loaded.model, loaded.tokenizer, method=method, **common)
+        fresh = Generator(loaded.model, loaded.tokenizer, method=method, prefix_cache=False, **common)
+        turns: list[dict[str, str]] = []
+        cached = 0
+        for i, question in enumerate(questions):
+            turns.append({"role": "user", "content": f"{document}\n\n{question}" if i == 0 else question})
+            ids = reusing.encode_messages(turns)
+            got = reusing.generate(ids, BUDGET)
+            assert got.token_ids == fresh.generate(ids, BUDGET).token_ids, (method, i)
+            cached += got.metrics.cached_prompt_tokens
+            turns.append({"role": "assistant", "content": got.text})
+        if reusing.decoder.target._row_key(len(ids)) is not None:  # type: ignore[attr-defined]
+            assert cached > len(ids) // 2, method

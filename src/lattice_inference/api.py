@@ -159,7 +159,12 @@ class Generator:
         """The cross-request index of the suffix methods: every generation of this generator drafts from what the
         earlier ones read and wrote (`clear_suffix_index` forgets it)."""
         if target is None:
-            target = make_target(model, decode_matched=not options.batched_verify, forward=options.forward)
+            target = make_target(
+                model,
+                decode_matched=not options.batched_verify,
+                forward=options.forward,
+                prefix_cache=options.prefix_cache,
+            )
         self.decoder = SpeculativeDecoder(
             target,
             drafter,

@@ -149,6 +149,7 @@ class MethodStats:
     method: str
     new_tokens: int = 0
     decode_s: float = 0.0
+    prefill_s: float = 0.0
     identical: int = 0
     runs: int = 0
     metrics: GenerationMetrics = field(default_factory=GenerationMetrics)
@@ -157,6 +158,7 @@ class MethodStats:
     def add(self, m: GenerationMetrics, same_as_greedy: bool) -> None:
         self.new_tokens += m.new_tokens
         self.decode_s += m.decode_s
+        self.prefill_s += m.prefill_s
         self.identical += same_as_greedy
         self.runs += 1
         self.metrics.add(m)

@@ -336,6 +336,7 @@ class SpeculativeDecoder:
         budget = gen.max_new_tokens
         if drafter is None or self._wants_hidden or not target.fuses_prefill_and_draft or budget < 2:
             logits = target.prefill(prompt).unsqueeze(0)
+            gen.metrics.cached_prompt_tokens = target.prefix_reused
             first = gen.sampler.choose(gen.penalised(logits, prompt[-1:]), len(prompt))
             return first, self._hidden_rows(len(prompt)), logits
         planned = self._draft(gen, budget - 1)

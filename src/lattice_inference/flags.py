@@ -67,8 +67,8 @@ class DraftFlag:
 
 
 #: The `DecodeOptions` fields set by a flag of their own. ``method`` is added by `add_decode_arguments` where a
-#: sub-command runs one method; ``adaptive`` and ``coupled_draft`` are the switches ``--fixed-draft`` and
-#: ``--argmax-draft``; ``sampling`` is `SAMPLING_FLAGS`.
+#: sub-command runs one method; ``adaptive``, ``coupled_draft`` and ``prefix_cache`` are the switches
+#: ``--fixed-draft``, ``--argmax-draft`` and ``--no-prefix-cache``; ``sampling`` is `SAMPLING_FLAGS`.
 DRAFT_FLAGS: dict[str, DraftFlag] = {
     "max_ngram": DraftFlag(f"longest n-gram to match (default {D.max_ngram})"),
     "min_ngram": DraftFlag(f"shortest n-gram to match (default {D.min_ngram})"),
@@ -148,6 +148,12 @@ def add_decode_arguments(parser: argparse.ArgumentParser, *, method: bool = True
         action="store_true",
         help="verify every drafted token (default: the planner picks 0..max-draft per round)",
     )
+    parser.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="compute every prompt row (default: a prompt that starts like the previous request's prompt and answer "
+        "keeps those cached rows where they are bit for bit what its prefill would compute)",
+    )
     parser.add_argument("--mtp-head", help=MTP_HEAD_HELP)
     for name, (_, help_text) in SAMPLING_FLAGS.items():
         default = getattr(SamplingOptions, name)
@@ -179,7 +185,11 @@ def decode_options(args: argparse.Namespace, **fixed: object) -> DecodeOptions:
     """The `DecodeOptions` of the command line (``fixed``: fields the sub-command sets itself, e.g. bench's
     ``method``); a bad value is a `ConfigError` naming its flag."""
     values: dict[str, Any] = {name: getattr(args, name) for name in DRAFT_FLAGS}
-    values |= {"adaptive": not args.fixed_draft, "coupled_draft": not args.argmax_draft}
+    values |= {
+        "adaptive": not args.fixed_draft,
+        "coupled_draft": not args.argmax_draft,
+        "prefix_cache": not args.no_prefix_cache,
+    }
     if "method" in args:
         values["method"] = args.method
     sampling = sampling_options(args)

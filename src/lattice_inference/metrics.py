@@ -16,6 +16,9 @@ class GenerationMetrics:
     """Counters and timings collected while generating; derived rates are properties."""
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose cache rows the prefill kept from the previous generation instead of computing them
+    (``prefix_cache``; OpenAI's ``usage.prompt_tokens_details.cached_tokens``)."""
     new_tokens: int = 0
     target_forwards: int = 0
     """Target forward passes after prefill (one per verification round or plain step)."""
@@ -135,6 +138,7 @@ class GenerationMetrics:
             "leaves": self.leaves,
             "accepted_leaves": self.accepted_leaves,
             "drafter_forwards": self.drafter_forwards,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "calibration_s": self.calibration_s,
@@ -165,7 +169,9 @@ class GenerationMetrics:
         """One human-readable line."""
         return (
             f"{self.new_tokens} tokens in {self.decode_s:.2f}s ({self.tokens_per_s:.1f} tok/s), "
-            f"prefill {self.prompt_tokens} tokens in {self.prefill_s:.2f}s, {self.target_forwards} target forwards, "
+            f"prefill {self.prompt_tokens} tokens"
+            + (f" ({self.cached_prompt_tokens} cached)" if self.cached_prompt_tokens else "")
+            + f" in {self.prefill_s:.2f}s, {self.target_forwards} target forwards, "
             f"acceptance {self.acceptance_rate:.1%} ({self.accepted_tokens}/{self.drafted_tokens}), "
             f"mean acceptance length {self.mean_acceptance_length:.2f}"
             + (f", {self.leaves} tree leaves ({self.accepted_leaves} accepted)" if self.leaves else "")

@@ -169,7 +169,11 @@ class DecodeOptions:
     where those kernels change their rounding with the row count, but then not guaranteed identical to plain
     decoding (see `lattice_inference.targets.decode_matched`). ``forward``: ``lean`` runs the decoder loop from the
     model's own modules without transformers' per-call plumbing (Llama, Qwen2, Qwen3; same logits, bit for bit),
-    ``transformers`` the model's own forward, ``auto`` (default) lean where it applies.
+    ``transformers`` the model's own forward, ``auto`` (default) lean where it applies. ``prefix_cache`` (default
+    on) lets a prefill keep the cached rows of its prompt's longest prefix that the previous generation on the same
+    target left (its prompt and output: the next turn of a conversation, the same document or system prompt),
+    where those rows are bit for bit what the prefill would compute (the lean forward's native layer loop, prompts
+    up to 1024 tokens; `lattice_inference.targets.prefix_reuse`); elsewhere it computes every row as before.
     """
 
     method: str = "ngram"
@@ -185,6 +189,7 @@ class DecodeOptions:
     suffix_budget: int = SUFFIX_BUDGET
     batched_verify: bool = False
     forward: str = "auto"
+    prefix_cache: bool = True
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
 
     def __post_init__(self) -> None:

@@ -125,6 +125,8 @@ def _row(name: str, s: MethodStats, greedy: MethodStats, ngram: MethodStats | No
         "mean_acceptance_length": m.mean_acceptance_length,
         "tokens_per_forward": m.new_tokens / m.target_forwards if m.target_forwards else 0.0,
         "identical_share": s.identical / s.runs if s.runs else 0.0,
+        "request_s": (s.prefill_s + s.decode_s) / s.runs if s.runs else 0.0,
+        "cached_prompt_share": m.cached_prompt_tokens / m.prompt_tokens if m.prompt_tokens else 0.0,
         "leaves": m.leaves,
         "accepted_leaves": m.accepted_leaves,
         "new_tokens": s.new_tokens,
@@ -186,7 +188,7 @@ def format_traces(report: dict[str, Any]) -> str:
     """The trace report as fixed-width tables: one per trace, then all traces."""
     head = (
         f"{'method':<11} {'tok/s':>8} {'vs greedy':>10} {'vs ngram':>9} {'mean acc len':>13} {'tok/fwd':>8} "
-        f"{'leaves (acc)':>13} {'identical':>10}"
+        f"{'leaves (acc)':>13} {'identical':>10} {'s/request':>10} {'cached':>7}"
     )
     lines: list[str] = []
     for title, group in [*report["traces"].items(), ("all traces", report)]:
@@ -197,8 +199,11 @@ def format_traces(report: dict[str, Any]) -> str:
             lines.append(
                 f"{r['method']:<11} {r['tokens_per_s']:>8.1f} {r['speedup_vs_greedy']:>9.2f}x {vs_ngram:>9} "
                 f"{r['mean_acceptance_length']:>13.2f} {r['tokens_per_forward']:>8.2f} {leaves:>13} "
-                f"{r['identical_share']:>10.0%}"
+                f"{r['identical_share']:>10.0%} {r['request_s']:>10.3f} {r['cached_prompt_share']:>7.0%}"
             )
         lines.append("")
-    lines.append(f"{report['requests']} requests, up to {report['max_new_tokens']} new tokens each, after a warm-up")
+    lines.append(
+        f"{report['requests']} requests, up to {report['max_new_tokens']} new tokens each, after a warm-up; tok/s: "
+        "decode only; s/request: prefill and decode; cached: prompt tokens whose cache rows the prefill reused"
+    )
     return "\n".join(lines)

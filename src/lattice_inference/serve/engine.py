@@ -159,7 +159,9 @@ class Engine:
         self.name = name or Path(loaded.source).name
         self.cache_size = cache_size
         self._generators: OrderedDict[DecodeOptions, Generator] = OrderedDict()
-        self._targets: dict[tuple[bool, str], Target] = {}
+        self._targets: dict[tuple[bool, str, bool], Target] = {}
+        self._cache_tenants: dict[int, str | None] = {}
+        """Per target (by id), the tenant whose generation last filled its cache (`_hand_over`)."""
         self._heads: dict[int, MtpHead] = {}
         self.mtp_error: str | None = None
         try:
@@ -263,12 +265,23 @@ class Engine:
         """The target for ``settings``, one per kind of verification (``batched_verify``, ``forward``), shared
         by every generator: one cache, reused by each generation (they run one at a time), and one packing of the
         weights, self-check and cost measurement, rather than one per speculation setting."""
-        key = (settings.batched_verify, settings.forward)
+        key = (settings.batched_verify, settings.forward, settings.prefix_cache)
         if key not in self._targets:
             self._targets[key] = make_target(
-                self.loaded.model, decode_matched=not settings.batched_verify, forward=settings.forward
+                self.loaded.model,
+                decode_matched=not settings.batched_verify,
+                forward=settings.forward,
+                prefix_cache=settings.prefix_cache,
             )
         return self._targets[key]
+
+    def _hand_over(self, target: Target, job: GenerationJob) -> None:
+        """Let ``job`` reuse ``target``'s cached prompt rows (``prefix_cache``) only where the last generation on it
+        was the same tenant's, and not where it clears its index: a prefill's speed would otherwise tell one
+        tenant that another sent the same text. Requests of no tenant reuse nothing (`tenant_of`)."""
+        if job.tenant is None or job.clear_index or self._cache_tenants.get(id(target)) != job.tenant:
+            target.forget_prefix()
+        self._cache_tenants[id(target)] = job.tenant
 
     def generator(self, settings: DecodeOptions) -> Generator:
         """A generator for ``settings`` over the loaded model and the shared target (built once, then reused)."""
@@ -318,6 +331,7 @@ class Engine:
             for other in self._generators.values():
                 other.decoder.forget(job.tenant)
         index = self.suffix_scopes.index_for(job.tenant) if "suffix" in job.settings.drafters else None
+        self._hand_over(gen.decoder.target, job)
         state = gen.start(  # the planner's learned acceptance is carried within the tenant only, as its index
             job.prompt_ids,
             job.max_tokens,

@@ -67,12 +67,14 @@ class CompletionFormat:
         }
 
     @staticmethod
-    def usage(finish: Finish) -> dict[str, int]:
-        """OpenAI's ``usage`` object."""
+    def usage(finish: Finish) -> dict[str, Any]:
+        """OpenAI's ``usage`` object (``cached_tokens``: prompt tokens the prefill kept from the previous request
+        of the same tenant, see ``--no-prefix-cache``)."""
         return {
             "prompt_tokens": finish.prompt_tokens,
             "completion_tokens": finish.completion_tokens,
             "total_tokens": finish.prompt_tokens + finish.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": int(finish.metrics.get("cached_prompt_tokens", 0))},
         }
 
     def whole(self, text: str, finish: Finish, entries: list[LogprobEntry] | None = None) -> dict[str, Any]:

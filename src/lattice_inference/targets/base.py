@@ -42,6 +42,11 @@ class Target(Protocol):
     1-token `forward` at that position (`lattice_inference.targets.exactness` checks it before the first drafted
     generation), so that verification is lossless in any dtype."""
 
+    prefix_reused: int = 0
+    """How many leading rows of the last `prefill` came from the cache as it stood (the earlier sequence's rows
+    for the same tokens) instead of being computed: only where they equal bit for bit what a fresh prefill would
+    compute (`lattice_inference.targets.prefix_reuse`); 0 for targets that never reuse."""
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids the model accepts as input."""
@@ -81,6 +86,10 @@ class Target(Protocol):
         and attends to the cache and its ancestors only (``parents[i]``, the earlier row it follows; -1 for row 0,
         the only root). Returns logits ``[n, vocab]``; `keep_rows` must follow. Only where ``verifies_trees``."""
         raise NotImplementedError(f"{type(self).__name__} does not verify draft trees")
+
+    def forget_prefix(self) -> None:
+        """Make the next `prefill` compute every row (a server calls it before another tenant's request: how fast a
+        prefill runs would tell whether someone sent the same text). A no-op where nothing is reused."""
 
     def keep_rows(self, start: int, rows: Sequence[int]) -> None:
         """After a forward (or `forward_tree`) that fed rows at ``start``, keep the rows ``rows`` (increasing,

@@ -25,7 +25,7 @@ model and the toys). Cache, rollback, draft trees and hidden states for MTP are 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +37,7 @@ from lattice_inference.targets import decode_matched, native_ops
 from lattice_inference.targets.block_attention import Block, block_attention, plan_blocks
 from lattice_inference.targets.decode_matched import Product
 from lattice_inference.targets.packed_linear import packed_operands, products
+from lattice_inference.targets.prefix_reuse import CachedRows, RowKey
 from lattice_inference.targets.transformers import TransformersTarget
 
 LEAN_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
@@ -60,10 +61,12 @@ def lean_supported(model: PreTrainedModel) -> str | None:
     return None
 
 
-NATIVE_PREFILL_MAX = 512
+NATIVE_PREFILL_MAX = 1024
 """Longest prompt the native ops prefill (else the PyTorch path's flash attention): their attention costs more per
-key pair, so they win on short prompts and lose on long ones (SmolLM2, bfloat16, AMD EPYC Zen 4, 2 threads:
-289 against 352 ms at 327 tokens; about even at 600-1000; 19.7 against 12.1 s at 3000; bench/RESULTS.md)."""
+key pair, so they win on short prompts and lose on long ones. SmolLM2, AMD EPYC Zen 4 (AVX512-BF16), 2 threads,
+median of 3, native against flash attention in ms: bfloat16 421/545 at 512 tokens, 1054/1166 at 1024, 2113/1882
+at 1536, 3821/2944 at 2048; float32 901/952 at 512, 1749/1622 at 1024. Prompts a native prefill computes can
+reuse cached rows (`prefix_reuse`), which tips the balance up to here."""
 
 
 class LeanTarget(TransformersTarget):
@@ -71,7 +74,13 @@ class LeanTarget(TransformersTarget):
     `lean_supported` accepts."""
 
     def __init__(
-        self, model: PreTrainedModel, *, packed_weights: bool = True, decode_matched: bool = True, native: bool = True
+        self,
+        model: PreTrainedModel,
+        *,
+        packed_weights: bool = True,
+        decode_matched: bool = True,
+        native: bool = True,
+        prefix_cache: bool = True,
     ) -> None:
         reason = lean_supported(model)
         if reason is not None:
@@ -85,6 +94,11 @@ class LeanTarget(TransformersTarget):
         self._heads, self._kv_heads = text.num_attention_heads, text.num_key_value_heads
         self._native = native_ops.ops() if native and self._native_fits(model) else None
         self._loop = _LayerLoop.of(self._layers) if self._native is not None else None
+        self.prefix_cache = prefix_cache
+        """Whether a `prefill` may keep the cached rows of the prompt's longest prefix already in the cache, where
+        they are bit for bit what it would compute (`prefix_reuse`)."""
+        self._rows = CachedRows()
+        self._extending = False
 
     def _logits(
         self, ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: int
@@ -92,7 +106,7 @@ class LeanTarget(TransformersTarget):
         n, start = ids.shape[1], self._length
         mask = attention_mask
         blocks = None
-        prefill = mask is None and start == 0 and n <= NATIVE_PREFILL_MAX
+        prefill = mask is None and (start == 0 or self._extending) and start + n <= NATIVE_PREFILL_MAX
         if self._native is not None and (decode_matched.active() or prefill):
             hidden = self._native_decoder(ids, positions, _visible_keys(start, n, mask, self.device))
             return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
@@ -103,6 +117,66 @@ class LeanTarget(TransformersTarget):
             mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)[None, None]
         hidden = self._decoder(ids, positions, mask, blocks)
         return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+
+    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """`TransformersTarget.prefill`, keeping the cached rows of the prompt's longest prefix already in the cache
+        where they are what this prefill would compute (`prefix_reuse`; `prefix_reused` says how many)."""
+        self._check_prefill(token_ids)
+        key = self._row_key(len(token_ids))
+        keep = self._rows.reusable(token_ids, key) if key is not None and not self.capture_hidden else 0
+        self.prefix_reused = keep
+        if not keep:
+            logits = super().prefill(token_ids)
+            self._rows.reset(key)
+            self._rows.fed(token_ids)
+            return logits
+        self.rollback(keep)
+        self._extending = True
+        try:
+            return self._run(token_ids[keep:], logits_to_keep=1)[-1]
+        finally:
+            self._extending = False
+
+    def forget_prefix(self) -> None:
+        self._rows.reset(None)
+
+    def _row_key(self, prompt_length: int) -> RowKey | None:
+        """The `RowKey` under which a fresh prefill of ``prompt_length`` tokens computes its rows as every later
+        forward does (the native layer loop: a prompt of at most `NATIVE_PREFILL_MAX` tokens, decode-matched
+        forwards after it, row plans of 1), or None where its rows would not be reusable."""
+        if not (self.prefix_cache and self.decode_matched and self._loop is not None):
+            return None
+        probe = torch.empty(0, dtype=self.model.dtype)
+        if prompt_length > NATIVE_PREFILL_MAX or not self._loop.runs(probe):
+            return None
+        return (probe.dtype, torch.get_num_threads())
+
+    def _new_cache(self) -> None:
+        super()._new_cache()
+        self._rows.reset(None)
+
+    def _run(
+        self,
+        token_ids: Sequence[int],
+        logits_to_keep: int,
+        *,
+        offsets: Sequence[int] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        matched: bool = False,
+    ) -> torch.Tensor:
+        logits = super()._run(
+            token_ids, logits_to_keep, offsets=offsets, attention_mask=attention_mask, matched=matched
+        )
+        self._rows.fed(token_ids)
+        return logits
+
+    def rollback(self, length: int) -> None:
+        super().rollback(length)
+        self._rows.rollback(length)
+
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        super().keep_rows(start, rows)  # a prefix of the rows: a rollback, which has trimmed `_rows` already
+        self._rows.keep(start, rows)
 
     @property
     def native(self) -> bool:

@@ -1,0 +1,62 @@
+"""Which cached rows a new prompt may reuse: the token ids behind a target's cache rows, and whether those rows
+are the ones a fresh prefill of the new prompt would compute.
+
+Agentic and multi-turn work sends prompts that start with the previous request's prompt and answer (a
+conversation), or with the same system prompt and document (an edit loop, questions over one file). Its prefill
+is then mostly recomputation of rows the cache already holds. Reusing them is lossless only where every such row
+is bit for bit what a fresh prefill would compute: a row's keys and values depend on its token, its position and
+the rows before it, so they match exactly when every row, prompt and generated alike, was computed by one
+instruction sequence that does not depend on how many rows a forward holds or where it starts (`LeanTarget`'s
+native layer loop, the same code a fresh prefill runs). A target records here the ids of its cache rows as it
+feeds, rolls back and keeps them, and under which settings they were computed (`RowKey`: dtype and thread
+count); a prefill under other settings, or of a prompt a fresh prefill would compute another way, reuses nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+RowKey = tuple[object, ...]
+"""What decides how a row is computed beyond its token and position (dtype, thread count): rows cached under one
+key are reused only by a prefill under the same key."""
+
+
+@dataclass
+class CachedRows:
+    """The token ids of a target's cache rows, in position order, and the `RowKey` they were computed under (None:
+    the rows are not reusable, e.g. a prefill computed them by a kernel that depends on the row count)."""
+
+    tokens: list[int] = field(default_factory=list)
+    key: RowKey | None = None
+
+    def reset(self, key: RowKey | None) -> None:
+        """A new, empty cache whose rows will be computed under ``key`` (None: never reusable)."""
+        self.tokens = []
+        self.key = key
+
+    def fed(self, token_ids: Sequence[int]) -> None:
+        """Rows for ``token_ids`` were written after the current ones (a forward, or a draft tree's rows in the
+        order fed)."""
+        self.tokens.extend(token_ids)
+
+    def rollback(self, length: int) -> None:
+        """Rows at positions ``>= length`` were dropped."""
+        del self.tokens[length:]
+
+    def keep(self, start: int, rows: Sequence[int]) -> None:
+        """Of the rows fed at ``start``, those listed (a path of a draft tree) now sit at ``start ..``."""
+        fed = self.tokens[start:]
+        self.tokens[start:] = [fed[r] for r in rows]
+
+    def reusable(self, prompt: Sequence[int], key: RowKey) -> int:
+        """How many leading rows a prefill of ``prompt`` under ``key`` may keep: the longest common prefix of the
+        cached ids and ``prompt``, at most ``len(prompt) - 1`` (the last prompt row is always fed, as its logits
+        choose the first token); 0 where the rows were computed under another key or are not reusable."""
+        if self.key is None or self.key != key:
+            return 0
+        limit = min(len(self.tokens), len(prompt) - 1)
+        common = 0
+        while common < limit and self.tokens[common] == prompt[common]:
+            common += 1
+        return common

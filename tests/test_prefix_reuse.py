@@ -1,0 +1,173 @@
+"""A prefill keeps the cached rows of its prompt's longest prefix the previous sequence left (``prefix_cache``),
+and only where they are bit for bit what it would compute: the logits and every later token equal a fresh
+target's, on the Llama, Qwen2 and Qwen3 toys and the real model; nothing is kept across settings that compute rows
+differently (thread count), for hidden-state capture, past the native prefill's length, or across tenants in
+``lattice serve``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lattice_inference import Generator
+from lattice_inference.loading import LoadedModel
+from lattice_inference.options import DecodeOptions
+from lattice_inference.targets import LeanTarget
+from lattice_inference.targets import lean as lean_module
+from lattice_inference.targets.prefix_reuse import CachedRows
+from lattice_inference.testing.toy import byte_tokenizer, toy_config, toy_model
+
+from .serve_harness import request, running_server
+
+LEAN_ARCHES = ["llama", "qwen2", "qwen3"]
+SHAPES = dict(hidden_size=128, intermediate_size=1536, head_dim=32)
+
+
+def _model(arch: str, dtype: torch.dtype, seed: int = 1):
+    return toy_model(toy_config(arch, **SHAPES), init_std=0.3, seed=seed).to(dtype)
+
+
+def _reuses(target: LeanTarget, prompt_length: int) -> bool:
+    """Whether ``target`` computes a fresh prefill of this length as it computes every later row (where not, as
+    with oneDNN's float32 products, it must reuse nothing)."""
+    return target._row_key(prompt_length) is not None
+
+
+def test_cached_rows_follow_feeds_rollbacks_and_kept_paths():
+    rows = CachedRows()
+    assert rows.reusable([1, 2, 3], ("k",)) == 0  # nothing cached
+    rows.reset(("k",))
+    rows.fed([1, 2, 3, 4])
+    rows.fed([5, 6, 7])  # a tree's rows as fed
+    rows.keep(4, [0, 2])
+    assert rows.tokens == [1, 2, 3, 4, 5, 7]
+    rows.rollback(5)
+    assert rows.tokens == [1, 2, 3, 4, 5]
+    assert rows.reusable([1, 2, 3, 9], ("k",)) == 3
+    assert rows.reusable([1, 2, 3, 4, 5], ("k",)) == 4  # the last prompt row is always fed
+    assert rows.reusable([1, 2, 3, 4, 5, 6], ("k",)) == 5
+    assert rows.reusable([1, 2, 3, 4, 5, 6], ("other",)) == 0
+    rows.reset(None)
+    assert rows.reusable([1, 2], ("k",)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("arch", LEAN_ARCHES)
+def test_a_reused_prefix_gives_a_fresh_prefills_logits_and_steps(arch, dtype):
+    """Rows cached by a prefill, 1-token steps, a chain, a draft tree's kept path and a rollback, then reused by the
+    next prompt: its logits and the steps after it equal a fresh target's bit for bit."""
+    model = _model(arch, dtype)
+    lean, fresh = LeanTarget(model), LeanTarget(model, prefix_cache=False)
+    rng = random.Random(arch)
+    context = [rng.randrange(256) for _ in range(70)]
+    lean.prefill(context)
+    lean.forward([5])
+    lean.forward([6, 7, 8, 9])
+    start = lean.length
+    lean.forward_tree([1, 2, 3, 4, 5], [-1, 0, 1, 0, 3])
+    lean.keep_rows(start, [0, 3, 4])
+    lean.rollback(lean.length - 1)
+    cached = [*context, 5, 6, 7, 8, 9, 1, 4]  # the ids of the rows left
+    assert lean.length == len(cached)
+    for prompt in ([*cached, 11, 12, 13], [*context[:40], 3, 3], cached, [*context[:1], 2]):
+        logits = lean.prefill(prompt)
+        expected = 0
+        if _reuses(lean, len(prompt)):
+            expected = next((i for i, (a, b) in enumerate(zip(cached, prompt, strict=False)) if a != b), None)
+            expected = min(len(cached) if expected is None else expected, len(prompt) - 1)
+        assert lean.prefix_reused == expected, prompt
+        assert torch.equal(logits, fresh.prefill(prompt)), prompt
+        assert fresh.prefix_reused == 0
+        for tokens in ([7], [8, 9, 10]):
+            assert torch.equal(lean.forward(tokens), fresh.forward(tokens))
+        cached = [*prompt, 7, 8, 9, 10]
+    if dtype == torch.bfloat16 and lean_module.native_ops.tiles() is not None:
+        assert _reuses(lean, 10)  # where the tile products run, bfloat16 rows are reusable
+
+
+def test_nothing_is_reused_under_other_settings_or_past_the_native_prefill(monkeypatch):
+    model = _model("llama", torch.bfloat16)
+    lean = LeanTarget(model)
+    if not _reuses(lean, 10):
+        pytest.skip("this CPU computes bfloat16 prefills with row-count-dependent products: nothing is reused")
+    prompt = list(range(40, 100))
+    lean.prefill(prompt)
+    lean.prefill(prompt)
+    assert lean.prefix_reused == len(prompt) - 1
+    lean.capture_hidden = True  # an MTP head reads every prompt row's hidden state
+    lean.prefill(prompt)
+    assert lean.prefix_reused == 0 and lean.last_hidden is not None and lean.last_hidden.shape[0] == len(prompt)
+    lean.capture_hidden = False
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        lean.prefill(prompt)
+        assert lean.prefix_reused == 0
+    finally:
+        torch.set_num_threads(threads)
+    lean.prefill(prompt)
+    assert lean.prefix_reused == 0  # rows of the other thread count
+    lean.prefill(prompt)
+    assert lean.prefix_reused == len(prompt) - 1
+    lean.forget_prefix()
+    lean.prefill(prompt)
+    assert lean.prefix_reused == 0
+    monkeypatch.setattr(lean_module, "NATIVE_PREFILL_MAX", len(prompt) - 1)
+    lean.prefill(prompt)
+    assert lean.prefix_reused == 0  # a fresh prefill would take the other attention kernel
+    monkeypatch.setattr(lean_module, "NATIVE_PREFILL_MAX", len(prompt))
+    lean.prefill(prompt)
+    assert lean.prefix_reused == 0  # the cached rows came from that other kernel
+
+
+@pytest.mark.parametrize("method", ["greedy", "ngram", "suffix"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_conversation_on_one_generator_equals_fresh_generators(method, temperature):
+    """Turns whose prompts hold the earlier turns and answers: one generator reusing its cache emits, token for
+    token, what a generator without the prefix cache emits (greedy and seeded sampling)."""
+    model = _model("qwen3", torch.bfloat16, seed=3)
+    tokenizer = byte_tokenizer()
+    options = dict(method=method, temperature=temperature, seed=7, eos_token_ids=[])
+    reusing = Generator(model, tokenizer, **options)
+    rng = random.Random(method)
+    sequence = [rng.randrange(256) for _ in range(50)]
+    cached = 0
+    for turn in range(4):
+        sequence += [rng.randrange(256) for _ in range(6)] + sequence[10:20]
+        fresh = Generator(model, tokenizer, prefix_cache=False, **options)
+        out = reusing.generate(sequence, max_new_tokens=24)
+        assert out.token_ids == fresh.generate(sequence, max_new_tokens=24).token_ids, turn
+        cached += out.metrics.cached_prompt_tokens
+        sequence += out.token_ids
+    if _reuses(reusing.decoder.target, len(sequence)):
+        assert cached > 0
+
+
+def _toy_loaded() -> LoadedModel:
+    return LoadedModel(_model("llama", torch.bfloat16, seed=5), byte_tokenizer(), (), "toy")
+
+
+def test_the_server_reuses_a_prefix_within_a_tenant_only():
+    loaded = _toy_loaded()
+    probe = LeanTarget(loaded.model)
+    if not probe._row_key(10):
+        pytest.skip("this CPU computes bfloat16 prefills with row-count-dependent products: nothing is reused")
+
+    def cached(base: str, key: str, prompt: str) -> tuple[str, int]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "speculative": {"method": "ngram"}}
+        answer = request(base, "POST", "/v1/completions", body, headers={"authorization": f"Bearer {key}"})
+        assert answer.status_code == 200, answer.text
+        out = answer.json()
+        return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    prompt = "def add(a, b):\n    return a + b\n" * 3
+    with running_server(loaded, method="ngram", api_key=["alice", "bob"]) as (base, _):
+        text, none = cached(base, "alice", prompt)
+        assert none == 0
+        assert cached(base, "alice", prompt) == (text, len(prompt) - 1)  # byte tokens: one per character
+        assert cached(base, "bob", prompt) == (text, 0)  # alice's rows are not bob's
+        assert cached(base, "bob", prompt + "x")[1] == len(prompt)
+        assert cached(base, "alice", prompt)[1] == 0
+    assert DecodeOptions().prefix_cache
