@@ -170,4 +170,6 @@ def test_the_server_reuses_a_prefix_within_a_tenant_only():
         assert cached(base, "bob", prompt) == (text, 0)  # alice's rows are not bob's
         assert cached(base, "bob", prompt + "x")[1] == len(prompt)
         assert cached(base, "alice", prompt)[1] == 0
+        scraped = request(base, "GET", "/metrics", headers={"authorization": "Bearer alice"}).text
+        assert f"lattice_cached_prompt_tokens_total {float(2 * len(prompt) - 1)}" in scraped
     assert DecodeOptions().prefix_cache

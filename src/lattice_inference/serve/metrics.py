@@ -24,6 +24,11 @@ class ServerMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter("lattice_prompt_tokens", "Prompt tokens of finished generations", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "lattice_cached_prompt_tokens",
+            "Prompt tokens whose cache rows a prefill kept from the tenant's previous request (the prefix cache)",
+            registry=r,
+        )
         self.generated_tokens = Counter(
             "lattice_generated_tokens", "Tokens generated (cancelled generations included)", ["method"], registry=r
         )
@@ -72,6 +77,7 @@ class ServerMetrics:
     def observe_generation(self, method: str, m: GenerationMetrics, finish_reason: str) -> None:
         """Add one finished (or cancelled) generation's tokens and acceptance counts."""
         self.prompt_tokens.inc(m.prompt_tokens)
+        self.cached_prompt_tokens.inc(m.cached_prompt_tokens)
         self.generated_tokens.labels(method).inc(m.new_tokens)
         self.generations.labels(method, finish_reason).inc()
         self.drafts.labels(method).inc(m.drafts)
