@@ -16,7 +16,7 @@ from lattice_inference.loading import LoadedModel
 from lattice_inference.options import DecodeOptions
 from lattice_inference.targets import LeanTarget
 from lattice_inference.targets import lean as lean_module
-from lattice_inference.targets.prefix_reuse import CachedRows
+from lattice_inference.targets.prefix_reuse import CachedRows, KeptSequences
 from lattice_inference.testing.toy import byte_tokenizer, toy_config, toy_model
 
 from .serve_harness import request, running_server
@@ -53,13 +53,37 @@ def test_cached_rows_follow_feeds_rollbacks_and_kept_paths():
     assert rows.reusable([1, 2], ("k",)) == 0
 
 
+def test_kept_sequences_give_the_longest_prefix_least_recently_used_dropped_first():
+    def rows(tokens: list[int], owner: str = "") -> CachedRows:
+        kept = CachedRows(key=("k", owner))
+        kept.fed(tokens)
+        return kept
+
+    kept: KeptSequences[str] = KeptSequences(2)
+    kept.keep(rows([1, 2, 3, 4]), "a")
+    kept.keep(rows([1, 2, 9]), "b")
+    kept.keep(CachedRows(), "never")  # not reusable: not kept
+    assert len(kept) == 2 and kept.tokens == 7
+    assert kept.best([1, 2, 3, 4, 5], ("k", "")) == (0, 4)
+    assert kept.best([1, 2, 9, 9], ("k", "")) == (1, 3)
+    assert kept.best([1, 2, 3, 4, 5], ("k", "bob")) == (-1, 0)  # another owner's rows
+    kept.keep(rows([7, 8], "bob"), "c")  # "a" was used least recently: dropped
+    assert len(kept) == 2 and kept.best([1, 2, 3, 4, 5], ("k", ""))[1] == 2
+    assert kept.take(1)[1] == "c" and len(kept) == 1
+    kept.keep(rows([7, 8], "bob"), "c")
+    kept.forget("bob")
+    assert len(kept) == 1 and kept.best([1, 2, 9, 9], ("k", ""))[1] == 3
+    kept.forget()
+    assert len(kept) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("arch", LEAN_ARCHES)
 def test_a_reused_prefix_gives_a_fresh_prefills_logits_and_steps(arch, dtype):
     """Rows cached by a prefill, 1-token steps, a chain, a draft tree's kept path and a rollback, then reused by the
     next prompt: its logits and the steps after it equal a fresh target's bit for bit."""
     model = _model(arch, dtype)
-    lean, fresh = LeanTarget(model), LeanTarget(model, prefix_cache=False)
+    lean, fresh = LeanTarget(model, prefix_sequences=0), LeanTarget(model, prefix_cache=False)  # the live cache
     rng = random.Random(arch)
     context = [rng.randrange(256) for _ in range(70)]
     lean.prefill(context)
@@ -89,7 +113,7 @@ def test_a_reused_prefix_gives_a_fresh_prefills_logits_and_steps(arch, dtype):
 
 def test_nothing_is_reused_under_other_settings_or_past_the_native_prefill(monkeypatch):
     model = _model("llama", torch.bfloat16)
-    lean = LeanTarget(model)
+    lean = LeanTarget(model, prefix_sequences=0)  # the live cache only: what each prefill leaves there
     if not _reuses(lean, 10):
         pytest.skip("this CPU computes bfloat16 prefills with row-count-dependent products: nothing is reused")
     prompt = list(range(40, 100))
@@ -145,6 +169,34 @@ def test_a_conversation_on_one_generator_equals_fresh_generators(method, tempera
         assert cached > 0
 
 
+def test_alternating_sequences_find_their_own_kept_rows():
+    """Two conversations and a shared system prompt, taking turns on one target: each turn reuses its own
+    conversation's rows from the kept caches (not only the live one's), and equals a fresh prefill bit for bit."""
+    model = _model("llama", torch.bfloat16, seed=2)
+    lean, fresh = LeanTarget(model, prefix_sequences=2), LeanTarget(model, prefix_cache=False)
+    if not _reuses(lean, 10):
+        pytest.skip("this CPU computes bfloat16 prefills with row-count-dependent products: nothing is reused")
+    rng = random.Random(2)
+    system = [rng.randrange(256) for _ in range(30)]
+    talks = {name: [*system, *(rng.randrange(256) for _ in range(20))] for name in "ab"}
+    cached = {"a": 0, "b": len(system)}  # b's first turn: the system prompt of a's
+    for turn in range(3):
+        for name, talk in talks.items():
+            logits = lean.prefill(talk)
+            assert lean.prefix_reused == cached[name], (turn, name)
+            assert torch.equal(logits, fresh.prefill(talk))
+            answer = [rng.randrange(256) for _ in range(3)]
+            for token in answer:
+                assert torch.equal(lean.forward([token]), fresh.forward([token]))
+            assert lean.length == len(talk) + len(answer) == len(lean._rows.tokens)
+            cached[name] = lean.length
+            talk += [*answer, *(rng.randrange(256) for _ in range(4))]
+    assert len(lean._kept) == 1  # the other conversation; the live cache holds this one
+    lean.prefill([*system, 1])  # the shared prompt: copied out, its sources stay whole
+    assert lean.prefix_reused == len(system) and len(lean._kept) == 2
+    assert max(len(rows.tokens) for rows, _ in lean._kept._kept) > len(system) + 20
+
+
 def _toy_loaded() -> LoadedModel:
     return LoadedModel(_model("llama", torch.bfloat16, seed=5), byte_tokenizer(), (), "toy")
 
@@ -169,7 +221,12 @@ def test_the_server_reuses_a_prefix_within_a_tenant_only():
         assert cached(base, "alice", prompt) == (text, len(prompt) - 1)  # byte tokens: one per character
         assert cached(base, "bob", prompt) == (text, 0)  # alice's rows are not bob's
         assert cached(base, "bob", prompt + "x")[1] == len(prompt)
-        assert cached(base, "alice", prompt)[1] == 0
+        assert cached(base, "alice", prompt)[1] == len(prompt) - 1  # hers, kept while bob's ran
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "speculative": {"clear_index": True}}
+        cleared = request(base, "POST", "/v1/completions", body, headers={"authorization": "Bearer alice"})
+        assert cleared.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         scraped = request(base, "GET", "/metrics", headers={"authorization": "Bearer alice"}).text
-        assert f"lattice_cached_prompt_tokens_total {float(2 * len(prompt) - 1)}" in scraped
+        assert f"lattice_cached_prompt_tokens_total {float(3 * len(prompt) - 2)}" in scraped
+    with running_server(loaded, method="ngram") as (base, _):  # no keys, no scope: no tenant
+        assert cached(base, "none", prompt)[1] == cached(base, "none", prompt)[1] == 0
     assert DecodeOptions().prefix_cache

@@ -40,6 +40,10 @@ REQUEST_LENGTH_LIMIT = 64
 MAX_LEAVES = 4
 MAX_LEAVES_LIMIT = 16
 
+#: Earlier sequences whose caches a target keeps for the prefix cache, by default (``prefix_sequences``).
+PREFIX_SEQUENCES = 4
+PREFIX_SEQUENCES_LIMIT = 64
+
 #: Default token budget of a suffix index (about 20 MB).
 SUFFIX_BUDGET = 262_144
 
@@ -118,6 +122,12 @@ def check_max_leaves(max_leaves: int) -> None:
         raise ConfigError(f"max_leaves must be an integer 0..{MAX_LEAVES_LIMIT}, got {max_leaves!r}")
 
 
+def check_prefix_sequences(count: int) -> None:
+    """``prefix_sequences`` must be an integer 0..`PREFIX_SEQUENCES_LIMIT`."""
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= PREFIX_SEQUENCES_LIMIT:
+        raise ConfigError(f"prefix_sequences must be an integer 0..{PREFIX_SEQUENCES_LIMIT}, got {count!r}")
+
+
 def check_budget(budget: int) -> None:
     """A suffix index budget is a positive number of tokens."""
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
@@ -174,6 +184,8 @@ class DecodeOptions:
     target left (its prompt and output: the next turn of a conversation, the same document or system prompt),
     where those rows are bit for bit what the prefill would compute (the lean forward's native layer loop, prompts
     up to 1024 tokens; `lattice_inference.targets.prefix_reuse`); elsewhere it computes every row as before.
+    ``prefix_sequences`` (default 4) earlier sequences' caches are kept beside the live one for it, least recently
+    used dropped first (each holds its sequence's keys and values: the cache's memory times up to 5).
     """
 
     method: str = "ngram"
@@ -190,6 +202,7 @@ class DecodeOptions:
     batched_verify: bool = False
     forward: str = "auto"
     prefix_cache: bool = True
+    prefix_sequences: int = PREFIX_SEQUENCES
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
 
     def __post_init__(self) -> None:
@@ -203,6 +216,7 @@ class DecodeOptions:
         check_max_leaves(self.max_leaves)
         check_forward(self.forward)
         check_budget(self.suffix_budget)
+        check_prefix_sequences(self.prefix_sequences)
         if not isinstance(self.sampling, SamplingOptions):
             raise ConfigError(f"sampling must be a SamplingOptions, got {type(self.sampling).__name__}")
 

@@ -159,9 +159,7 @@ class Engine:
         self.name = name or Path(loaded.source).name
         self.cache_size = cache_size
         self._generators: OrderedDict[DecodeOptions, Generator] = OrderedDict()
-        self._targets: dict[tuple[bool, str, bool], Target] = {}
-        self._cache_tenants: dict[int, str | None] = {}
-        """Per target (by id), the tenant whose generation last filled its cache (`_hand_over`)."""
+        self._targets: dict[tuple[bool, str, bool, int], Target] = {}
         self._heads: dict[int, MtpHead] = {}
         self.mtp_error: str | None = None
         try:
@@ -265,23 +263,24 @@ class Engine:
         """The target for ``settings``, one per kind of verification (``batched_verify``, ``forward``), shared
         by every generator: one cache, reused by each generation (they run one at a time), and one packing of the
         weights, self-check and cost measurement, rather than one per speculation setting."""
-        key = (settings.batched_verify, settings.forward, settings.prefix_cache)
+        key = (settings.batched_verify, settings.forward, settings.prefix_cache, settings.prefix_sequences)
         if key not in self._targets:
             self._targets[key] = make_target(
                 self.loaded.model,
                 decode_matched=not settings.batched_verify,
                 forward=settings.forward,
                 prefix_cache=settings.prefix_cache,
+                prefix_sequences=settings.prefix_sequences,
             )
         return self._targets[key]
 
     def _hand_over(self, target: Target, job: GenerationJob) -> None:
-        """Let ``job`` reuse ``target``'s cached prompt rows (``prefix_cache``) only where the last generation on it
-        was the same tenant's, and not where it clears its index: a prefill's speed would otherwise tell one
-        tenant that another sent the same text. Requests of no tenant reuse nothing (`tenant_of`)."""
-        if job.tenant is None or job.clear_index or self._cache_tenants.get(id(target)) != job.tenant:
-            target.forget_prefix()
-        self._cache_tenants[id(target)] = job.tenant
+        """Let ``job`` reuse cached prompt rows (``prefix_cache``) of its own tenant's earlier sequences only: a
+        prefill's speed would otherwise tell one tenant that another sent the same text. A request of no tenant
+        (`tenant_of`) reuses nothing; ``clear_index`` forgets the tenant's sequences too."""
+        if job.clear_index and job.tenant is not None:
+            target.forget_prefix(job.tenant)
+        target.prefix_owner = job.tenant
 
     def generator(self, settings: DecodeOptions) -> Generator:
         """A generator for ``settings`` over the loaded model and the shared target (built once, then reused)."""

@@ -47,6 +47,10 @@ class Target(Protocol):
     for the same tokens) instead of being computed: only where they equal bit for bit what a fresh prefill would
     compute (`lattice_inference.targets.prefix_reuse`); 0 for targets that never reuse."""
 
+    prefix_owner: str | None = ""
+    """Whose earlier sequences a `prefill` may reuse rows of: only those prefilled under the same owner (``lattice
+    serve`` sets each request's tenant); None: reuse none, and keep none of this one's for later."""
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids the model accepts as input."""
@@ -87,9 +91,9 @@ class Target(Protocol):
         the only root). Returns logits ``[n, vocab]``; `keep_rows` must follow. Only where ``verifies_trees``."""
         raise NotImplementedError(f"{type(self).__name__} does not verify draft trees")
 
-    def forget_prefix(self) -> None:
-        """Make the next `prefill` compute every row (a server calls it before another tenant's request: how fast a
-        prefill runs would tell whether someone sent the same text). A no-op where nothing is reused."""
+    def forget_prefix(self, owner: str | None = None) -> None:
+        """Make later prefills compute every row instead of reusing those of the sequences cached so far (every
+        owner's, or only ``owner``'s). A no-op where nothing is reused."""
 
     def keep_rows(self, start: int, rows: Sequence[int]) -> None:
         """After a forward (or `forward_tree`) that fed rows at ``start``, keep the rows ``rows`` (increasing,

@@ -20,6 +20,10 @@ float32 blocks in which each row is computed the same way at any width. Either w
 equal the 1-token steps bitwise (`check_exactness` confirms it at load), and the logits agree with the model
 forward's to float32 rounding of the attention (plain greedy decoding in float32 equals transformers' on the real
 model and the toys). Cache, rollback, draft trees and hidden states for MTP are `TransformersTarget`'s.
+
+Because the native layer loop computes every row the same way at any width and start, a prefill may keep the
+cached rows of its prompt's longest prefix (from the live cache or a kept earlier sequence's) and compute only the
+rest, bit for bit what a fresh prefill gives (`prefix_reuse`; where the loop does not run, nothing is reused).
 """
 
 from __future__ import annotations
@@ -29,15 +33,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from lattice_inference.errors import ConfigError
+from lattice_inference.options import PREFIX_SEQUENCES
 from lattice_inference.targets import decode_matched, native_ops
 from lattice_inference.targets.block_attention import Block, block_attention, plan_blocks
 from lattice_inference.targets.decode_matched import Product
 from lattice_inference.targets.packed_linear import packed_operands, products
-from lattice_inference.targets.prefix_reuse import CachedRows, RowKey
+from lattice_inference.targets.prefix_reuse import CachedRows, KeptSequences, RowKey
 from lattice_inference.targets.transformers import TransformersTarget
 
 LEAN_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
@@ -69,6 +74,13 @@ at 1536, 3821/2944 at 2048; float32 901/952 at 512, 1749/1622 at 1024. Prompts a
 reuse cached rows (`prefix_reuse`), which tips the balance up to here."""
 
 
+KEEP_TAIL = 16
+"""Fewest cached rows past a reused prefix worth keeping: a prompt that leaves at least this many of a cached
+sequence's rows unused gets a copy of the prefix (the sequence stays whole for a later prompt); one that leaves fewer
+(a conversation's next turn, whose re-encoded answer departs from the generated tokens near its end) continues the
+cache in place."""
+
+
 class LeanTarget(TransformersTarget):
     """`TransformersTarget` whose forwards run the lean decoder loop (see the module docstring); only for models
     `lean_supported` accepts."""
@@ -81,6 +93,7 @@ class LeanTarget(TransformersTarget):
         decode_matched: bool = True,
         native: bool = True,
         prefix_cache: bool = True,
+        prefix_sequences: int = PREFIX_SEQUENCES,
     ) -> None:
         reason = lean_supported(model)
         if reason is not None:
@@ -96,8 +109,10 @@ class LeanTarget(TransformersTarget):
         self._loop = _LayerLoop.of(self._layers) if self._native is not None else None
         self.prefix_cache = prefix_cache
         """Whether a `prefill` may keep the cached rows of the prompt's longest prefix already in the cache, where
-        they are bit for bit what it would compute (`prefix_reuse`)."""
+        they are bit for bit what it would compute (`prefix_reuse`): from the live cache or from the caches of the
+        last ``prefix_sequences`` earlier sequences, which it keeps."""
         self._rows = CachedRows()
+        self._kept: KeptSequences[DynamicCache | None] = KeptSequences(prefix_sequences if prefix_cache else 0)
         self._extending = False
 
     def _logits(
@@ -119,17 +134,27 @@ class LeanTarget(TransformersTarget):
         return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
     def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """`TransformersTarget.prefill`, keeping the cached rows of the prompt's longest prefix already in the cache
-        where they are what this prefill would compute (`prefix_reuse`; `prefix_reused` says how many)."""
+        """`TransformersTarget.prefill`, keeping the cached rows of the prompt's longest prefix held by the live
+        cache or a kept one where they are what this prefill would compute (`prefix_reuse`; `prefix_reused` says
+        how many)."""
         self._check_prefill(token_ids)
-        key = self._row_key(len(token_ids))
-        keep = self._rows.reusable(token_ids, key) if key is not None and not self.capture_hidden else 0
+        key = None if self.capture_hidden else self._row_key(len(token_ids))
+        keep = 0
+        if key is not None:
+            keep = self._rows.reusable(token_ids, key)
+            index, kept = self._kept.best(token_ids, key)
+            if kept > keep:
+                keep = kept
+                rows, cache = self._kept.take(index)
+                self._kept.keep(self._rows, self._cache)
+                self._rows, self._cache, self._length = rows, cache, len(rows.tokens)
         self.prefix_reused = keep
         if not keep:
-            logits = super().prefill(token_ids)
-            self._rows.reset(key)
-            self._rows.fed(token_ids)
+            logits = super().prefill(token_ids)  # a new cache: the live one is kept (`_new_cache`)
+            self._rows.key = key
             return logits
+        if self._length - keep >= KEEP_TAIL and self._kept.size:
+            self._copy_prefix(keep)  # the rows after the prefix stay findable for a later prompt
         self.rollback(keep)
         self._extending = True
         try:
@@ -137,23 +162,39 @@ class LeanTarget(TransformersTarget):
         finally:
             self._extending = False
 
-    def forget_prefix(self) -> None:
-        self._rows.reset(None)
+    def _copy_prefix(self, rows: int) -> None:
+        """Continue in a new cache holding a copy of the live cache's first ``rows`` rows; the live one is kept
+        whole (`_new_cache`)."""
+        source, cached = self._cache, self._rows
+        assert source is not None
+        self._new_cache()
+        assert self._cache is not None
+        for mine, theirs in zip(self._cache.layers, source.layers, strict=True):
+            mine.update(theirs.keys[..., :rows, :], theirs.values[..., :rows, :])
+        self._length = rows
+        self._rows.key = cached.key
+        self._rows.fed(cached.tokens[:rows])
+
+    def forget_prefix(self, owner: str | None = None) -> None:
+        self._kept.forget(owner)
+        if owner is None or (self._rows.key is not None and self._rows.key[-1] == owner):
+            self._rows.key = None
 
     def _row_key(self, prompt_length: int) -> RowKey | None:
         """The `RowKey` under which a fresh prefill of ``prompt_length`` tokens computes its rows as every later
         forward does (the native layer loop: a prompt of at most `NATIVE_PREFILL_MAX` tokens, decode-matched
         forwards after it, row plans of 1), or None where its rows would not be reusable."""
-        if not (self.prefix_cache and self.decode_matched and self._loop is not None):
+        if not (self.prefix_cache and self.decode_matched and self._loop is not None) or self.prefix_owner is None:
             return None
         probe = torch.empty(0, dtype=self.model.dtype)
         if prompt_length > NATIVE_PREFILL_MAX or not self._loop.runs(probe):
             return None
-        return (probe.dtype, torch.get_num_threads())
+        return (probe.dtype, torch.get_num_threads(), self.prefix_owner)
 
     def _new_cache(self) -> None:
+        self._kept.keep(self._rows, self._cache)
         super()._new_cache()
-        self._rows.reset(None)
+        self._rows = CachedRows()
 
     def _run(
         self,

@@ -8,14 +8,22 @@ is bit for bit what a fresh prefill would compute: a row's keys and values depen
 the rows before it, so they match exactly when every row, prompt and generated alike, was computed by one
 instruction sequence that does not depend on how many rows a forward holds or where it starts (`LeanTarget`'s
 native layer loop, the same code a fresh prefill runs). A target records here the ids of its cache rows as it
-feeds, rolls back and keeps them, and under which settings they were computed (`RowKey`: dtype and thread
-count); a prefill under other settings, or of a prompt a fresh prefill would compute another way, reuses nothing.
+feeds, rolls back and keeps them, and under which settings they were computed (`RowKey`: dtype, thread count and
+the owner, e.g. a server's tenant); a prefill under other settings, or of a prompt a fresh prefill would compute
+another way, reuses nothing.
+
+Beside its live cache a target keeps the caches of its last few earlier sequences (`KeptSequences`, LRU), so that
+work that alternates between contexts (two conversations, an agent returning to a file after a detour, a
+regenerated answer after other requests) still finds its rows; a prefill takes whichever holds the longest prefix.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+C = TypeVar("C")
 
 RowKey = tuple[object, ...]
 """What decides how a row is computed beyond its token and position (dtype, thread count): rows cached under one
@@ -60,3 +68,45 @@ class CachedRows:
         while common < limit and self.tokens[common] == prompt[common]:
             common += 1
         return common
+
+
+class KeptSequences(Generic[C]):
+    """Earlier sequences' caches (``C``) with their `CachedRows`, least recently used first, at most ``size``."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._kept: list[tuple[CachedRows, C]] = []
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    @property
+    def tokens(self) -> int:
+        """Rows held over every kept sequence."""
+        return sum(len(rows.tokens) for rows, _ in self._kept)
+
+    def best(self, prompt: Sequence[int], key: RowKey) -> tuple[int, int]:
+        """The kept sequence from which a prefill of ``prompt`` under ``key`` may keep the most rows, and how many
+        (``(-1, 0)`` where none has any)."""
+        found, most = -1, 0
+        for i, (rows, _) in enumerate(self._kept):
+            n = rows.reusable(prompt, key)
+            if n > most:
+                found, most = i, n
+        return found, most
+
+    def take(self, index: int) -> tuple[CachedRows, C]:
+        """Remove and return the kept sequence at ``index`` (it becomes the live one)."""
+        return self._kept.pop(index)
+
+    def keep(self, rows: CachedRows, cache: C) -> None:
+        """Keep a sequence that stops being live, if it is reusable at all, dropping the least recently used past
+        ``size``."""
+        if self.size < 1 or rows.key is None or not rows.tokens:
+            return
+        self._kept.append((rows, cache))
+        del self._kept[: max(0, len(self._kept) - self.size)]
+
+    def forget(self, owner: object = None) -> None:
+        """Drop every kept sequence, or only ``owner``'s (the last element of its key)."""
+        self._kept = [(r, c) for r, c in self._kept if owner is not None and (r.key is None or r.key[-1] != owner)]
