@@ -59,15 +59,16 @@ def test_kept_sequences_give_the_longest_prefix_least_recently_used_dropped_firs
         kept.fed(tokens)
         return kept
 
-    kept: KeptSequences[str] = KeptSequences(2)
+    kept: KeptSequences[str] = KeptSequences(7)
     kept.keep(rows([1, 2, 3, 4]), "a")
     kept.keep(rows([1, 2, 9]), "b")
     kept.keep(CachedRows(), "never")  # not reusable: not kept
+    kept.keep(rows(list(range(8))), "too long")  # over the whole budget alone
     assert len(kept) == 2 and kept.tokens == 7
     assert kept.best([1, 2, 3, 4, 5], ("k", "")) == (0, 4)
     assert kept.best([1, 2, 9, 9], ("k", "")) == (1, 3)
     assert kept.best([1, 2, 3, 4, 5], ("k", "bob")) == (-1, 0)  # another owner's rows
-    kept.keep(rows([7, 8], "bob"), "c")  # "a" was used least recently: dropped
+    kept.keep(rows([7, 8], "bob"), "c")  # 9 rows: "a", used least recently, is dropped
     assert len(kept) == 2 and kept.best([1, 2, 3, 4, 5], ("k", ""))[1] == 2
     assert kept.take(1)[1] == "c" and len(kept) == 1
     kept.keep(rows([7, 8], "bob"), "c")
@@ -83,7 +84,7 @@ def test_a_reused_prefix_gives_a_fresh_prefills_logits_and_steps(arch, dtype):
     """Rows cached by a prefill, 1-token steps, a chain, a draft tree's kept path and a rollback, then reused by the
     next prompt: its logits and the steps after it equal a fresh target's bit for bit."""
     model = _model(arch, dtype)
-    lean, fresh = LeanTarget(model, prefix_sequences=0), LeanTarget(model, prefix_cache=False)  # the live cache
+    lean, fresh = LeanTarget(model, prefix_budget=0), LeanTarget(model, prefix_cache=False)  # the live cache
     rng = random.Random(arch)
     context = [rng.randrange(256) for _ in range(70)]
     lean.prefill(context)
@@ -113,7 +114,7 @@ def test_a_reused_prefix_gives_a_fresh_prefills_logits_and_steps(arch, dtype):
 
 def test_nothing_is_reused_under_other_settings_or_past_the_native_prefill(monkeypatch):
     model = _model("llama", torch.bfloat16)
-    lean = LeanTarget(model, prefix_sequences=0)  # the live cache only: what each prefill leaves there
+    lean = LeanTarget(model, prefix_budget=0)  # the live cache only: what each prefill leaves there
     if not _reuses(lean, 10):
         pytest.skip("this CPU computes bfloat16 prefills with row-count-dependent products: nothing is reused")
     prompt = list(range(40, 100))
@@ -173,7 +174,7 @@ def test_alternating_sequences_find_their_own_kept_rows():
     """Two conversations and a shared system prompt, taking turns on one target: each turn reuses its own
     conversation's rows from the kept caches (not only the live one's), and equals a fresh prefill bit for bit."""
     model = _model("llama", torch.bfloat16, seed=2)
-    lean, fresh = LeanTarget(model, prefix_sequences=2), LeanTarget(model, prefix_cache=False)
+    lean, fresh = LeanTarget(model, prefix_budget=1000), LeanTarget(model, prefix_cache=False)
     if not _reuses(lean, 10):
         pytest.skip("this CPU computes bfloat16 prefills with row-count-dependent products: nothing is reused")
     rng = random.Random(2)

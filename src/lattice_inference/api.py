@@ -164,7 +164,7 @@ class Generator:
                 decode_matched=not options.batched_verify,
                 forward=options.forward,
                 prefix_cache=options.prefix_cache,
-                prefix_sequences=options.prefix_sequences,
+                prefix_budget=options.prefix_budget,
             )
         self.decoder = SpeculativeDecoder(
             target,

@@ -97,9 +97,9 @@ DRAFT_FLAGS: dict[str, DraftFlag] = {
         f"expects them to pay (attention models without sliding windows; default {D.max_leaves}, 0: never)",
         count,
     ),
-    "prefix_sequences": DraftFlag(
-        f"earlier sequences whose caches are kept for the prefix cache beside the live one, least recently used "
-        f"dropped first (default {D.prefix_sequences}; 0: the live one only)",
+    "prefix_budget": DraftFlag(
+        f"tokens of earlier sequences' caches kept for the prefix cache beside the live one, least recently used "
+        f"dropped first (default {D.prefix_budget}; 0: the live one only)",
         count,
     ),
     "suffix_budget": DraftFlag(

@@ -40,9 +40,9 @@ REQUEST_LENGTH_LIMIT = 64
 MAX_LEAVES = 4
 MAX_LEAVES_LIMIT = 16
 
-#: Earlier sequences whose caches a target keeps for the prefix cache, by default (``prefix_sequences``).
-PREFIX_SEQUENCES = 4
-PREFIX_SEQUENCES_LIMIT = 64
+#: Default token budget of the earlier sequences' caches a target keeps for the prefix cache (``prefix_budget``;
+#: SmolLM2-135M in bfloat16: 23 KB a token, so about 190 MB; Llama 3 8B: 131 KB a token).
+PREFIX_BUDGET = 8192
 
 #: Default token budget of a suffix index (about 20 MB).
 SUFFIX_BUDGET = 262_144
@@ -122,10 +122,10 @@ def check_max_leaves(max_leaves: int) -> None:
         raise ConfigError(f"max_leaves must be an integer 0..{MAX_LEAVES_LIMIT}, got {max_leaves!r}")
 
 
-def check_prefix_sequences(count: int) -> None:
-    """``prefix_sequences`` must be an integer 0..`PREFIX_SEQUENCES_LIMIT`."""
-    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= PREFIX_SEQUENCES_LIMIT:
-        raise ConfigError(f"prefix_sequences must be an integer 0..{PREFIX_SEQUENCES_LIMIT}, got {count!r}")
+def check_prefix_budget(budget: int) -> None:
+    """``prefix_budget`` must be a number of tokens >= 0."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ConfigError(f"prefix_budget must be a number of tokens >= 0, got {budget!r}")
 
 
 def check_budget(budget: int) -> None:
@@ -184,8 +184,9 @@ class DecodeOptions:
     target left (its prompt and output: the next turn of a conversation, the same document or system prompt),
     where those rows are bit for bit what the prefill would compute (the lean forward's native layer loop, prompts
     up to 1024 tokens; `lattice_inference.targets.prefix_reuse`); elsewhere it computes every row as before.
-    ``prefix_sequences`` (default 4) earlier sequences' caches are kept beside the live one for it, least recently
-    used dropped first (each holds its sequence's keys and values: the cache's memory times up to 5).
+    Beside the live cache, earlier sequences' caches are kept for it, least recently used dropped first, up to
+    ``prefix_budget`` tokens in all (default 8192; each token's keys and values of every layer; 0: the live one
+    only).
     """
 
     method: str = "ngram"
@@ -202,7 +203,7 @@ class DecodeOptions:
     batched_verify: bool = False
     forward: str = "auto"
     prefix_cache: bool = True
-    prefix_sequences: int = PREFIX_SEQUENCES
+    prefix_budget: int = PREFIX_BUDGET
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
 
     def __post_init__(self) -> None:
@@ -216,7 +217,7 @@ class DecodeOptions:
         check_max_leaves(self.max_leaves)
         check_forward(self.forward)
         check_budget(self.suffix_budget)
-        check_prefix_sequences(self.prefix_sequences)
+        check_prefix_budget(self.prefix_budget)
         if not isinstance(self.sampling, SamplingOptions):
             raise ConfigError(f"sampling must be a SamplingOptions, got {type(self.sampling).__name__}")
 

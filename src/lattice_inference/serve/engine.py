@@ -263,14 +263,14 @@ class Engine:
         """The target for ``settings``, one per kind of verification (``batched_verify``, ``forward``), shared
         by every generator: one cache, reused by each generation (they run one at a time), and one packing of the
         weights, self-check and cost measurement, rather than one per speculation setting."""
-        key = (settings.batched_verify, settings.forward, settings.prefix_cache, settings.prefix_sequences)
+        key = (settings.batched_verify, settings.forward, settings.prefix_cache, settings.prefix_budget)
         if key not in self._targets:
             self._targets[key] = make_target(
                 self.loaded.model,
                 decode_matched=not settings.batched_verify,
                 forward=settings.forward,
                 prefix_cache=settings.prefix_cache,
-                prefix_sequences=settings.prefix_sequences,
+                prefix_budget=settings.prefix_budget,
             )
         return self._targets[key]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from lattice_inference.errors import ConfigError
-from lattice_inference.options import FORWARDS, PREFIX_SEQUENCES, check_forward
+from lattice_inference.options import FORWARDS, PREFIX_BUDGET, check_forward
 from lattice_inference.targets.base import Target
 from lattice_inference.targets.hybrid import HybridTarget, is_hybrid
 from lattice_inference.targets.lean import LeanTarget, lean_supported
@@ -21,13 +21,13 @@ def make_target(
     decode_matched: bool = True,
     forward: str = "auto",
     prefix_cache: bool = True,
-    prefix_sequences: int = PREFIX_SEQUENCES,
+    prefix_budget: int = PREFIX_BUDGET,
 ) -> Target:
     """The right `Target` for ``model``: Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) get `HybridTarget`, whose
     rollback restores recurrent state exactly; attention-cache models get `TransformersTarget`; anything else
     with recurrent state is refused with `UnsupportedModelError`. ``packed_weights``, ``decode_matched``: see
     `CausalLMTarget`; ``forward``: one of `FORWARDS` (``lean`` for a model it does not run is a `ConfigError`);
-    ``prefix_cache``, ``prefix_sequences``: see `LeanTarget` (the only target that reuses a prompt's cached rows)."""
+    ``prefix_cache``, ``prefix_budget``: see `LeanTarget` (the only target that reuses a prompt's cached rows)."""
     check_forward(forward)
     if is_hybrid(model):
         if forward == "lean":
@@ -39,6 +39,6 @@ def make_target(
             packed_weights=packed_weights,
             decode_matched=decode_matched,
             prefix_cache=prefix_cache,
-            prefix_sequences=prefix_sequences,
+            prefix_budget=prefix_budget,
         )
     return TransformersTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)

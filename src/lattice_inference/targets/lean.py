@@ -37,7 +37,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from lattice_inference.errors import ConfigError
-from lattice_inference.options import PREFIX_SEQUENCES
+from lattice_inference.options import PREFIX_BUDGET
 from lattice_inference.targets import decode_matched, native_ops
 from lattice_inference.targets.block_attention import Block, block_attention, plan_blocks
 from lattice_inference.targets.decode_matched import Product
@@ -93,7 +93,7 @@ class LeanTarget(TransformersTarget):
         decode_matched: bool = True,
         native: bool = True,
         prefix_cache: bool = True,
-        prefix_sequences: int = PREFIX_SEQUENCES,
+        prefix_budget: int = PREFIX_BUDGET,
     ) -> None:
         reason = lean_supported(model)
         if reason is not None:
@@ -110,9 +110,9 @@ class LeanTarget(TransformersTarget):
         self.prefix_cache = prefix_cache
         """Whether a `prefill` may keep the cached rows of the prompt's longest prefix already in the cache, where
         they are bit for bit what it would compute (`prefix_reuse`): from the live cache or from the caches of the
-        last ``prefix_sequences`` earlier sequences, which it keeps."""
+        earlier sequences it keeps, least recently used dropped first past ``prefix_budget`` tokens."""
         self._rows = CachedRows()
-        self._kept: KeptSequences[DynamicCache | None] = KeptSequences(prefix_sequences if prefix_cache else 0)
+        self._kept: KeptSequences[DynamicCache | None] = KeptSequences(prefix_budget if prefix_cache else 0)
         self._extending = False
 
     def _logits(
@@ -153,7 +153,7 @@ class LeanTarget(TransformersTarget):
             logits = super().prefill(token_ids)  # a new cache: the live one is kept (`_new_cache`)
             self._rows.key = key
             return logits
-        if self._length - keep >= KEEP_TAIL and self._kept.size:
+        if self._length - keep >= KEEP_TAIL and self._kept.budget:
             self._copy_prefix(keep)  # the rows after the prefix stay findable for a later prompt
         self.rollback(keep)
         self._extending = True

@@ -12,7 +12,8 @@ feeds, rolls back and keeps them, and under which settings they were computed (`
 the owner, e.g. a server's tenant); a prefill under other settings, or of a prompt a fresh prefill would compute
 another way, reuses nothing.
 
-Beside its live cache a target keeps the caches of its last few earlier sequences (`KeptSequences`, LRU), so that
+Beside its live cache a target keeps the caches of its earlier sequences (`KeptSequences`, LRU, under a token
+budget), so that
 work that alternates between contexts (two conversations, an agent returning to a file after a detour, a
 regenerated answer after other requests) still finds its rows; a prefill takes whichever holds the longest prefix.
 """
@@ -71,10 +72,11 @@ class CachedRows:
 
 
 class KeptSequences(Generic[C]):
-    """Earlier sequences' caches (``C``) with their `CachedRows`, least recently used first, at most ``size``."""
+    """Earlier sequences' caches (``C``) with their `CachedRows`, least recently used first, holding at most
+    ``budget`` rows in all (a sequence longer than the budget is not kept)."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
         self._kept: list[tuple[CachedRows, C]] = []
 
     def __len__(self) -> int:
@@ -100,12 +102,13 @@ class KeptSequences(Generic[C]):
         return self._kept.pop(index)
 
     def keep(self, rows: CachedRows, cache: C) -> None:
-        """Keep a sequence that stops being live, if it is reusable at all, dropping the least recently used past
-        ``size``."""
-        if self.size < 1 or rows.key is None or not rows.tokens:
+        """Keep a sequence that stops being live, if it is reusable at all, dropping the least recently used ones
+        while the rows held pass ``budget``."""
+        if rows.key is None or not rows.tokens or len(rows.tokens) > self.budget:
             return
         self._kept.append((rows, cache))
-        del self._kept[: max(0, len(self._kept) - self.size)]
+        while self.tokens > self.budget:
+            del self._kept[0]
 
     def forget(self, owner: object = None) -> None:
         """Drop every kept sequence, or only ``owner``'s (the last element of its key)."""
