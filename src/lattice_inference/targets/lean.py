@@ -196,20 +196,8 @@ class LeanTarget(TransformersTarget):
         super()._new_cache()
         self._rows = CachedRows()
 
-    def _run(
-        self,
-        token_ids: Sequence[int],
-        logits_to_keep: int,
-        *,
-        offsets: Sequence[int] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        matched: bool = False,
-    ) -> torch.Tensor:
-        logits = super()._run(
-            token_ids, logits_to_keep, offsets=offsets, attention_mask=attention_mask, matched=matched
-        )
+    def _fed(self, token_ids: Sequence[int]) -> None:
         self._rows.fed(token_ids)
-        return logits
 
     def rollback(self, length: int) -> None:
         super().rollback(length)

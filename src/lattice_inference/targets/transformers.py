@@ -161,7 +161,12 @@ class CausalLMTarget(Target):
         with torch.inference_mode(), matching:
             logits = self._logits(ids, positions, attention_mask, logits_to_keep)
         self._length += n
+        self._fed(token_ids)
         return logits[0]
+
+    def _fed(self, token_ids: Sequence[int]) -> None:
+        """Rows for ``token_ids`` were just written after the earlier ones (for subclasses that track the ids of
+        their cache rows)."""
 
     def _logits(
         self, ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: int
