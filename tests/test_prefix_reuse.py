@@ -38,7 +38,7 @@ def _reuses(target: LeanTarget, prompt_length: int) -> bool:
 def test_cached_rows_follow_feeds_rollbacks_and_kept_paths():
     rows = CachedRows()
     assert rows.reusable([1, 2, 3], ("k",)) == 0  # nothing cached
-    rows.reset(("k",))
+    rows = CachedRows(key=("k",))
     rows.fed([1, 2, 3, 4])
     rows.fed([5, 6, 7])  # a tree's rows as fed
     rows.keep(4, [0, 2])
@@ -49,7 +49,7 @@ def test_cached_rows_follow_feeds_rollbacks_and_kept_paths():
     assert rows.reusable([1, 2, 3, 4, 5], ("k",)) == 4  # the last prompt row is always fed
     assert rows.reusable([1, 2, 3, 4, 5, 6], ("k",)) == 5
     assert rows.reusable([1, 2, 3, 4, 5, 6], ("other",)) == 0
-    rows.reset(None)
+    rows.key = None
     assert rows.reusable([1, 2], ("k",)) == 0
 
 

@@ -274,14 +274,6 @@ class Engine:
             )
         return self._targets[key]
 
-    def _hand_over(self, target: Target, job: GenerationJob) -> None:
-        """Let ``job`` reuse cached prompt rows (``prefix_cache``) of its own tenant's earlier sequences only: a
-        prefill's speed would otherwise tell one tenant that another sent the same text. A request of no tenant
-        (`tenant_of`) reuses nothing; ``clear_index`` forgets the tenant's sequences too."""
-        if job.clear_index and job.tenant is not None:
-            target.forget_prefix(job.tenant)
-        target.prefix_owner = job.tenant
-
     def generator(self, settings: DecodeOptions) -> Generator:
         """A generator for ``settings`` over the loaded model and the shared target (built once, then reused)."""
         gen = self._generators.get(settings)
@@ -329,8 +321,12 @@ class Engine:
             self.suffix_scopes.clear(job.tenant)
             for other in self._generators.values():
                 other.decoder.forget(job.tenant)
+            for target in self._targets.values():
+                target.forget_prefix(job.tenant)
         index = self.suffix_scopes.index_for(job.tenant) if "suffix" in job.settings.drafters else None
-        self._hand_over(gen.decoder.target, job)
+        # The prefix cache reuses only this tenant's earlier rows (none for a request of no tenant): a prefill's
+        # speed would otherwise tell one tenant that another sent the same text.
+        gen.decoder.target.prefix_owner = job.tenant
         state = gen.start(  # the planner's learned acceptance is carried within the tenant only, as its index
             job.prompt_ids,
             job.max_tokens,

@@ -26,7 +26,7 @@ class ServerMetrics:
         self.prompt_tokens = Counter("lattice_prompt_tokens", "Prompt tokens of finished generations", registry=r)
         self.cached_prompt_tokens = Counter(
             "lattice_cached_prompt_tokens",
-            "Prompt tokens whose cache rows a prefill kept from the tenant's previous request (the prefix cache)",
+            "Prompt tokens whose cache rows a prefill kept from the tenant's earlier requests (the prefix cache)",
             registry=r,
         )
         self.generated_tokens = Counter(

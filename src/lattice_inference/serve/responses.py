@@ -68,8 +68,8 @@ class CompletionFormat:
 
     @staticmethod
     def usage(finish: Finish) -> dict[str, Any]:
-        """OpenAI's ``usage`` object (``cached_tokens``: prompt tokens the prefill kept from the previous request
-        of the same tenant, see ``--no-prefix-cache``)."""
+        """OpenAI's ``usage`` object (``cached_tokens``: prompt tokens the prefill kept from the same tenant's
+        earlier requests, see ``--no-prefix-cache``)."""
         return {
             "prompt_tokens": finish.prompt_tokens,
             "completion_tokens": finish.completion_tokens,

@@ -177,7 +177,7 @@ class LeanTarget(TransformersTarget):
 
     def forget_prefix(self, owner: str | None = None) -> None:
         self._kept.forget(owner)
-        if owner is None or (self._rows.key is not None and self._rows.key[-1] == owner):
+        if owner is None or self._rows.owned_by(owner):
             self._rows.key = None
 
     def _row_key(self, prompt_length: int) -> RowKey | None:

@@ -13,9 +13,9 @@ the owner, e.g. a server's tenant); a prefill under other settings, or of a prom
 another way, reuses nothing.
 
 Beside its live cache a target keeps the caches of its earlier sequences (`KeptSequences`, LRU, under a token
-budget), so that
-work that alternates between contexts (two conversations, an agent returning to a file after a detour, a
-regenerated answer after other requests) still finds its rows; a prefill takes whichever holds the longest prefix.
+budget), so that work that alternates between contexts (two conversations, an agent returning to a file after a
+detour, a regenerated answer after other requests) still finds its rows; a prefill takes whichever holds the
+longest prefix.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Generic, TypeVar
 C = TypeVar("C")
 
 RowKey = tuple[object, ...]
-"""What decides how a row is computed beyond its token and position (dtype, thread count): rows cached under one
-key are reused only by a prefill under the same key."""
+"""What decides how a row is computed beyond its token and position (dtype, thread count), and last whose rows
+they are (the owner): rows cached under one key are reused only by a prefill under the same key."""
 
 
 @dataclass
@@ -38,11 +38,6 @@ class CachedRows:
 
     tokens: list[int] = field(default_factory=list)
     key: RowKey | None = None
-
-    def reset(self, key: RowKey | None) -> None:
-        """A new, empty cache whose rows will be computed under ``key`` (None: never reusable)."""
-        self.tokens = []
-        self.key = key
 
     def fed(self, token_ids: Sequence[int]) -> None:
         """Rows for ``token_ids`` were written after the current ones (a forward, or a draft tree's rows in the
@@ -57,6 +52,10 @@ class CachedRows:
         """Of the rows fed at ``start``, those listed (a path of a draft tree) now sit at ``start ..``."""
         fed = self.tokens[start:]
         self.tokens[start:] = [fed[r] for r in rows]
+
+    def owned_by(self, owner: object) -> bool:
+        """Whether these rows are reusable and ``owner``'s (the last element of their key)."""
+        return self.key is not None and self.key[-1] == owner
 
     def reusable(self, prompt: Sequence[int], key: RowKey) -> int:
         """How many leading rows a prefill of ``prompt`` under ``key`` may keep: the longest common prefix of the
@@ -112,4 +111,4 @@ class KeptSequences(Generic[C]):
 
     def forget(self, owner: object = None) -> None:
         """Drop every kept sequence, or only ``owner``'s (the last element of its key)."""
-        self._kept = [(r, c) for r, c in self._kept if owner is not None and (r.key is None or r.key[-1] != owner)]
+        self._kept = [(r, c) for r, c in self._kept if owner is not None and not r.owned_by(owner)]
