@@ -153,3 +153,27 @@ def test_bfloat16_attention_at_model_head_sizes_is_row_exact_and_rounds_as_bfloa
                 assert (got - want).abs().max() <= 1.5e-2, (r, head, float((got - want).abs().max()))
     finally:
         ops.attention_bf16_dots(native_ops.bf16_attention_dots())
+
+
+@pytest.mark.parametrize("dots", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prefill_sized_chain_splits_into_runs_and_each_row_equals_it_alone(ops, dtype, dots):
+    """A prefill's causal chain of 150 rows (past `RUN_ROWS` = 32: runs of at most 32 rows, dealt to the threads
+    from both ends of the prompt, several per key-value head): every row equals that row computed alone, bitwise,
+    and a chain of its first 40 rows gives the same rows (other runs, the same results)."""
+    heads, kv_heads, dim, n = 9, 3, 64, 150
+    k_cache = _rand(kv_heads, n, dim, dtype=dtype, seed=10)
+    v_cache = _rand(kv_heads, n, dim, dtype=dtype, seed=11)
+    q = _rand(heads, n, dim, dtype=torch.float32, seed=12)
+    chain, spans = torch.arange(n), torch.tensor([[0, r + 1] for r in range(n)])
+    scale = dim**-0.5
+    ops.attention_bf16_dots(dots)
+    try:
+        out = ops.attention(q, k_cache, v_cache, chain, spans, scale)
+        head = ops.attention(q[:, :40].contiguous(), k_cache, v_cache, chain, spans[:40].contiguous(), scale)
+        assert torch.equal(head, out[:40])
+        for r in (0, 1, 31, 32, 33, 63, 64, 100, 148, 149):
+            alone = ops.attention(q[:, r : r + 1].contiguous(), k_cache, v_cache, chain, spans[r : r + 1], scale)
+            assert torch.equal(alone[0], out[r]), r
+    finally:
+        ops.attention_bf16_dots(native_ops.bf16_attention_dots())

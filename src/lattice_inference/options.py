@@ -183,7 +183,7 @@ class DecodeOptions:
     on) lets a prefill keep the cached rows of its prompt's longest prefix that the previous generation on the same
     target left (its prompt and output: the next turn of a conversation, the same document or system prompt),
     where those rows are bit for bit what the prefill would compute (the lean forward's native layer loop, prompts
-    up to 1024 tokens; `lattice_inference.targets.prefix_reuse`); elsewhere it computes every row as before.
+    up to 4096 tokens; `lattice_inference.targets.prefix_reuse`); elsewhere it computes every row as before.
     Beside the live cache, earlier sequences' caches are kept for it, least recently used dropped first, up to
     ``prefix_budget`` tokens in all (default 8192; each token's keys and values of every layer; 0: the live one
     only).

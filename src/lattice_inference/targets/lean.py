@@ -66,12 +66,13 @@ def lean_supported(model: PreTrainedModel) -> str | None:
     return None
 
 
-NATIVE_PREFILL_MAX = 1024
-"""Longest prompt the native ops prefill (else the PyTorch path's flash attention): their attention costs more per
-key pair, so they win on short prompts and lose on long ones. SmolLM2, AMD EPYC Zen 4 (AVX512-BF16), 2 threads,
-median of 3, native against flash attention in ms: bfloat16 421/545 at 512 tokens, 1054/1166 at 1024, 2113/1882
-at 1536, 3821/2944 at 2048; float32 901/952 at 512, 1749/1622 at 1024. Prompts a native prefill computes can
-reuse cached rows (`prefix_reuse`), which tips the balance up to here."""
+NATIVE_PREFILL_MAX = 4096
+"""Longest prompt the native ops prefill (else the PyTorch path's flash attention). Prompts a native prefill computes
+can reuse cached rows later (`prefix_reuse`); flash attention's cannot. With runs of at most 32 rows dealt from both
+ends of the prompt (`lean_ops.cpp`, ``RUN_ROWS``) the native prefill is no dearer than flash attention up to here:
+SmolLM2, AMD EPYC Zen 4 (AVX512-BF16), 2 threads, ``bench/bench_prefill.py``, native / flash in ms, bfloat16 199/233
+at 256 tokens, 953/1277 at 1024, 2250/2910 at 2048, 7037/8234 at 4096; float32 692/856 at 512, 4009/4231 at 2048,
+10122/10684 at 4096 (before, one run of all rows per head: 3821/2944 at 2048 in bfloat16)."""
 
 
 KEEP_TAIL = 16

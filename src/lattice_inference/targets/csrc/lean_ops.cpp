@@ -445,6 +445,11 @@ void attend_bf16(const float* qs, int64_t q_stride, int64_t groups, const c10::B
 
 bool bf16_attention_dots = true;  // `attention_bf16_dots`
 
+// Most rows of one run of `attention_impl`: a run's scores ([rows, groups, keys] floats) then stay in the L2
+// cache (32 rows x 3 heads x 4096 keys: 1.5 MiB). Without a limit a 2048-token prefill kept 25 MB of scores per
+// run and took 1.3x the time of flash attention; with it, 0.8x (`bench/bench_prefill.py`, bench/RESULTS.md).
+constexpr int64_t RUN_ROWS = 32;
+
 // Attention of each row and key-value head (its ``groups`` query heads together): q [H, n, D] float, caches
 // [K, capacity, D] of T; row r sees the cache rows keys[spans[r][0] .. spans[r][1]) in that order. Scores,
 // softmax and the value sum in float32, each (row, head) by the same sequence at any width; output [n, H * D] in
@@ -479,13 +484,19 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
   T* outp = out.data_ptr<T>();
   const float scale = static_cast<float>(scaling);
   const int64_t dv = d / L;
-  // Units of (run of rows, key-value head): runs as long as keeps every thread busy.
-  const int64_t per_head = shared ? std::min<int64_t>(n, (2 * at::get_num_threads() + kv_heads - 1) / kv_heads) : n;
+  // Units of (run of rows, key-value head): runs as long as keeps every thread busy, and at most `RUN_ROWS` rows
+  // (a long prefill's runs keep their scores in cache). A causal prefill's later rows see more keys, so the runs
+  // are dealt from both ends (first, last, second, second to last, ...): the threads' contiguous shares of units
+  // then cost about the same. Which rows share a run changes no row's result.
+  const int64_t want = std::max<int64_t>((2 * at::get_num_threads() + kv_heads - 1) / kv_heads,
+                                         (n + RUN_ROWS - 1) / RUN_ROWS);
+  const int64_t per_head = shared ? std::min<int64_t>(n, want) : n;
   const int64_t run = (n + per_head - 1) / per_head, runs = (n + run - 1) / run;
   at::parallel_for(0, runs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, accs;
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t r0 = unit / kv_heads * run, rows = std::min(n, r0 + run) - r0, kv = unit % kv_heads;
+      const int64_t slot = unit / kv_heads, which = slot % 2 == 0 ? slot / 2 : runs - 1 - slot / 2;
+      const int64_t r0 = which * run, rows = std::min(n, r0 + run) - r0, kv = unit % kv_heads;
       const float* qs = qp + (kv * groups * n + r0) * d;
       const T* kc_h = kc + kv * cap * d;
       const T* vc_h = vc + kv * cap * d;
