@@ -1,6 +1,6 @@
 """The prefix cache on interleaved agentic work: prefill time with and without reused prompt rows, side by side.
 
-The packaged agentic traces' requests are sent round-robin across traces (request 1 of every trace, then request 2
+The packaged agentic traces' (or ``--traces``) requests are sent round-robin across traces (request 1 of every trace, then request 2
 of every trace, ...), as a server sees several agents or conversations at once, to one method under three prefix
 cache settings, each its own `Generator` (its own target and caches) over the same weights, taking turns request
 by request:
@@ -14,6 +14,7 @@ prints per setting: prefill seconds in all, median prefill per request, the shar
 request seconds (prefill and decode), and whether every output equals ``off``'s token for token.
 
     python bench/bench_prefix_cache.py --dtype bfloat16 --threads 2
+    python bench/bench_prefix_cache.py --dtype bfloat16 --threads 2 --traces bench/long_document_trace.jsonl
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--method", default="ngram")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--traces",
+        default=str(traces.AGENTIC_TRACES),
+        help="a trace file as `lattice bench --traces` takes (default: the packaged agentic traces; "
+        "bench/long_document_trace.jsonl: questions over a 2800-token document)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quiet_transformers()
@@ -52,7 +59,7 @@ def main() -> None:
         )
         for name, settings in SETTINGS.items()
     }
-    trace_list = traces.load_traces(traces.AGENTIC_TRACES)
+    trace_list = traces.load_traces(args.traces)
     reference = gens["off"]
 
     def answer(ids: list[int], budget: int) -> str:

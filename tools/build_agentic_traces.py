@@ -7,6 +7,7 @@ them (an agent's growing context); otherwise each request stands alone (an agent
 Python whose stdlib text should be used; the shipped file was built with Python 3.11.
 
     python tools/build_agentic_traces.py > src/lattice_inference/tasks/agentic.jsonl
+    python tools/build_agentic_traces.py --long-document > bench/long_document_trace.jsonl
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import http
 import inspect
 import json
 import keyword
+import string
+import sys
 import textwrap
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. Use only the text the user gives you."}
@@ -144,7 +147,29 @@ def regenerate() -> dict:
     return {"id": "regenerate-json-dumps", "kind": "regenerate", "conversation": False, "requests": requests}
 
 
+def long_document() -> dict:
+    """Questions in turn over one long document (the ``string`` module's source, about 2800 tokens of SmolLM2's
+    tokenizer): a conversation whose context stays past 1024 tokens (`bench/long_document_trace.jsonl`)."""
+    source = inspect.getsource(string)
+    turns = [
+        f"File string.py:\n\n```python\n{source}```\n\nWhat does the function `capwords` do? Quote its code.",
+        "Which constants does the module define? List them with their values.",
+        "Show the method `Template.substitute` as it appears in the file.",
+        "Which class does `Formatter.vformat` belong to? Quote its first lines.",
+        "Quote the docstring at the top of the file.",
+    ]
+    return {
+        "id": "long-document-string",
+        "kind": "long-document",
+        "conversation": True,
+        "requests": [{"messages": [SYSTEM, user(turns[0])]}] + [{"messages": [user(t)]} for t in turns[1:]],
+    }
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--long-document"]:
+        print(json.dumps(long_document()))
+        return
     for trace in (edit_loop(), edit_conversation(), json_qa(), sql_schema(), tool_echo(), regenerate()):
         print(json.dumps(trace))
 
