@@ -1,9 +1,9 @@
 """The prefix cache on interleaved agentic work: prefill time with and without reused prompt rows, side by side.
 
-The packaged agentic traces' (or ``--traces``) requests are sent round-robin across traces (request 1 of every trace, then request 2
-of every trace, ...), as a server sees several agents or conversations at once, to one method under three prefix
-cache settings, each its own `Generator` (its own target and caches) over the same weights, taking turns request
-by request:
+The packaged agentic traces' (or ``--traces``) requests are sent round-robin across traces (request 1 of every
+trace, then request 2 of every trace, ...), as a server sees several agents or conversations at once, to one method
+under three prefix cache settings, each its own `Generator` (its own target and caches) over the same weights,
+taking turns request by request:
 
 - ``off``: ``prefix_cache=False``, every prompt row computed;
 - ``live``: ``prefix_budget=0``, only the live cache (the previous request's rows) reused;
