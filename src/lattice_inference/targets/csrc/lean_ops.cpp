@@ -342,6 +342,30 @@ inline __m512i interleave16(const uint16_t* a, const uint16_t* b) {
   return _mm512_permutexvar_epi16(idx, both);
 }
 
+// Adds one row's value products for NG query heads of one key-value head: ``sums`` [NG][D * 32] floats (head h's
+// at ``sums + h * D * 32``), ``probs`` the heads' probabilities as pairs of keys (head h's from ``probs + h *
+// stride``), ``v`` ``pairs`` pairs of keys' values (2 * D vectors each). Each head's sums take the pairs in order,
+// one `vdpbf16ps` per pair and 16 dimensions, as one head alone would; the heads share each loaded value vector.
+template <int D, int NG>
+inline void value_sums(float* sums, const uint32_t* probs, int64_t stride, const __m512i (*v)[2 * D],
+                       const __m512i* last, int64_t pairs) {
+  constexpr int64_t d = D * 32;
+  __m512 acc[NG][2 * D];
+  for (int h = 0; h < NG; ++h)
+    for (int c = 0; c < 2 * D; ++c) acc[h][c] = _mm512_loadu_ps(sums + h * d + c * 16);
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512bh p[NG];
+    for (int h = 0; h < NG; ++h) p[h] = (__m512bh)_mm512_set1_epi32(static_cast<int>(probs[h * stride + i]));
+    const __m512i* vi = last != nullptr && i + 1 == pairs ? last : v[i];
+    for (int c = 0; c < 2 * D; ++c) {
+      const __m512bh vc = (__m512bh)vi[c];
+      for (int h = 0; h < NG; ++h) acc[h][c] = _mm512_dpbf16_ps(acc[h][c], vc, p[h]);
+    }
+  }
+  for (int h = 0; h < NG; ++h)
+    for (int c = 0; c < 2 * D; ++c) _mm512_storeu_ps(sums + h * d + c * 16, acc[h][c]);
+}
+
 // `attend` for bfloat16 caches with AVX512-BF16 dot products, as transformers' bfloat16 attention rounds: the
 // query rounded to bfloat16, each score one float32 sum of `vdpbf16ps` products over the head's dimensions (16
 // lanes, reduced by `sum16x16`), the softmax in float32, the probabilities rounded to bfloat16, each output lane
@@ -420,17 +444,16 @@ void attend_bf16(const float* qs, int64_t q_stride, int64_t groups, const c10::B
         const int64_t a = count - 1;
         for (int c = 0; c < 2 * D; ++c) last[c] = interleave16(vh + keys[a] * d + c * 16, zero + c * 16);
       }
-      for (int64_t g = 0; g < groups; ++g) {
+      // the query heads three at a time (registers: 3 x 2D sums and 2D values), sharing each value vector
+      for (int64_t g = 0; g < groups;) {
         const uint32_t* pw = reinterpret_cast<const uint32_t*>(probs.data() + (r * groups + g) * span + j0);
         float* sums = accs.data() + (r * groups + g) * d;
-        __m512 acc[2 * D];
-        for (int c = 0; c < 2 * D; ++c) acc[c] = _mm512_loadu_ps(sums + c * 16);
-        for (int64_t i = 0; i < pairs; ++i) {
-          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[i]));
-          const __m512i* v = odd && i + 1 == pairs ? last : vp[i];
-          for (int c = 0; c < 2 * D; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)v[c], p);
-        }
-        for (int c = 0; c < 2 * D; ++c) _mm512_storeu_ps(sums + c * 16, acc[c]);
+        const int64_t take = std::min<int64_t>(3, groups - g);
+        const __m512i* tail = odd ? last : nullptr;
+        if (take == 3) value_sums<D, 3>(sums, pw, span / 2, vp, tail, pairs);
+        else if (take == 2) value_sums<D, 2>(sums, pw, span / 2, vp, tail, pairs);
+        else value_sums<D, 1>(sums, pw, span / 2, vp, tail, pairs);
+        g += take;
       }
     }
   }
