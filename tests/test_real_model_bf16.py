@@ -9,6 +9,9 @@ Skipped, saying why, where the package is absent.
 
 from __future__ import annotations
 
+import inspect
+import string
+
 import pytest
 
 from lattice_inference import Generator
@@ -73,6 +76,25 @@ def test_every_method_equals_plain_decoding_in_bfloat16(loaded) -> None:
         got = methods["ngram"].generate(ids, BUDGET, temperature=0.8, top_p=0.95, seed=i)
         assert got.token_ids == sampled, (p.id, "sampled")
     assert all(accepted.values()), accepted
+
+
+def test_a_long_document_conversation_reuses_rows_past_1024_tokens(loaded) -> None:
+    """Two turns over a 1300-token document (``string.py``'s source; past the 1024 tokens the native prefill
+    was once limited to): the second turn's prefill keeps the first turn's rows and emits what a generator
+    computing every prompt row emits, with ngram drafting."""
+    document = inspect.getsource(string)[:5200]
+    common = dict(eos_token_ids=loaded.eos_token_ids, method="ngram")
+    reusing = Generator(loaded.model, loaded.tokenizer, **common)
+    fresh = Generator(loaded.model, loaded.tokenizer, prefix_cache=False, **common)
+    turns = [{"role": "user", "content": f"File string.py:\n\n{document}\n\nWhat does `capwords` do?"}]
+    first = reusing.generate(reusing.encode_messages(turns), 16)
+    turns += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Quote its first line."}]
+    ids = reusing.encode_messages(turns)
+    assert len(ids) > 1024
+    got = reusing.generate(ids, 16)
+    assert got.token_ids == fresh.generate(ids, 16).token_ids
+    if reusing.decoder.target._row_key(64) is not None:  # type: ignore[attr-defined]  # rows reusable here at all
+        assert got.metrics.cached_prompt_tokens > 1024
 
 
 def test_a_conversation_reusing_its_cache_equals_fresh_prefills(loaded) -> None:
