@@ -20,15 +20,14 @@ import torch
 
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.loading import load_model
-from lattice_inference.targets import LeanTarget, make_target
-from lattice_inference.targets import lean as lean
+from lattice_inference.targets import LeanTarget, lean, make_target
 
 
 def prefill_seconds(target: LeanTarget, prompt: list[int], native: bool) -> float:
-    """One cold prefill of ``prompt``, natively (limit lifted past it) or through the PyTorch path (limit 0)."""
+    """One cold prefill of ``prompt`` (the target reuses no rows: ``prefix_cache=False``), natively (limit lifted
+    past it) or through the PyTorch path (limit 0)."""
     saved = lean.NATIVE_PREFILL_MAX
     lean.NATIVE_PREFILL_MAX = len(prompt) if native else 0
-    target.forget_prefix()
     try:
         start = time.perf_counter()
         target.prefill(prompt)
