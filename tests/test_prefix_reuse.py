@@ -31,7 +31,7 @@ def _model(arch: str, dtype: torch.dtype, seed: int = 1):
 
 def _reuses(target: LeanTarget, prompt_length: int) -> bool:
     """Whether ``target`` computes a fresh prefill of this length as it computes every later row (where not, as
-    with oneDNN's float32 products, it must reuse nothing)."""
+    with oneDNN's products, it must reuse nothing)."""
     return target._row_key(prompt_length) is not None
 
 
@@ -110,6 +110,8 @@ def test_a_reused_prefix_gives_a_fresh_prefills_logits_and_steps(arch, dtype):
         cached = [*prompt, 7, 8, 9, 10]
     if dtype == torch.bfloat16 and lean_module.native_ops.tiles() is not None:
         assert _reuses(lean, 10)  # where the tile products run, bfloat16 rows are reusable
+    if dtype == torch.float32 and lean_module.native_ops.rows() is not None:
+        assert _reuses(lean, 10)  # where the row products run, float32 rows are reusable
 
 
 def test_nothing_is_reused_under_other_settings_or_past_the_native_prefill(monkeypatch):

@@ -7,7 +7,9 @@ layer's row-wise work in four calls (`rms_norm`/`add_rms_norm`, `rope_qk_cache`,
 computing every row by one fixed sequence of float operations, so a k-row call equals k 1-row calls bit for bit
 (the target's exactness self-check confirms it at load).
 
-The same build holds our bfloat16 products (``csrc/tile_linear.cpp``, `tiles`): on CPUs with AMX-BF16 they run on
+The same build holds our float32 products (``csrc/rows_linear.cpp``, `rows`: AVX512F or AVX2+FMA, every row one
+fixed sequence of fused multiply-adds, so that float32 rows too are the same at any width and reusable) and our
+bfloat16 products (``csrc/tile_linear.cpp``, `tiles`): on CPUs with AMX-BF16 they run on
 the matrix tiles, on CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and later, Intel Cooper Lake) on its dot-product
 instructions; `packed_linear` lays bfloat16 weights out for them and the layer loop calls them directly.
 ``LATTICE_AMX=0`` runs the AVX512-BF16 kernel on an AMX CPU too (to compare them; each is row-exact). On those
@@ -37,8 +39,8 @@ import torch
 from lattice_inference.gguf import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "lean_ops.cpp", CSRC / "tile_linear.cpp")
-HEADERS = (CSRC / "tile_linear.h",)
+SOURCES = (CSRC / "lean_ops.cpp", CSRC / "tile_linear.cpp", CSRC / "rows_linear.cpp")
+HEADERS = (CSRC / "tile_linear.h", CSRC / "rows_linear.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 """Compiler flags: the host CPU's instruction set; OpenMP pragmas bind to the runtime torch already loaded."""
 
@@ -119,6 +121,23 @@ def tile_kernel() -> str | None:
     see `tiles`)."""
     module = tiles()
     return None if module is None else str(module.tile_linear_kernel())
+
+
+def rows() -> ModuleType | None:
+    """The built extension where its float32 products (``rows_pack``/``rows_linear``, ``csrc/rows_linear.cpp``: each
+    row computed alike at any width) run here: built for a CPU with AVX512F or AVX2 and FMA, and not turned off by
+    ``LATTICE_ROWS=0`` (then float32 products run on oneDNN, whose rows are not reusable); else None."""
+    if _switched_off("LATTICE_ROWS"):
+        return None
+    module = ops()
+    return module if module is not None and module.rows_linear_kernel() else None
+
+
+def rows_kernel() -> str | None:
+    """Which vector instructions float32 `packed_linear` products run on here: ``"avx512"``, ``"avx2"``, or None
+    (oneDNN's, see `rows`)."""
+    module = rows()
+    return None if module is None else str(module.rows_linear_kernel())
 
 
 def bf16_attention_dots() -> bool:

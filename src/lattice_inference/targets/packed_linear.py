@@ -12,6 +12,11 @@ tile products instead (``csrc/tile_linear.cpp``): every row in a zero-padded 16-
 rows costs about one read of the weights and each row comes out the same at any width; a step of SmolLM2-135M
 spends ~11 ms on them against ~14.5 ms on oneDNN's (bench/RESULTS.md, session 12).
 
+In float32 on CPUs with AVX512F or AVX2 and FMA (the native ops built: `native_ops.rows`) the weights are laid out
+for our row products (``csrc/rows_linear.cpp``): each output of each row one float32 sum over the inputs in order,
+so each row comes out the same at any width (a float32 prefill's rows are then reusable, `prefix_reuse`), and a
+1-token step of SmolLM2-135M spends 1.4-1.6x less than on oneDNN's (bench/RESULTS.md, session 21).
+
 Projections that read the same input are packed as one matrix: ``q_proj``/``k_proj``/``v_proj`` of an
 attention block and ``gate_proj``/``up_proj`` of a gated MLP (one product instead of three or two: fewer
 passes over the input, fewer thread hand-offs). The model's code still calls each projection; the first call
@@ -64,34 +69,51 @@ def _tiles_for(weight: torch.Tensor) -> ModuleType | None:
     return native_ops.tiles()
 
 
+def _rows_for(weight: torch.Tensor) -> ModuleType | None:
+    """The native float32 products (`native_ops.rows`) where they take ``weight``: float32, ``[out, in]`` with out a
+    multiple of 16; else None (oneDNN packs it)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[0] % 16:
+        return None
+    return native_ops.rows()
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """A packed copy of a dense ``[out, in]`` weight (check `packing_supported` first), for `packed_linear`: laid
-    out for the AMX tile products where they run (bfloat16 on CPUs with AMX, ``csrc/tile_linear.cpp``: 1-16 rows
-    at about the cost of reading the weight, each row computed alike at any width), else for oneDNN."""
+    out for our products where they run (bfloat16 on CPUs with AMX or AVX512-BF16, ``csrc/tile_linear.cpp``;
+    float32 on CPUs with AVX512F or AVX2, ``csrc/rows_linear.cpp``: each row computed alike at any width), else for
+    oneDNN."""
     with torch.no_grad():
         tiles = _tiles_for(weight)
         if tiles is not None:
             return tiles.tile_pack(weight.detach())
+        rows = _rows_for(weight)
+        if rows is not None:
+            return rows.rows_pack(weight.detach())
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
 def tile_packed(packed: torch.Tensor) -> bool:
-    """Whether ``packed`` (from `pack_weight`) is laid out for the AMX tile products (else for oneDNN)."""
+    """Whether ``packed`` (from `pack_weight`) is laid out for the bfloat16 tile products."""
     return packed.dim() == 4 and packed.shape[2:] == (16, 2)
 
 
+def rows_packed(packed: torch.Tensor) -> bool:
+    """Whether ``packed`` (from `pack_weight`) is laid out for the float32 row products."""
+    return packed.dim() == 3 and packed.shape[2] == 16 and packed.dtype == torch.float32
+
+
 def packed_kind(packed: torch.Tensor) -> str:
-    """The plan-key kind (`decode_matched.linear_key`) of products over ``packed``: ``"tiles"`` for our kernels,
-    ``"packed"`` for oneDNN's. They round differently, so each is calibrated on its own."""
-    return "tiles" if tile_packed(packed) else "packed"
+    """The plan-key kind (`decode_matched.linear_key`) of products over ``packed``: ``"tiles"`` or ``"rows"`` for
+    our kernels, ``"packed"`` for oneDNN's. They round differently, so each is calibrated on its own."""
+    return "tiles" if tile_packed(packed) else "rows" if rows_packed(packed) else "packed"
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` over ``packed = pack_weight(weight)`` (``x`` on the CPU, in its dtype)."""
-    if tile_packed(packed):  # laid out by `pack_weight` only where the tiles run: no check per call
+    if packed.dim() != 2:  # laid out by `pack_weight` only where our products run: no check per call
         module = native_ops.ops()
         assert module is not None
-        return module.tile_linear(x, packed, bias)
+        return module.tile_linear(x, packed, bias) if packed.dim() == 4 else module.rows_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

@@ -1,0 +1,165 @@
+// Float32 linear layers over one weight layout, every row computed by the same sequence of operations at any width.
+//
+// Why: oneDNN's float32 products round a row differently with the number of rows beside it, so a float32 prefill
+// (all rows at once) computes other keys and values than the 1-token steps that later extend the sequence: its
+// cache rows cannot be reused by the next prompt that starts with them (a conversation's next turn, an agent's next
+// request), and a verification of k tokens must pad each product to a calibrated row count. Here each output of
+// each row is one float32 sum over the inputs in order, one fused multiply-add each, whichever rows come with it:
+// a k-row product equals k 1-row products bit for bit, so prefill rows, verified rows and 1-token rows are
+// interchangeable (the native layer loop and prefix reuse then run in float32 as in bfloat16).
+//
+// How: the weight is laid out once as [out/16][in][16] (`rows_pack`): each input's 16 outputs of a block are one
+// 64-byte vector. A call walks groups of blocks in parallel over the threads; within a group it takes the inputs
+// in slices that stay in the L1 cache while every chunk of up to R rows passes over them (each loaded weight
+// vector serves R rows; the sums wait in memory between slices, exactly). AVX512F: 16 lanes, groups of 4 blocks,
+// 4 rows a chunk; AVX2: two 8-lane halves per block, groups of 2 blocks, 2 rows a chunk. The two builds round
+// alike per lane (the same sequence per output); a build without either leaves float32 products to oneDNN.
+#include "rows_linear.h"
+
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <vector>
+
+#if defined(__AVX512F__)
+#define LATTICE_ROWS 1
+#include <immintrin.h>
+namespace {
+constexpr int GROUP = 4, CHUNK = 6;
+struct Vec {  // one block's 16 outputs
+  __m512 v;
+};
+inline Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
+inline Vec fma(Vec w, __m512 x, Vec acc) { return {_mm512_fmadd_ps(w.v, x, acc.v)}; }
+inline __m512 broadcast(float x) { return _mm512_set1_ps(x); }
+using Scalar = __m512;
+const char* const KERNEL = "avx512";
+}  // namespace
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LATTICE_ROWS 1
+#include <immintrin.h>
+namespace {
+constexpr int GROUP = 2, CHUNK = 2;
+struct Vec {
+  __m256 lo, hi;
+};
+inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store(float* p, Vec a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline Vec fma(Vec w, __m256 x, Vec acc) { return {_mm256_fmadd_ps(w.lo, x, acc.lo), _mm256_fmadd_ps(w.hi, x, acc.hi)}; }
+inline __m256 broadcast(float x) { return _mm256_set1_ps(x); }
+using Scalar = __m256;
+const char* const KERNEL = "avx2";
+}  // namespace
+#endif
+
+#ifdef LATTICE_ROWS
+namespace {
+
+constexpr int64_t SLICE = 64;  // inputs per pass: a group's 64 inputs are GROUP x 4 KiB of weights, in L1
+
+// Adds inputs [k0, k1) of R rows ``x`` (``in`` per row) times G blocks of weights (``block`` floats apart) to
+// ``sums`` [R][G * 16]: one fused multiply-add per input, row and output, each output's inputs in order.
+template <int R, int G>
+inline void rows_chunk(const float* x, int64_t in, const float* w, int64_t block, int64_t k0, int64_t k1,
+                       float* sums) {
+  Vec acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = load(sums + (r * G + g) * 16);
+  for (int64_t k = k0; k < k1; ++k) {
+    Vec wv[G];
+    for (int g = 0; g < G; ++g) wv[g] = load(w + g * block + k * 16);
+    for (int r = 0; r < R; ++r) {
+      const Scalar xv = broadcast(x[r * in + k]);
+      for (int g = 0; g < G; ++g) acc[r][g] = fma(wv[g], xv, acc[r][g]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) store(sums + (r * G + g) * 16, acc[r][g]);
+}
+
+template <int R, int G>
+inline void rows_tail(const float* x, int64_t rows, int64_t in, const float* w, int64_t block, int64_t k0,
+                      int64_t k1, float* sums) {
+  if constexpr (R > 0) {
+    if (rows == R) return rows_chunk<R, G>(x, in, w, block, k0, k1, sums);
+    rows_tail<R - 1, G>(x, rows, in, w, block, k0, k1, sums);
+  }
+}
+
+// All ``n`` rows times one group of G blocks: ``sums`` [n][G * 16] (zeroed here).
+template <int G>
+void rows_group(const float* x, int64_t n, int64_t in, const float* w, int64_t block, float* sums) {
+  constexpr int64_t cols = G * 16;
+  std::fill(sums, sums + n * cols, 0.0f);
+  for (int64_t k0 = 0; k0 < in; k0 += SLICE) {
+    const int64_t k1 = std::min(in, k0 + SLICE);
+    int64_t r = 0;
+    for (; r + CHUNK <= n; r += CHUNK) rows_chunk<CHUNK, G>(x + r * in, in, w, block, k0, k1, sums + r * cols);
+    if (r < n) rows_tail<CHUNK - 1, G>(x + r * in, n - r, in, w, block, k0, k1, sums + r * cols);
+  }
+}
+
+template <int G>
+void rows_group_bias(const float* x, int64_t n, int64_t in, const float* w, int64_t block, float* sums,
+                     const float* bias, float* out, int64_t stride, int64_t col) {
+  rows_group<G>(x, n, in, w, block, sums);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < G * 16; ++j) out[r * stride + col + j] = sums[r * G * 16 + j] + (bias ? bias[col + j] : 0.0f);
+}
+
+}  // namespace
+#endif  // LATTICE_ROWS
+
+std::string rows_linear_kernel() {
+#ifdef LATTICE_ROWS
+  return KERNEL;
+#else
+  return "";
+#endif
+}
+
+torch::Tensor rows_pack(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "rows_pack: a 2-d float32 weight");
+  const int64_t out = weight.size(0), in = weight.size(1);
+  TORCH_CHECK(out % 16 == 0, "rows_pack: [out, in] = [", out, ", ", in, "], out must be a multiple of 16");
+  return weight.contiguous().view({out / 16, 16, in}).permute({0, 2, 1}).contiguous();
+}
+
+torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(!rows_linear_kernel().empty(), "rows_linear: this build has neither AVX512F nor AVX2 with FMA");
+  TORCH_CHECK(rows_packed(packed) && packed.is_contiguous(), "rows_linear: the weight must come from rows_pack");
+  const int64_t blocks = packed.size(0), in = packed.size(1), out = blocks * 16;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "rows_linear: float32 input expected, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, "rows_linear: input of ", x.size(-1), " features, the weight takes ", in);
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == out && bias->scalar_type() == torch::kFloat32),
+              "rows_linear: a float32 bias of ", out, " values expected");
+  const torch::Tensor rows_in = x.reshape({-1, in}).contiguous();
+  const int64_t n = rows_in.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out;
+  torch::Tensor result = torch::empty(shape, x.options());
+#ifdef LATTICE_ROWS
+  if (n == 0) return result;
+  const torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const float* bp = bias.has_value() ? bc.data_ptr<float>() : nullptr;
+  const float* xp = rows_in.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* op = result.data_ptr<float>();
+  const int64_t block = in * 16;
+  at::parallel_for(0, blocks, GROUP, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sums(n * GROUP * 16);
+    for (int64_t b = b0; b < b1; b += GROUP) {
+      const int64_t width = std::min<int64_t>(GROUP, b1 - b);
+      const float* wg = wp + b * block;
+      if (width == GROUP) rows_group_bias<GROUP>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
+      else if (width == 3) rows_group_bias<3>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
+      else if (width == 2) rows_group_bias<2>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
+      else rows_group_bias<1>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
+    }
+  });
+#endif
+  return result;
+}

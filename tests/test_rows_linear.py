@@ -1,0 +1,129 @@
+"""Our float32 products (``csrc/rows_linear.cpp``) that packed linears run on CPUs with AVX512F or AVX2 and FMA.
+
+Against a float64 product (within float32 rounding), each row of a k-row product equal to that row computed
+alone, bitwise, at widths within one row chunk, across chunks and input slices; the weight layout `pack_weight`
+picks; clear errors; a float32 lean target whose layers run on them, its rows reusable by the next prompt; and the
+AVX2 build equal to the AVX512 one bit for bit (built here without AVX512 where the CPU has it), so float32 output
+does not depend on which of the two a CPU runs. Skipped where neither runs (the native ops off or not built, a
+CPU without AVX2): there float32 products run on oneDNN, which `tests/test_packed_linear.py` covers.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from lattice_inference.targets import native_ops
+from lattice_inference.targets.packed_linear import pack_weight, packed_linear, rows_packed
+
+
+@pytest.fixture(scope="module")
+def rows():
+    built = native_ops.rows()
+    if built is None:
+        why = native_ops.unavailable() or "no AVX2 with FMA, or LATTICE_ROWS=0"
+        pytest.skip(f"our float32 products do not run here ({why})")
+    return built
+
+
+def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(("out", "inp"), [(48, 64), (96, 1536), (208, 97)])
+def test_products_are_the_float64_product_to_float32_rounding(rows, out, inp):
+    weight, bias, x = _rand(out, inp, seed=1), _rand(out, seed=2), _rand(1, 21, inp, seed=3)
+    packed = pack_weight(weight)
+    assert rows_packed(packed)
+    y = packed_linear(x, packed, bias)
+    want = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    assert y.shape == (1, 21, out) and y.dtype == torch.float32
+    # inp float32 roundings of partial sums of magnitude at most sum |w x|
+    bound = (x.double().abs() @ weight.double().abs().T + bias.double().abs()) * inp * 2**-23
+    assert bool(((y.double() - want).abs() <= bound).all())
+
+
+def test_rows_equal_one_row_products_at_every_width(rows):
+    weight, bias = _rand(160, 200, seed=4), _rand(160, seed=5)  # 200 inputs: slices of 64 and a short one
+    packed = pack_weight(weight)
+    x = _rand(40, 200, seed=6)
+    alone = torch.cat([packed_linear(x[i : i + 1], packed, bias) for i in range(40)])
+    for width in (2, 3, 4, 5, 6, 7, 11, 12, 13, 16, 17, 33, 40):  # within a row chunk, whole ones, a short last one
+        assert torch.equal(packed_linear(x[:width], packed, bias), alone[:width]), width
+    assert torch.equal(packed_linear(x[7:12], packed, None), packed_linear(x, packed, None)[7:12])
+
+
+def test_pack_weight_uses_them_only_where_they_take_the_weight(rows, monkeypatch):
+    assert rows_packed(pack_weight(_rand(32, 64)))
+    assert not rows_packed(pack_weight(_rand(40, 64)))  # outputs not a multiple of 16: oneDNN
+    assert not rows_packed(pack_weight(_rand(32, 64).to(torch.bfloat16)))
+    monkeypatch.setenv("LATTICE_ROWS", "0")
+    assert native_ops.rows() is None
+    assert not rows_packed(pack_weight(_rand(32, 64)))
+
+
+def test_bad_input_gets_a_clear_error(rows):
+    packed = pack_weight(_rand(32, 64))
+    with pytest.raises(RuntimeError, match="input of 63 features, the weight takes 64"):
+        rows.rows_linear(_rand(2, 63), packed, None)
+    with pytest.raises(RuntimeError, match="float32 input expected"):
+        rows.rows_linear(_rand(2, 64).to(torch.bfloat16), packed, None)
+    with pytest.raises(RuntimeError, match="a float32 bias of 32 values"):
+        rows.rows_linear(_rand(2, 64), packed, _rand(31))
+    with pytest.raises(RuntimeError, match=r"\[out, in\] = \[40, 64\], out must be a multiple of 16"):
+        rows.rows_pack(_rand(40, 64))
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_float32_lean_target_runs_its_layers_on_them_and_its_rows_are_reusable(rows, on, monkeypatch):
+    """With our products (the default here) a float32 lean target runs the native layer loop and a prefill's rows
+    are reusable; without them (``LATTICE_ROWS=0``: oneDNN) its k-token rows still equal its 1-token steps, and no
+    prefill row is reused."""
+    from lattice_inference.targets.lean import LeanTarget
+    from lattice_inference.testing.toy import toy_config, toy_model
+
+    if not on:
+        monkeypatch.setenv("LATTICE_ROWS", "0")
+    model = toy_model(toy_config("qwen3", hidden_size=128, intermediate_size=1536, head_dim=32), seed=1)
+    lean = LeanTarget(model, prefix_budget=0)
+    assert (lean._loop is not None and lean._loop.runs(torch.empty(0))) == on
+    lean.prefill(list(range(20)))
+    wide = lean.forward([5, 6, 7])
+    lean.rollback(20)
+    assert all(torch.equal(lean.forward([token])[0], wide[i]) for i, token in enumerate([5, 6, 7]))
+    lean.prefill([*range(20), 5, 9])
+    assert lean.prefix_reused == (21 if on else 0)
+
+
+def test_the_avx2_build_equals_the_avx512_build(rows):
+    """Each output is the same sequence of fused multiply-adds in 8 or 16 lanes: float32 products, and so float32
+    output, are the same on AVX2-only CPUs as on AVX512 ones."""
+    if rows.rows_linear_kernel() != "avx512":
+        pytest.skip("this CPU has no AVX512F: it runs the AVX2 build already")
+    from torch.utils import cpp_extension
+
+    with tempfile.TemporaryDirectory() as directory:
+        bind = Path(directory) / "bind.cpp"
+        bind.write_text(
+            '#include "rows_linear.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
+            '  m.def("rows_pack", &rows_pack); m.def("rows_linear", &rows_linear);\n'
+            '  m.def("rows_linear_kernel", &rows_linear_kernel);\n}\n'
+        )
+        avx2 = cpp_extension.load(
+            name="lattice_rows_avx2",
+            sources=[str(bind), str(native_ops.CSRC / "rows_linear.cpp")],
+            extra_cflags=[*native_ops.FLAGS, "-mno-avx512f"],
+            extra_include_paths=[str(native_ops.CSRC)],
+            build_directory=directory,
+        )
+        assert avx2.rows_linear_kernel() == "avx2"
+        for out, inp in [(960, 576), (576, 1536), (48, 40)]:
+            weight, bias, x = _rand(out, inp, seed=7), _rand(out, seed=8), _rand(37, inp, seed=9)
+            ours = rows.rows_linear(x, rows.rows_pack(weight), bias)
+            packed = avx2.rows_pack(weight)
+            theirs = avx2.rows_linear(x, packed, bias)
+            assert torch.equal(ours, theirs), (out, inp)
+            assert all(torch.equal(avx2.rows_linear(x[i : i + 1], packed, bias)[0], theirs[i]) for i in range(37))
