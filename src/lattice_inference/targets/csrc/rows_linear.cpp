@@ -59,16 +59,21 @@ const char* const KERNEL = "avx2";
 namespace {
 
 constexpr int64_t SLICE = 64;  // inputs per pass: a group's 64 inputs are GROUP x 4 KiB of weights, in L1
+constexpr int64_t PREFETCH_ROWS = 5;  // from this many rows the next slice is fetched while this one runs
 
 // Adds inputs [k0, k1) of R rows ``x`` (``in`` per row) times G blocks of weights (``block`` floats apart) to
-// ``sums`` [R][G * 16]: one fused multiply-add per input, row and output, each output's inputs in order.
+// ``sums`` [R][G * 16]: one fused multiply-add per input, row and output, each output's inputs in order. With each
+// of its first ``lines`` inputs it asks for one cache line more of each of the ``ahead`` weight streams ``next``
+// (into L2): prefetches change no sum.
 template <int R, int G>
 inline void rows_chunk(const float* x, int64_t in, const float* w, int64_t block, int64_t k0, int64_t k1,
-                       float* sums) {
+                       float* sums, const char* const* next = nullptr, int ahead = 0, int64_t lines = 0) {
   Vec acc[R][G];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) acc[r][g] = load(sums + (r * G + g) * 16);
   for (int64_t k = k0; k < k1; ++k) {
+    if (k - k0 < lines)
+      for (int i = 0; i < ahead; ++i) _mm_prefetch(next[i] + (k - k0) * 64, _MM_HINT_T1);
     Vec wv[G];
     for (int g = 0; g < G; ++g) wv[g] = load(w + g * block + k * 16);
     for (int r = 0; r < R; ++r) {
@@ -89,15 +94,25 @@ inline void rows_tail(const float* x, int64_t rows, int64_t in, const float* w, 
   }
 }
 
-// All ``n`` rows times one group of G blocks: ``sums`` [n][G * 16] (zeroed here).
+// All ``n`` rows times one group of G blocks: ``sums`` [n][G * 16] (zeroed here). From `PREFETCH_ROWS` rows the
+// passes over a slice are bound by the multiply-adds, not by memory, so the first passes also fetch the next slice
+// of the G blocks (spread over them, one line per input and block) while they run.
 template <int G>
 void rows_group(const float* x, int64_t n, int64_t in, const float* w, int64_t block, float* sums) {
   constexpr int64_t cols = G * 16;
   std::fill(sums, sums + n * cols, 0.0f);
+  const int64_t passes = n / CHUNK;
   for (int64_t k0 = 0; k0 < in; k0 += SLICE) {
     const int64_t k1 = std::min(in, k0 + SLICE);
+    const int64_t lines = n >= PREFETCH_ROWS ? std::min(in, k1 + SLICE) - k1 : 0;  // the next slice's inputs
     int64_t r = 0;
-    for (; r + CHUNK <= n; r += CHUNK) rows_chunk<CHUNK, G>(x + r * in, in, w, block, k0, k1, sums + r * cols);
+    for (int64_t c = 0; r + CHUNK <= n; r += CHUNK, ++c) {
+      const char* next[G];
+      int ahead = 0;
+      if (lines > 0)
+        for (int64_t g = c; g < G; g += passes) next[ahead++] = reinterpret_cast<const char*>(w + g * block + k1 * 16);
+      rows_chunk<CHUNK, G>(x + r * in, in, w, block, k0, k1, sums + r * cols, next, ahead, lines);
+    }
     if (r < n) rows_tail<CHUNK - 1, G>(x + r * in, n - r, in, w, block, k0, k1, sums + r * cols);
   }
 }
