@@ -199,7 +199,7 @@ def main() -> None:
     assert isinstance(lean, LeanTarget)
     parts = lean_parts(lean, len(prompt), args.reps)
     if parts:
-        kernel = native_ops.tile_kernel() if args.dtype == "bfloat16" else None
+        kernel = native_ops.product_kernel(getattr(torch, args.dtype))
         print(f"\nlean forward, parts (ms; products on {kernel or 'oneDNN'}), by tokens")
         print(f"{'':<26}" + "".join(f"{w:>8}" for w in PART_WIDTHS))
         for name, by_width in parts.items():

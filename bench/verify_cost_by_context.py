@@ -40,7 +40,8 @@ def main() -> None:
     target = make_target(loaded.model)
     widths = [int(w) for w in args.widths.split(",")]
     native = isinstance(target, LeanTarget) and native_ops.ops() is not None
-    print(f"{type(target).__name__}, {args.dtype}, {args.threads} threads, kernel {native_ops.tile_kernel()}")
+    kernel = native_ops.product_kernel(loaded.model.dtype) or "oneDNN"
+    print(f"{type(target).__name__}, {args.dtype}, {args.threads} threads, products on {kernel}")
     head = f"{'context':>8} {'1-token ms':>11}  " + " ".join(f"{w:>6}" for w in widths)
     print("forward of k tokens, in 1-token forwards; then attention alone (ms, all layers)")
     print(head)

@@ -68,7 +68,7 @@ def test_pack_weight_uses_the_tiles_only_where_they_take_the_weight(tiles):
     assert tile_packed(pack_weight(_rand(32, 64)))
     assert not tile_packed(pack_weight(_rand(40, 64)))  # outputs not a multiple of 16: oneDNN
     assert not tile_packed(pack_weight(_rand(32, 48)))  # inputs not a multiple of 32: oneDNN
-    assert not tile_packed(pack_weight(torch.randn(32, 64)))  # float32: oneDNN
+    assert not tile_packed(pack_weight(torch.randn(32, 64)))  # float32: not the tiles (oneDNN or `rows_linear`)
 
 
 def test_tiles_can_be_turned_off(tiles, monkeypatch):

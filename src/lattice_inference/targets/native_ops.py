@@ -140,6 +140,14 @@ def rows_kernel() -> str | None:
     return None if module is None else str(module.rows_linear_kernel())
 
 
+def product_kernel(dtype: torch.dtype) -> str | None:
+    """Which of our kernels packed products of ``dtype`` run on here (`tile_kernel`, `rows_kernel`), else None
+    (oneDNN's)."""
+    if dtype == torch.bfloat16:
+        return tile_kernel()
+    return rows_kernel() if dtype == torch.float32 else None
+
+
 def bf16_attention_dots() -> bool:
     """Whether bfloat16 attention may run on AVX512-BF16 dot products where the build has them: False when
     ``LATTICE_BF16_ATTENTION`` is ``0``/``false``/``no``/``off`` (float32 lanes then, as on other CPUs)."""
