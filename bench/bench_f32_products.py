@@ -29,14 +29,14 @@ from lattice_inference.targets import make_target, native_ops
 METHODS = ("greedy", "ngram")
 
 
-def generators(model: str, rows: bool) -> dict[str, Generator]:
+def generators(model: str, rows: bool, prefix_cache: bool) -> dict[str, Generator]:
     """Greedy and ngram generators sharing one float32 target whose products are packed for our row kernel
-    (``rows``) or for oneDNN's."""
+    (``rows``) or for oneDNN's (whose rows a prefill never reuses)."""
     saved = os.environ.get("LATTICE_ROWS")
     os.environ["LATTICE_ROWS"] = "1" if rows else "0"
     try:
         loaded = load_model(model, dtype="float32")
-        target = make_target(loaded.model)
+        target = make_target(loaded.model, prefix_cache=prefix_cache)
     finally:
         if saved is None:
             del os.environ["LATTICE_ROWS"]
@@ -55,13 +55,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--per-kind", type=int, default=2, help="prompts of each kind in the task set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="cold prefills only (by default a prompt sent to the second method reuses the first's rows where our "
+        "products ran: what a user gets, but not a cold prefill's cost)",
+    )
     args = parser.parse_args()
     quiet_transformers()
     if args.threads:
         torch.set_num_threads(args.threads)
     if native_ops.rows() is None:
         raise SystemExit(f"our float32 products do not run here ({native_ops.unavailable() or 'no AVX2 with FMA'})")
-    kernels = {"rows": generators(args.model, True), "onednn": generators(args.model, False)}
+    cache = not args.no_prefix_cache
+    kernels = {"rows": generators(args.model, True, cache), "onednn": generators(args.model, False, cache)}
     prompts = first_per_kind(load_prompts(default_prompts_path(resolve_model(args.model))), args.per_kind)
     stats: dict[tuple[str, str], dict[str, list[float]]] = {
         (k, m): {"tok/s": [], "prefill s": [], "request s": []} for k in kernels for m in METHODS
