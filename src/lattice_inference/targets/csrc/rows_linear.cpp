@@ -10,10 +10,11 @@
 //
 // How: the weight is laid out once as [out/16][in][16] (`rows_pack`): each input's 16 outputs of a block are one
 // 64-byte vector. A call walks groups of blocks in parallel over the threads; within a group it takes the inputs
-// in slices that stay in the L1 cache while every chunk of up to R rows passes over them (each loaded weight
-// vector serves R rows; the sums wait in memory between slices, exactly). AVX512F: 16 lanes, groups of 4 blocks,
-// 4 rows a chunk; AVX2: two 8-lane halves per block, groups of 2 blocks, 2 rows a chunk. The two builds round
-// alike per lane (the same sequence per output); a build without either leaves float32 products to oneDNN.
+// in slices that stay in the L1 cache while every chunk of up to CHUNK rows passes over them (each loaded weight
+// vector serves the chunk's rows; the sums wait in memory between slices, exactly), and from 5 rows on the first
+// passes fetch the next slice. AVX512F: 16 lanes, groups of 4 blocks, chunks of 6 rows; AVX2: two 8-lane halves per
+// block, groups of 2 blocks, chunks of 2 rows. How rows and blocks are grouped changes no output's sequence, and
+// the two builds round alike per lane; a build with neither leaves float32 products to oneDNN.
 #include "rows_linear.h"
 
 #include <ATen/Parallel.h>
