@@ -15,7 +15,7 @@ spends ~11 ms on them against ~14.5 ms on oneDNN's (bench/RESULTS.md, session 12
 In float32 on CPUs with AVX512F or AVX2 and FMA (the native ops built: `native_ops.rows`) the weights are laid out
 for our row products (``csrc/rows_linear.cpp``): each output of each row one float32 sum over the inputs in order,
 so each row comes out the same at any width (a float32 prefill's rows are then reusable, `prefix_reuse`), and a
-1-token step of SmolLM2-135M spends 1.4-1.6x less than on oneDNN's (bench/RESULTS.md, session 21).
+1-token step of SmolLM2-135M spends 1.4-1.6x less than on oneDNN's on a Zen 4 EPYC (bench/RESULTS.md, session 21).
 
 Projections that read the same input are packed as one matrix: ``q_proj``/``k_proj``/``v_proj`` of an
 attention block and ``gate_proj``/``up_proj`` of a gated MLP (one product instead of three or two: fewer
