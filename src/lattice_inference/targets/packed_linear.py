@@ -110,10 +110,10 @@ def packed_kind(packed: torch.Tensor) -> str:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` over ``packed = pack_weight(weight)`` (``x`` on the CPU, in its dtype)."""
-    if packed.dim() != 2:  # laid out by `pack_weight` only where our products run: no check per call
+    if tile_packed(packed) or rows_packed(packed):  # laid out so only where our products run: no check per call
         module = native_ops.ops()
         assert module is not None
-        return module.tile_linear(x, packed, bias) if packed.dim() == 4 else module.rows_linear(x, packed, bias)
+        return module.tile_linear(x, packed, bias) if tile_packed(packed) else module.rows_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
