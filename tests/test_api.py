@@ -8,6 +8,7 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from lattice_inference import ConfigError, Generator, TokenError, UnsupportedModelError
 from lattice_inference.targets import HybridTarget, TransformersTarget, make_target
+from lattice_inference.targets.forward_cost import ForwardCosts
 from lattice_inference.testing.toy import byte_tokenizer, toy_config, toy_model
 
 TEXT = "alpha beta gamma delta\nalpha beta gamma delta\nalpha beta"
@@ -27,6 +28,22 @@ def test_generate_and_stream_equal_greedy(model):
     assert out.text == greedy.text == tok.decode(greedy.token_ids, skip_special_tokens=True)
     assert "".join(gen.stream(TEXT, max_new_tokens=30)) == out.text
     assert gen.metrics.target_forwards < greedy.metrics.target_forwards
+
+
+def test_given_costs_decide_the_plans_on_every_cpu(model):
+    """``costs`` stands in for the forward costs the planner would measure on this CPU, and stands as given: flat
+    costs draft wherever drafts are accepted, costs growing a step a token never draft, whatever this machine's
+    forwards cost; both emit greedy's tokens."""
+    tok = byte_tokenizer()
+    greedy = Generator(model, tok, method="greedy").generate(TEXT, max_new_tokens=30)
+    common = dict(method="ngram", max_draft=6, min_ngram=1)
+    flat = Generator(model, tok, costs=ForwardCosts((1, 8), (1.0, 1.0)), **common)
+    steep = Generator(model, tok, costs=ForwardCosts((1, 8), (1.0, 8.0)), **common)
+    a, b = flat.generate(TEXT, max_new_tokens=30), steep.generate(TEXT, max_new_tokens=30)
+    assert a.token_ids == b.token_ids == greedy.token_ids
+    assert a.metrics.accepted_tokens > 0 and a.metrics.target_forwards < greedy.metrics.target_forwards
+    assert b.metrics.drafted_tokens == 0 and b.metrics.target_forwards == greedy.metrics.target_forwards
+    assert flat.decoder.costs is not None and flat.decoder.costs.relative(8) == 1.0
 
 
 def test_bad_method_and_tokens(model):

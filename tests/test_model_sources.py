@@ -117,10 +117,10 @@ def test_gguf_auto_dtype_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) ->
     from lattice_inference import loading
 
     gguf = model_source.ModelSource("gguf", "m.gguf", "m.gguf")
-    monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(loading, "has_native_bf16", lambda: False)
     assert loading.torch_dtype("auto", gguf) == torch.float32
     assert loading.torch_dtype("auto", gguf, "cuda") == torch.bfloat16
-    monkeypatch.setattr(loading, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(loading, "has_native_bf16", lambda: True)
     assert loading.torch_dtype("auto", gguf) == torch.bfloat16
     assert loading.torch_dtype("bfloat16", gguf) == torch.bfloat16
     assert loading.torch_dtype("auto", model_source.ModelSource("hf", "d", "d")) == "auto"

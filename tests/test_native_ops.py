@@ -177,3 +177,22 @@ def test_a_prefill_sized_chain_splits_into_runs_and_each_row_equals_it_alone(ops
             assert torch.equal(alone[0], out[r]), r
     finally:
         ops.attention_bf16_dots(native_ops.bf16_attention_dots())
+
+
+def test_torch_held_to_avx2_holds_the_build_and_bfloat16_counts_as_emulated(monkeypatch):
+    """``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 CPU: the native ops are built without AVX-512 (their own build
+    directory) and ``--dtype auto`` treats bfloat16 as emulated, as on an AVX2-only CPU."""
+    from lattice_inference import cpu_features
+
+    native = native_ops.build_directory()
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert cpu_features.isa_ceiling() == "avx512" and cpu_features.has_native_bf16()
+    assert native_ops.compiler_flags() == native_ops.FLAGS
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert cpu_features.isa_ceiling() == "avx2" and not cpu_features.has_native_bf16()
+    assert native_ops.compiler_flags() == (*native_ops.FLAGS, "-mno-avx512f")
+    assert native_ops.build_directory() != native
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert not cpu_features.has_native_bf16()  # no AVX512_BF16 or AMX: emulated whatever torch may use

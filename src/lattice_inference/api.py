@@ -45,6 +45,7 @@ from lattice_inference.sampling import SamplingOptions
 from lattice_inference.streaming import TextStream
 from lattice_inference.targets import make_target
 from lattice_inference.targets.base import Target
+from lattice_inference.targets.forward_cost import ForwardCosts
 
 __all__ = [
     "METHODS",
@@ -132,6 +133,10 @@ class Generator:
     options.batched_verify, forward=options.forward)`` built once: a server with many speculation settings then
     holds one cache, reused by each generation, instead of one per setting. Generators sharing a target must run
     their generations in turn too (end one before starting the next on another).
+
+    ``costs`` gives the adaptive planner the target's forward costs (`ForwardCosts`: seconds by width) instead of
+    measuring them on this machine, and they stand as given: the same draft plans on every CPU, e.g. flat costs
+    (``ForwardCosts((1, 64), (1.0, 1.0))``) to draft wherever drafts are accepted, as on a GPU.
     """
 
     def __init__(
@@ -143,6 +148,7 @@ class Generator:
         mtp_head: MtpHead | None = None,
         eos_token_ids: Sequence[int] | None = None,
         target: Target | None = None,
+        costs: ForwardCosts | None = None,
         **settings: object,
     ) -> None:
         options = (options or DecodeOptions()).updated(**settings)
@@ -172,6 +178,7 @@ class Generator:
             max_draft=max_draft,
             eos_token_ids=self.eos_token_ids,
             adaptive=options.adaptive,
+            costs=costs,
             max_leaves=options.max_leaves,
         )
 
@@ -196,12 +203,13 @@ class Generator:
         ``options``/``settings`` are the constructor's (validated before the model is loaded); for the MTP
         methods the checkpoint's head is loaded too (``draft_vocab=N`` restricts its draft to token ids below
         ``N``, see `mtp_head_for`); ``mtp_head`` may be an `MtpHead` or the path of a head written by
-        ``lattice train-mtp``."""
+        ``lattice train-mtp``; ``costs`` as in the constructor."""
         mtp_head = settings.pop("mtp_head", None)
         head_path = mtp_head if isinstance(mtp_head, str | Path) else None
         if head_path is not None:
             mtp_head = None
         eos = settings.pop("eos_token_ids", None)
+        costs = settings.pop("costs", None)
         options = (options or DecodeOptions()).updated(**settings)
         loaded = load_model(model, dtype=dtype, device=device)
         if options.needs_mtp_head and mtp_head is None:
@@ -212,6 +220,7 @@ class Generator:
             options,
             mtp_head=mtp_head,  # type: ignore[arg-type]
             eos_token_ids=loaded.eos_token_ids if eos is None else eos,  # type: ignore[arg-type]
+            costs=costs,  # type: ignore[arg-type]
         )
 
     def prepare(self) -> float:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from lattice_inference.cpu_features import has_native_bf16
 from lattice_inference.errors import ConfigError, ModelLoadError
 from lattice_inference.gguf import load_gguf
 from lattice_inference.model_source import ModelSource, resolve_model
@@ -75,23 +76,13 @@ def _check_local_dir(path: Path) -> None:
         check_safetensors_file(file)
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512_BF16 or AMX): without it torch emulates bf16 matmuls,
-    and a bf16 model runs slower than float32, its prefill several times slower (bench/RESULTS.md)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def torch_dtype(dtype: str, source: ModelSource, device: str = "cpu") -> torch.dtype | str:
     """The dtype to load ``source`` in. A GGUF file has no float dtype of its own (its weights are quantized):
     ``auto`` dequantizes it to bfloat16 on a GPU or a CPU with native bf16, else to float32."""
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     if dtype == "auto" and source.kind == "gguf":
-        native_bf16 = not str(device).startswith("cpu") or cpu_has_native_bf16()
+        native_bf16 = not str(device).startswith("cpu") or has_native_bf16()
         return torch.bfloat16 if native_bf16 else torch.float32
     return DTYPES[dtype]
 

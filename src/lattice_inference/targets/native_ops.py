@@ -20,8 +20,9 @@ attention rounds (query and probabilities in bfloat16, float32 sums): 1.6-2x fas
 It is compiled with the machine's C++ compiler for its own CPU (``-O3 -march=native``) on first use, through
 ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja), into the cache directory
 (``$LATTICE_CACHE_DIR``, else ``~/.cache/lattice-inference``) under a key of the source, torch version and CPU
-flags; later starts load the built library. ``LATTICE_NATIVE=0`` turns it off; where it cannot be built the lean
-forward runs its PyTorch path (`block_attention`) and `unavailable` says why.
+flags; later starts load the built library. Where torch is held to AVX2 (``ATEN_CPU_CAPABILITY=avx2``) the build is
+held there too (``-mno-avx512f``: the AVX2 build, what an AVX2-only CPU runs). ``LATTICE_NATIVE=0`` turns it off;
+where it cannot be built the lean forward runs its PyTorch path (`block_attention`) and `unavailable` says why.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from types import ModuleType
 
 import torch
 
+from lattice_inference.cpu_features import cpu_flags, native_compiler_flags
 from lattice_inference.gguf import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
@@ -55,18 +57,17 @@ def enabled() -> bool:
     return not _switched_off("LATTICE_NATIVE")
 
 
-def _cpu_key() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return flags
+def compiler_flags() -> tuple[str, ...]:
+    """`FLAGS`, and where torch is held below the CPU's instruction set (``ATEN_CPU_CAPABILITY=avx2``), the flags
+    that hold the build there too (`cpu_features.native_compiler_flags`): the AVX2 build on an AVX-512 CPU."""
+    return (*FLAGS, *native_compiler_flags())
 
 
 def build_directory() -> Path:
     """Where this machine's build lives: keyed by the source, the flags, Python, torch and the CPU's flags."""
     sources = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\n".join([*sources, *FLAGS, sys.version, torch.__version__, _cpu_key()]).encode())
+    parts = [*sources, *compiler_flags(), sys.version, torch.__version__, " ".join(sorted(cpu_flags()))]
+    key = hashlib.sha256("\n".join(parts).encode())
     return cache_root() / "native" / key.hexdigest()[:16]
 
 
@@ -86,7 +87,7 @@ def _load() -> tuple[ModuleType | None, str | None]:
         module = cpp_extension.load(
             name="lattice_lean_ops",
             sources=[str(path) for path in SOURCES],
-            extra_cflags=list(FLAGS),
+            extra_cflags=list(compiler_flags()),
             extra_include_paths=[str(CSRC)],
             build_directory=str(directory),
             verbose=False,
