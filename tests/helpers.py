@@ -12,6 +12,12 @@ import torch
 
 from lattice_inference.drafters.base import Drafter, DrafterState, PlannedDraft, Proposal
 from lattice_inference.targets.base import Target
+from lattice_inference.targets.forward_cost import ForwardCosts
+
+FLAT_COSTS = ForwardCosts((1, 64), (1.0, 1.0))
+"""Forward costs to give the draft planner (``Generator(costs=...)``) where a test needs drafts: verification as
+cheap as a step, so the planner drafts wherever drafts are accepted on every CPU, not only where this machine's
+measured costs make drafting pay (on CPUs that emulate bfloat16 they do not)."""
 
 
 class OracleDrafter(Drafter):

@@ -24,7 +24,7 @@ from lattice_inference.penalties import Penalties, row_paths
 from lattice_inference.targets import TransformersTarget
 from lattice_inference.testing.toy import TOY_VOCAB, toy_config, toy_model
 
-from .helpers import OpenAIPenaltyProcessor, OracleDrafter, RecordingTarget, hf_generate, hf_plain
+from .helpers import FLAT_COSTS, OpenAIPenaltyProcessor, OracleDrafter, RecordingTarget, hf_generate, hf_plain
 from .test_hybrid_methods import prompts, write_model
 
 NEW = 24
@@ -154,7 +154,7 @@ def test_hybrid_every_method_equals_plain(hybrid):
     head = load_mtp_head(str(hybrid), dtype=torch.float32, draft_length=3)
     common = dict(mtp_head=head, min_ngram=1, draft_length=3)
     generators = {
-        "ngram": Generator(plain.model, plain.tokenizer, method="ngram", **common),
+        "ngram": Generator(plain.model, plain.tokenizer, method="ngram", costs=FLAT_COSTS, **common),
         # fixed drafts: the accepted count below must not depend on which rounds the planner finds paying
         "mtp": Generator(plain.model, plain.tokenizer, method="mtp", adaptive=False, **common),
         "mtp-argmax": Generator(plain.model, plain.tokenizer, method="mtp", coupled_draft=False, **common),

@@ -26,18 +26,14 @@ from lattice_inference.cpu_features import has_native_bf16
 from lattice_inference.loading import load_model
 from lattice_inference.targets import decode_matched, make_target
 from lattice_inference.targets.exactness import check_exactness
-from lattice_inference.targets.forward_cost import ForwardCosts
 
-from .helpers import skip_without_real_model
+from .helpers import FLAT_COSTS, skip_without_real_model
 
 skip_without_real_model()
 
 NATIVE_BF16 = has_native_bf16()
 BUDGET = 48 if NATIVE_BF16 else 32
 PROMPTS = 5 if NATIVE_BF16 else 3
-FLAT = ForwardCosts((1, 64), (1.0, 1.0))
-"""Forward costs given to the planner: verification as cheap as a step, so it drafts wherever drafts are accepted,
-on every CPU."""
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +62,7 @@ def test_every_method_equals_plain_decoding_in_bfloat16(loaded) -> None:
     common = dict(eos_token_ids=loaded.eos_token_ids)
     plain = Generator(loaded.model, loaded.tokenizer, method="greedy", **common)
     head = mtp_head_for(loaded, 3)
-    planned = dict(costs=FLAT, **common)  # the planner runs, and drafting pays wherever drafts are accepted
+    planned = dict(costs=FLAT_COSTS, **common)  # the planner runs, and drafting pays wherever drafts are accepted
     methods = {
         "ngram": Generator(loaded.model, loaded.tokenizer, method="ngram", **planned),
         "ngram-fixed": Generator(loaded.model, loaded.tokenizer, method="ngram", adaptive=False, **common),

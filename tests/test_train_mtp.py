@@ -24,6 +24,8 @@ from lattice_inference.testing.toy import save_toy_model_dir, toy_config, toy_mo
 from lattice_inference.train.export import HEAD_NAME, export_head
 from lattice_inference.train.model import TrainableHead
 
+from .helpers import FLAT_COSTS
+
 TEXT = "The quick brown fox jumps over the lazy dog. " * 8 + "def add(a, b):\n    return a + b\n" * 6
 
 
@@ -151,7 +153,7 @@ def test_loaded_head_is_lossless(arch, method, toy_dirs, tmp_path):
     export_head(_random_head(lm, seed=1), lm.config, tmp_path, draft_vocab=200, training={})
     head = mtp_head_for(loaded, 3, head_path=tmp_path)
     greedy = Generator(lm, tok, method="greedy")
-    spec = Generator(lm, tok, method=method, draft_length=3, mtp_head=head)
+    spec = Generator(lm, tok, method=method, draft_length=3, mtp_head=head, costs=FLAT_COSTS)
     for prompt in ("hello hello hello", "def f(x): return x + 1\ndef g"):
         assert spec.generate(prompt, 40).token_ids == greedy.generate(prompt, 40).token_ids
         sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 11}
