@@ -184,11 +184,11 @@ def test_torch_held_to_avx2_holds_the_build_and_bfloat16_counts_as_emulated(monk
     directory) and ``--dtype auto`` treats bfloat16 as emulated, as on an AVX2-only CPU."""
     from lattice_inference import cpu_features
 
-    native = native_ops.build_directory()
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert cpu_features.isa_ceiling() == "avx512" and cpu_features.has_native_bf16()
     assert native_ops.compiler_flags() == native_ops.FLAGS
+    native = native_ops.build_directory()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert cpu_features.isa_ceiling() == "avx2" and not cpu_features.has_native_bf16()
     assert native_ops.compiler_flags() == (*native_ops.FLAGS, "-mno-avx512f")
