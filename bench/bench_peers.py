@@ -153,11 +153,15 @@ def summarise(results: dict[str, list[dict]], prompts: list, reference: str) -> 
     for i, p in enumerate(prompts):
         sets.setdefault(p.set or p.kind, []).append(i)
     first = {engine: {r["prompt"]: r["token_ids"] for r in runs if r["rep"] == 0} for engine, runs in results.items()}
-    ref_ids = first[reference]
+    ref_ids = first.get(reference, {})
 
-    def rep_tps(runs: list[dict], rep: int, wanted: set[int]) -> float:
+    def rep_tps(runs: list[dict], rep: int, wanted: set[int]) -> float | None:
         mine = [r for r in runs if r["rep"] == rep and r["prompt"] in wanted]
-        return sum(len(r["token_ids"]) for r in mine) / sum(r["seconds"] for r in mine)
+        seconds = sum(r["seconds"] for r in mine)
+        return sum(len(r["token_ids"]) for r in mine) / seconds if seconds > 0 else None
+
+    def share(flags: list[bool]) -> float | None:
+        return sum(flags) / len(flags) if flags else None
 
     table: dict[str, dict] = {}
     for name, idx in sets.items():
@@ -165,16 +169,18 @@ def summarise(results: dict[str, list[dict]], prompts: list, reference: str) -> 
         rows = {}
         for engine, runs in results.items():
             reps = sorted({r["rep"] for r in runs})
-            tps = [rep_tps(runs, rep, wanted) for rep in reps]
-            ref = [rep_tps(results[reference], rep, wanted) for rep in reps]
+            pairs = [(rep_tps(runs, rep, wanted), rep_tps(results[reference], rep, wanted)) for rep in reps]
+            tps = [a for a, _ in pairs if a is not None]
+            if not tps:  # no row of this engine in this set (a peer that failed early, a prompt it skipped)
+                continue
             own = first.get(plain_of(engine), {})
-            same = [r["token_ids"] == ref_ids[r["prompt"]] for r in runs if r["rep"] == 0 and r["prompt"] in wanted]
-            lossless = [r["token_ids"] == own.get(r["prompt"]) for r in runs if r["rep"] == 0 and r["prompt"] in wanted]
+            first_rows = [r for r in runs if r["rep"] == 0 and r["prompt"] in wanted]
+            ratios = [a / b for a, b in pairs if a is not None and b]
             rows[engine] = {
                 "tokens_per_s": statistics.median(tps),
-                "speedup": statistics.median(a / b for a, b in zip(tps, ref, strict=True)),
-                "identical": sum(same) / len(same),
-                "identical_to_own_plain": sum(lossless) / len(lossless),
+                "speedup": statistics.median(ratios) if ratios else None,
+                "identical": share([r["token_ids"] == ref_ids.get(r["prompt"]) for r in first_rows]),
+                "identical_to_own_plain": share([r["token_ids"] == own.get(r["prompt"]) for r in first_rows]),
             }
         table[name] = {"prompts": len(idx), "engines": rows}
     return table
@@ -195,7 +201,11 @@ def main() -> None:
     ap.add_argument("--vllm-python", help="Python of the venv with vLLM (default: $LATTICE_VLLM_PYTHON)")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM (its engines take minutes to start)")
     ap.add_argument("--skip", default="", help="comma-separated engine names to leave out, e.g. 'ours ngram fixed'")
-    ap.add_argument("--json", help="write the full report here")
+    ap.add_argument(
+        "--json",
+        help="write the full report here (default: a bench_peers-*.json in the temporary folder); the measured rows "
+        "are written after every prompt, so a failure later loses none",
+    )
     ap.add_argument("--plot", help="write a PNG of tokens/s per engine and prompt set here (needs matplotlib)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -229,6 +239,15 @@ def main() -> None:
     for run in runners.values():  # warm-up
         run(encoded[0][:64])
     results: dict[str, list[dict]] = {name: [] for name in names}
+    saved = Path(args.json or Path(tempfile.gettempdir()) / f"bench_peers-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+    def save(table: dict | None = None) -> None:
+        """Every measured row (and the table once there is one), written atomically."""
+        tmp = saved.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"args": vars(args), "table": table, "results": results}))
+        tmp.replace(saved)
+
+    print(f"[peers] measured rows go to {saved} as they come", file=sys.stderr)
     for rep in range(args.reps):
         for i, ids in enumerate(encoded):
             k = (rep + i) % len(names)
@@ -238,6 +257,7 @@ def main() -> None:
                 results[name].append(
                     {"prompt": i, "rep": rep, "token_ids": out, "seconds": time.perf_counter() - start}
                 )
+            save()
             print(f"[peers] rep {rep + 1}/{args.reps} prompt {i + 1}/{len(encoded)}", file=sys.stderr, flush=True)
     if args.llamacpp_gguf:
         python = peers_python(args.peers_python)
@@ -256,9 +276,11 @@ def main() -> None:
             results.update(run_vllm(args.vllm_python, args, encoded, loaded.eos_token_ids, skipped))
         except Exception as exc:  # any failure of the peer: report it and go on
             print(f"[peers] vLLM failed: {exc!r}", file=sys.stderr)
+    save()
     # the reference: transformers' greedy, or ours where --skip left it out
     reference = next(e for e in ("transformers greedy", "ours greedy", *results) if e in results)
     table = summarise(results, prompts, reference)
+    save(table)
     print("command: python " + " ".join(sys.argv))
     print(f"model {loaded.source} ({args.dtype}), {n} new tokens, {args.reps} reps, {torch.get_num_threads()} threads")
     for name, group in table.items():
@@ -266,13 +288,17 @@ def main() -> None:
         print(f"{'engine':<26} {'tok/s':>7} {'vs ' + reference:>23} {'= own plain':>12} {'= ' + reference:>15}")
         for engine, r in group["engines"].items():
             print(
-                f"{engine:<26} {r['tokens_per_s']:>7.1f} {r['speedup']:>22.2f}x {r['identical_to_own_plain']:>12.0%}"
-                f" {r['identical']:>15.0%}"
+                f"{engine:<26} {r['tokens_per_s']:>7.1f} {_fmt(r['speedup'], '.2f', 22)}x "
+                f"{_fmt(r['identical_to_own_plain'], '.0%', 12)} {_fmt(r['identical'], '.0%', 15)}"
             )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "table": table, "results": results}))
+    print(f"[peers] report and rows in {saved}", file=sys.stderr)
     if args.plot:
         plot(table, args.plot, f"{Path(str(loaded.source)).name}, {args.dtype}, {torch.get_num_threads()} threads")
+
+
+def _fmt(value: float | None, spec: str, width: int) -> str:
+    """``value`` in ``spec`` right-aligned to ``width``; ``-`` where there is nothing to compare with."""
+    return f"{'-' if value is None else format(value, spec):>{width}}"
 
 
 def plot(table: dict[str, dict], path: str, title: str) -> None:
@@ -294,7 +320,7 @@ def plot(table: dict[str, dict], path: str, title: str) -> None:
         colors = ["tab:blue" if e.startswith("ours") else "tab:gray" for e in names]
         ax.barh(names, speeds, color=colors)
         for y, (e, v) in enumerate(zip(names, speeds, strict=True)):
-            ax.text(v, y, f" {v:.0f} ({engines[e]['speedup']:.2f}x)", va="center", fontsize=8)
+            ax.text(v, y, f" {v:.0f} ({_fmt(engines[e]['speedup'], '.2f', 0)}x)", va="center", fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("tokens/s (whole requests, batch 1)")
         ax.set_title(f"{name}: {table[name]['prompts']} prompts")
