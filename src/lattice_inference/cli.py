@@ -13,6 +13,7 @@ from lattice_inference.errors import ConfigError, LatticeError
 from lattice_inference.flags import (
     MODEL_HELP,
     add_decode_arguments,
+    add_placement_arguments,
     bench_options,
     decode_options,
     positive_int,
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=256, help="generation budget (default 256)")
     add_decode_arguments(gen)
-    gen.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
+    add_placement_arguments(gen)
     gen.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=positive_int, help="use only the first N prompts (traces with --traces)")
     bench.add_argument("--per-kind", type=positive_int, help="use only the first N prompts of each kind")
     bench.add_argument("--reps", type=positive_int, default=1, help="timed repetitions after a warm-up")
-    bench.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
+    add_placement_arguments(bench)
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--show", action="store_true", help="print one sample output per prompt kind")
     bench.add_argument(
@@ -126,7 +127,9 @@ def _generate(args: argparse.Namespace) -> int:
         return generate(args, options, text)
     if args.threads:
         torch.set_num_threads(args.threads)
-    gen = Generator.from_pretrained(args.model, dtype=args.dtype, options=options, mtp_head=args.mtp_head)
+    gen = Generator.from_pretrained(
+        args.model, dtype=args.dtype, device=args.device, options=options, mtp_head=args.mtp_head
+    )
     gen.prepare()  # the self-check and cost calibration belong to loading, not to the request's timings
     prompt_ids = gen.encode(text, chat=gen.has_chat_template if args.chat is None else args.chat)
     if args.json:
@@ -136,6 +139,7 @@ def _generate(args: argparse.Namespace) -> int:
             "token_ids": out.token_ids,
             "stop_reason": out.stop_reason,
             "method": args.method,
+            **gen.placement,
             "seed": out.seed,
             "sampling": out.sampling.to_dict(),
             "metrics": out.metrics.to_dict(),
@@ -160,6 +164,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     from lattice_inference import benchmark
     from lattice_inference.api import Generator, mtp_head_for
+    from lattice_inference.devices import placement
     from lattice_inference.loading import load_model
     from lattice_inference.model_source import resolve_model
     from lattice_inference.mtp.head_file import shipped_head
@@ -185,7 +190,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     benchmark.log(f"loading {source.name} ({source.location})")
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     lm, tok = loaded.model, loaded.tokenizer
     head = None
     if not explicit and args.mtp_head is None and shipped_head(loaded.source) is not None:
@@ -209,6 +214,7 @@ def _bench(args: argparse.Namespace) -> int:
         benchmark.log(f"{len(traces)} traces, methods {', '.join(methods)}, model {loaded.source}")
         report = trace_bench.run_traces(generators, traces, max_new_tokens=args.max_new_tokens, progress=benchmark.log)
         report["model"] = loaded.source
+        report |= placement(lm)
         print(json.dumps(report) if args.json else f"model {loaded.source}\n{trace_bench.format_traces(report)}")
         return 0
     benchmark.log(f"{len(prompts)} prompts, methods {', '.join(methods)}, model {loaded.source}")
@@ -221,13 +227,13 @@ def _bench(args: argparse.Namespace) -> int:
         progress=benchmark.log,
     )
     report["model"] = loaded.source
-    report["dtype"] = str(next(lm.parameters()).dtype).removeprefix("torch.")
+    report |= placement(lm)
     if args.plot:
         benchmark.plot(report, args.plot)
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"model {report['model']} ({report['dtype']})")
+        print(f"model {report['model']} ({report['dtype']}, {report['device']})")
         print(benchmark.format_table(report))
         if args.show:
             print(benchmark.format_samples(report))

@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lattice_inference.devices import DEVICE_HELP
 from lattice_inference.errors import ConfigError
 from lattice_inference.mtp.config import MAX_DRAFT_LENGTH, MIN_DRAFT_LENGTH
-from lattice_inference.options import FORWARDS, MATCH_POLICIES, DecodeOptions
+from lattice_inference.options import DTYPE_NAMES, FORWARDS, MATCH_POLICIES, DecodeOptions
 from lattice_inference.sampling import SamplingOptions
 
 
@@ -52,6 +53,18 @@ METHOD_HELP = (
     "cross-request index) or suffix+mtp"
 )
 MTP_HEAD_HELP = "mtp: a head written by `lattice train-mtp` (its .safetensors file or folder), for any model it fits"
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser, dtype_default: str = "auto") -> None:
+    """``--dtype`` and ``--device`` (what the weights are and where they run), the same on every sub-command."""
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default=dtype_default,
+        help=f"weights dtype (default {dtype_default}; auto: bfloat16 on a GPU, on a CPU the checkpoint's own)",
+    )
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+
 
 D = DecodeOptions  # the defaults below are its fields'
 

@@ -97,15 +97,19 @@ def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Pa
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the GGUF file ``path`` dequantized to ``dtype`` (from the cache when it was loaded before)."""
+def load_gguf(
+    path: str | Path, dtype: torch.dtype, device: torch.device | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the GGUF file ``path`` dequantized to ``dtype`` (from the cache when it was loaded before; a cached
+    dequantization is loaded straight onto a CUDA ``device``, a first one is made on the CPU)."""
     path = Path(path)
     check_gguf_file(path)
     cached = _cache_dir(path, dtype) if cache_enabled() else None
     if cached is not None and (cached / "config.json").is_file():
+        placed = {} if device is None or device.type == "cpu" else {"device_map": {"": str(device)}}
         try:
             tokenizer = AutoTokenizer.from_pretrained(cached)
-            return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype), tokenizer
+            return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, **placed), tokenizer
         except Exception:  # a damaged cache entry: rebuild it from the GGUF file
             shutil.rmtree(cached, ignore_errors=True)
     model, tokenizer = _dequantize(path, dtype)

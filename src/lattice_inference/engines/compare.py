@@ -191,6 +191,7 @@ def summarise(results: dict[str, list[Run]], keep: set[int] | None = None, n_pro
 
 def _serve_args(args: argparse.Namespace, engine: str) -> list[str]:
     out = ["--engine", engine, "--method", args.sweep_method, "--dtype", args.dtype, "--log-level", "warning"]
+    out += ["--device", args.device]
     out += ["--max-draft", str(args.max_draft)] + (["--fixed-draft"] if args.fixed_draft else [])
     if engine == "local":
         out += ["--max-leaves", str(args.max_leaves)]
@@ -229,10 +230,11 @@ def compare(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"model": source.name, "methods": methods, "batch1": {}, "batch1_sets": {}, "sweep": {}}
     loaded: LoadedModel | None = None
     if "local" in engines or any(t.conversation for t in traces):  # conversations are answered by local greedy
+        from lattice_inference.devices import placement
         from lattice_inference.loading import load_model
 
-        loaded = load_model(args.model, dtype=args.dtype)
-        report["dtype"] = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        report |= placement(loaded.model)
     if "local" in engines:
         assert loaded is not None
         encoder = PromptCodec(loaded.tokenizer, loaded.eos_token_ids)

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from lattice_inference.devices import placement
 from lattice_inference.options import SHUTDOWN_TIMEOUT
 from lattice_inference.serve.engine import Delta, Engine, Finish, GenerationJob, LogprobEntry
 from lattice_inference.serve.errors import APIError
@@ -83,7 +84,7 @@ class Server:
         self.api_keys = [k for k in keys if k]
         """The keys the server accepts (none: no key needed); each is a tenant of the suffix methods."""
         self.max_body = max_body
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics({"model": engine.name, **placement(engine.loaded.model)})
         self.queue = GenerationQueue(max_queue, on_depth=self.metrics.set_depth)
         self.started = int(time.time())
         self.shutdown_timeout = shutdown_timeout
@@ -173,7 +174,8 @@ class Server:
     # -- routes ----------------------------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "waiting": self.queue.waiting, "running": self.queue.running})
+        state = {"status": "ok", "waiting": self.queue.waiting, "running": self.queue.running}
+        return JSONResponse(state | self.metrics.info)
 
     async def prometheus(self, request: Request) -> Response:
         self.authorize(request)

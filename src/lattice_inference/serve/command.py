@@ -7,7 +7,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lattice_inference.flags import MODEL_HELP, add_decode_arguments, decode_options, positive_int
+from lattice_inference.flags import (
+    MODEL_HELP,
+    add_decode_arguments,
+    add_placement_arguments,
+    decode_options,
+    positive_int,
+)
 from lattice_inference.options import SHUTDOWN_TIMEOUT, SUFFIX_SCOPES, check_shutdown_timeout
 
 if TYPE_CHECKING:
@@ -57,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         f"{SHUTDOWN_TIMEOUT:g})",
     )
     add_decode_arguments(serve)
-    serve.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="weights dtype")
+    add_placement_arguments(serve)
     serve.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     from lattice_inference.engines import add_engine_arguments
@@ -87,7 +93,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     cap_onednn_cache()  # before the first forward, when oneDNN reads it
     settings = default_options(args)
     name = args.served_model_name or served_name(args.model)
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     return Engine(loaded, settings, name=name, mtp_head_path=args.mtp_head, suffix_scope=args.suffix_scope)
 
 
@@ -127,7 +133,12 @@ def run(args: argparse.Namespace) -> int:
         max_body=args.max_body,
         shutdown_timeout=args.shutdown_timeout,
     )
-    print(f"lattice serve: {engine.name} ({args.method}) on http://{args.host}:{args.port}/v1", flush=True)
+    where = app.state.server.metrics.info
+    print(
+        f"lattice serve: {engine.name} ({args.method}, {where['dtype']} on {where['device']}) "
+        f"on http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
     serve(app, host=args.host, port=args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     print("lattice serve: shut down", flush=True)
     return 0

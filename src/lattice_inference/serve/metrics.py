@@ -14,9 +14,16 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 class ServerMetrics:
     """Requests by endpoint and status, tokens, time to first token, latency, queue depth, and acceptance."""
 
-    def __init__(self) -> None:
+    def __init__(self, info: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.info = dict(info or {})
+        """What the server runs on: model, device, dtype (the ``lattice_model_info`` gauge's labels)."""
+        if self.info:
+            info_gauge = Gauge(
+                "lattice_model_info", "The served model, its device and dtype (always 1)", list(self.info), registry=r
+            )
+            info_gauge.labels(**self.info).set(1)
         self.requests = Counter(
             "lattice_requests",
             "HTTP requests answered, by endpoint and status code",

@@ -42,7 +42,7 @@ from lattice_inference.gguf import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "lean_ops.cpp", CSRC / "tile_linear.cpp", CSRC / "rows_linear.cpp")
-HEADERS = (CSRC / "tile_linear.h", CSRC / "rows_linear.h")
+HEADERS = (CSRC / "tile_linear.h", CSRC / "rows_linear.h", CSRC / "tensor_checks.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 """Compiler flags: the host CPU's instruction set; OpenMP pragmas bind to the runtime torch already loaded."""
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lattice_inference.errors import ConfigError
+from lattice_inference.flags import add_placement_arguments
 
 if TYPE_CHECKING:  # the parser is built on every `lattice` call: torch and transformers load only to train
     from lattice_inference.loading import LoadedModel
@@ -75,7 +76,7 @@ def add_parser(sub: argparse._SubParsersAction, positive_int: Callable[[str], in
     )
     p.add_argument("--checkpoint-minutes", type=float, default=5.0, help="checkpoint + probe interval (default 5)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
-    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="float32", help="target dtype")
+    add_placement_arguments(p, dtype_default="float32")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0, help="data order and initialisation seed")
 
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     if work.exists() and not args.resume and (work / "checkpoint.pt").exists():
         raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
     work.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model = loaded.model.eval()
     for param in model.parameters():
         param.requires_grad_(False)
@@ -182,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         head.init_from_tensors(init[0], str(args.init_head))
     else:
         head.init_from_target(model)
+    head.to(embed.device)
     notes = {
         "model": loaded.source,
         "data": list(args.data),

@@ -156,13 +156,15 @@ def pack(docs: Sequence[Sequence[int]], seq_len: int, sep: int, budget: int | No
 @torch.no_grad()
 def trunk_rows(model: torch.nn.Module, windows: torch.Tensor) -> dict[str, torch.Tensor]:
     """Training rows of ``windows [B, L]``: post-norm hiddens ``h_0..h_{L-2}`` (bfloat16), tokens
-    ``x_1..x_{L-1}`` and labels ``argmax lm_head(h_1..h_{L-1})`` (the target's own next choice)."""
-    hidden = model.model(input_ids=windows, use_cache=False).last_hidden_state
+    ``x_1..x_{L-1}`` and labels ``argmax lm_head(h_1..h_{L-1})`` (the target's own next choice), on the CPU
+    whatever device the model is on (shards are saved and sampled there)."""
+    device = next(model.parameters()).device
+    hidden = model.model(input_ids=windows.to(device), use_cache=False).last_hidden_state
     labels = model.get_output_embeddings()(hidden[:, 1:]).argmax(-1)
     return {
-        "hidden": hidden[:, :-1].to(torch.bfloat16),
+        "hidden": hidden[:, :-1].to(device="cpu", dtype=torch.bfloat16),
         "tokens": windows[:, 1:].to(torch.int32),
-        "labels": labels.to(torch.int32),
+        "labels": labels.to(device="cpu", dtype=torch.int32),
     }
 
 

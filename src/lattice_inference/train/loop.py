@@ -87,6 +87,7 @@ def head_loss(
     row the target's whole ranking, not one token, and is the quantity sampled verification accepts by. Later
     steps add their cross-entropy with weight 1: a second draft is worth as much as the first once the first is
     accepted, and training on the head's own hiddens is what makes it acceptable (EAGLE-3)."""
+    rows = {k: v.to(embed.device) for k, v in rows.items()}  # shards live on the CPU; the target may not
     outs = head.forward_chain(rows["hidden"], rows["tokens"].long(), embed, depth)
     labels = rows["labels"].long()
     losses: list[torch.Tensor] = []
@@ -175,7 +176,7 @@ def train(
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = LoopState()
     if resume and checkpoint.is_file():
-        blob = torch.load(checkpoint, weights_only=False)
+        blob = torch.load(checkpoint, weights_only=False, map_location=embed.device)
         head.load_state_dict(blob["head"])
         opt.load_state_dict(blob["opt"])
         state = LoopState(**blob["state"])

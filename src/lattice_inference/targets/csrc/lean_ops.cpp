@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "rows_linear.h"
+#include "tensor_checks.h"
 #include "tile_linear.h"
 
 namespace {
@@ -582,9 +583,10 @@ torch::Tensor silu_mul_impl(const torch::Tensor& gu) {
 }
 
 void check2d(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.device().is_cpu(), name, " must be a contiguous 2-d CPU tensor");
+  check_cpu(t, "lean_ops", name);
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-d, got ", t.dim(), "-d");
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,
-              " must be float32 or bfloat16");
+              " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
 #define DISPATCH(dtype, ...)                                     \
@@ -600,6 +602,7 @@ void check2d(const torch::Tensor& t, const char* name) {
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   check2d(x, "x");
+  check_vector(w, "rms_norm", "w", x.size(1), x.scalar_type());
   auto out = torch::empty_like(x);
   torch::Tensor input = x;  // read only: no y, so nothing is written to it
   DISPATCH(x.scalar_type(), norm_rows_impl<T>(input, nullptr, w, eps, out));
@@ -610,6 +613,7 @@ torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& y, const torch
   check2d(x, "x");
   check2d(y, "y");
   TORCH_CHECK(x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type(), "x and y must match in shape and dtype");
+  check_vector(w, "add_rms_norm", "w", x.size(1), x.scalar_type());
   auto out = torch::empty_like(x);
   DISPATCH(x.scalar_type(), norm_rows_impl<T>(x, &y, w, eps, out));
   return out;
@@ -620,17 +624,42 @@ torch::Tensor rope_qk_cache(const torch::Tensor& qkv, const c10::optional<torch:
                             const torch::Tensor& sin, torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t start,
                             int64_t heads, int64_t kv_heads) {
   check2d(qkv, "qkv");
+  const auto dtype = qkv.scalar_type();
+  check_tensor(cos, "rope_qk_cache", "cos", 2, dtype);
+  check_tensor(sin, "rope_qk_cache", "sin", 2, dtype);
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == qkv.size(0), "rope_qk_cache: cos and sin must be [",
+              qkv.size(0), " rows, head_dim], got ", cos.sizes(), " and ", sin.sizes());
+  check_tensor(k_cache, "rope_qk_cache", "k_cache", 3, dtype);
+  check_tensor(v_cache, "rope_qk_cache", "v_cache", 3, dtype);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == kv_heads && k_cache.size(2) == cos.size(1),
+              "rope_qk_cache: the caches must be [", kv_heads, " kv heads, capacity, ", cos.size(1),
+              "], got ", k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(start >= 0 && heads > 0 && kv_heads > 0, "rope_qk_cache: start ", start, ", heads ", heads,
+              ", kv heads ", kv_heads);
+  check_vector(q_norm, "rope_qk_cache", "q_norm", cos.size(1), dtype);
+  check_vector(k_norm, "rope_qk_cache", "k_norm", cos.size(1), dtype);
   DISPATCH(qkv.scalar_type(),
            return rope_impl<T>(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, start, heads, kv_heads));
 }
 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                         const torch::Tensor& keys, const torch::Tensor& spans, double scaling) {
+  check_tensor(q, "attention", "q", 3, torch::kFloat32);
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16,
+              "attention: k_cache must be float32 or bfloat16, got ", k_cache.scalar_type());
+  check_tensor(k_cache, "attention", "k_cache", 3, k_cache.scalar_type());
+  check_tensor(v_cache, "attention", "v_cache", 3, k_cache.scalar_type());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == q.size(2) && k_cache.size(0) > 0,
+              "attention: q ", q.sizes(), ", k_cache ", k_cache.sizes(), " and v_cache ", v_cache.sizes(),
+              " disagree (q [heads, rows, head_dim], caches [kv heads, capacity, head_dim])");
+  check_tensor(keys, "attention", "keys", 1, torch::kInt64);
+  check_tensor(spans, "attention", "spans", 2, torch::kInt64);
   DISPATCH(k_cache.scalar_type(), return attention_impl<T>(q, k_cache, v_cache, keys, spans, scaling));
 }
 
 torch::Tensor silu_mul(const torch::Tensor& gu) {
   check2d(gu, "gate_up");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "silu_mul: gate_up must hold gate then up, an even width; got ", gu.size(1));
   DISPATCH(gu.scalar_type(), return silu_mul_impl<T>(gu));
 }
 

@@ -16,6 +16,7 @@
 // block, groups of 2 blocks, chunks of 2 rows. How rows and blocks are grouped changes no output's sequence, and
 // the two builds round alike per lane; a build with neither leaves float32 products to oneDNN.
 #include "rows_linear.h"
+#include "tensor_checks.h"
 
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -138,6 +139,7 @@ std::string rows_linear_kernel() {
 }
 
 torch::Tensor rows_pack(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.defined() && weight.device().is_cpu(), "rows_pack: the weight must be a CPU tensor");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "rows_pack: a 2-d float32 weight");
   const int64_t out = weight.size(0), in = weight.size(1);
   TORCH_CHECK(out % 16 == 0, "rows_pack: [out, in] = [", out, ", ", in, "], out must be a multiple of 16");
@@ -146,7 +148,10 @@ torch::Tensor rows_pack(const torch::Tensor& weight) {
 
 torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(!rows_linear_kernel().empty(), "rows_linear: this build has neither AVX512F nor AVX2 with FMA");
-  TORCH_CHECK(rows_packed(packed) && packed.is_contiguous(), "rows_linear: the weight must come from rows_pack");
+  check_cpu(packed, "rows_linear", "packed");
+  TORCH_CHECK(rows_packed(packed), "rows_linear: the weight must come from rows_pack");
+  TORCH_CHECK(x.defined() && x.device().is_cpu(), "rows_linear: x must be a CPU tensor");
+  TORCH_CHECK(!bias.has_value() || bias->device().is_cpu(), "rows_linear: bias must be a CPU tensor");
   const int64_t blocks = packed.size(0), in = packed.size(1), out = blocks * 16;
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "rows_linear: float32 input expected, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, "rows_linear: input of ", x.size(-1), " features, the weight takes ", in);

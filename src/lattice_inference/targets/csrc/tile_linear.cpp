@@ -22,6 +22,7 @@
 //   operations at any width.
 // Either way the bias is added last and the sum rounded to bfloat16 (round to nearest even): a k-row product
 // equals k 1-row products bit for bit. The two kernels round differently from each other; one process uses one.
+#include "tensor_checks.h"
 #include "tile_linear.h"
 
 #include <ATen/Parallel.h>
@@ -40,6 +41,7 @@
 #endif
 
 torch::Tensor tile_pack(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.defined() && weight.device().is_cpu(), "tile_pack: the weight must be a CPU tensor");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16, "tile_pack: a 2-d bfloat16 weight");
   const int64_t out = weight.size(0), in = weight.size(1);
   TORCH_CHECK(out % 16 == 0 && in % 32 == 0, "tile_pack: [out, in] = [", out, ", ", in,
@@ -229,8 +231,11 @@ bool tile_linear_available() { return !tile_linear_kernel().empty(); }
 torch::Tensor tile_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
   const std::string kernel = tile_linear_kernel();
   TORCH_CHECK(!kernel.empty(), "tile_linear: this build has neither AVX512-BF16 nor AMX support");
-  TORCH_CHECK(tile_packed(packed) && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous(),
+  check_cpu(packed, "tile_linear", "packed");
+  TORCH_CHECK(tile_packed(packed) && packed.scalar_type() == torch::kBFloat16,
               "tile_linear: the weight must come from tile_pack");
+  TORCH_CHECK(x.defined() && x.device().is_cpu(), "tile_linear: x must be a CPU tensor");
+  TORCH_CHECK(!bias.has_value() || bias->device().is_cpu(), "tile_linear: bias must be a CPU tensor");
   const int64_t blocks = packed.size(0), in = packed.size(1) * 2, out = blocks * 16;
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "tile_linear: bfloat16 input expected, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, "tile_linear: input of ", x.size(-1), " features, the weight takes ", in);
