@@ -153,7 +153,7 @@ def test_serve_caps_the_onednn_primitive_cache_before_loading(monkeypatch):
     monkeypatch.delenv(name, raising=False)
     seen: list[str | None] = []
 
-    def load_model(model, dtype):
+    def load_model(model, dtype, device):
         seen.append(os.environ.get(name))
         raise ConfigError("not loading in this test")
 
