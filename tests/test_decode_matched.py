@@ -286,3 +286,22 @@ def test_the_self_check_is_kept_per_target_and_widened_when_asked():
     assert exactness(target, 1).widths == ()
     assert exactness(target, 4).widths == (2, 3, 4)
     assert exactness(target, 3) is exactness(target, 4)  # covered: not run again
+
+
+@pytest.mark.parametrize("forward", ["lean", "transformers"])
+def test_the_self_check_costs_and_row_plans_live_on_their_target(forward):
+    """What one target checked and measured stays on it (`Target.facts`): a second target over another copy of
+    the model starts with none of it, and each keeps its own after both have run."""
+    from lattice_inference.targets.forward_cost import forward_costs
+
+    model = toy_model(toy_config("llama"), seed=0)
+    first = make_target(model, forward=forward)
+    other = make_target(toy_model(toy_config("llama"), seed=0).to(torch.bfloat16), forward=forward)
+    report = exactness(first, 4)
+    assert first.facts.exactness is report and exactness(first, 4) is report  # checked once, then kept
+    assert first.facts.row_plans and other.facts.exactness is None and not other.facts.row_plans
+    costs = forward_costs(first, 4)
+    assert first.facts.costs is costs and other.facts.costs is None
+    assert exactness(other, 4).exact
+    dtypes = {key[-3] for key in other.facts.row_plans}
+    assert dtypes == {torch.bfloat16} and {key[-3] for key in first.facts.row_plans} == {torch.float32}

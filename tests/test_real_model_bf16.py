@@ -24,7 +24,7 @@ from lattice_inference.api import mtp_head_for
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prompts
 from lattice_inference.cpu_features import has_native_bf16
 from lattice_inference.loading import load_model
-from lattice_inference.targets import decode_matched, make_target
+from lattice_inference.targets import make_target
 from lattice_inference.targets.exactness import check_exactness
 
 from .helpers import FLAT_COSTS, skip_without_real_model
@@ -52,7 +52,6 @@ def test_self_check_finds_every_width_exact_on_onednn(monkeypatch) -> None:
     1536 inputs splits its reduction by row count on AVX512-BF16 CPUs without AMX: the row plans must find that
     on the model's own activations (before spread-magnitude calibration inputs, widths 4+ differed here)."""
     monkeypatch.setenv("LATTICE_TILES", "0")
-    monkeypatch.setattr(decode_matched, "_PLANS", {})  # calibrated on this model's weights, not an earlier test's
     model = load_model("smollm2", dtype="bfloat16").model
     report = check_exactness(make_target(model), 11)
     assert report.exact, report.failures

@@ -12,9 +12,27 @@ prefill+draft); the decode loop reads them directly, never by probing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from lattice_inference.targets.decode_matched import RowPlan
+    from lattice_inference.targets.exactness import Exactness
+    from lattice_inference.targets.forward_cost import ForwardCosts
+
+
+@dataclass
+class TargetFacts:
+    """What was checked or measured on one target, computed once and kept on it while it lives: its load-time
+    self-check (`exactness`), its forward costs by width (`forward_costs`) and its products' row plans
+    (`decode_matched.plan_for`, keyed by kernel, shape, dtype, device and thread count). They belong to the target,
+    not to the process: two targets on different devices or dtypes never share them."""
+
+    exactness: Exactness | None = None
+    costs: ForwardCosts | None = None
+    row_plans: dict[tuple[object, ...], RowPlan] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -50,6 +68,14 @@ class Target(Protocol):
     prefix_owner: str | None = ""
     """Whose earlier sequences a `prefill` may reuse rows of: only those prefilled under the same owner (``lattice
     serve`` sets each request's tenant); None: reuse none, and keep none of this one's for later."""
+
+    @property
+    def facts(self) -> TargetFacts:
+        """This target's `TargetFacts`, made on first use (so subclasses need not call an ``__init__`` for it)."""
+        facts = self.__dict__.get("_facts")
+        if facts is None:
+            facts = self.__dict__["_facts"] = TargetFacts()
+        return facts
 
     @property
     def vocab_size(self) -> int:

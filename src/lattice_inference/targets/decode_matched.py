@@ -51,8 +51,9 @@ Kernel = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass
 class _Forward:
-    """One decode-matched forward: memoised visible key columns per attention mask."""
+    """One decode-matched forward: the target's row plans, memoised visible key columns per attention mask."""
 
+    plans: dict[tuple[object, ...], RowPlan]
     columns: dict[int, list[slice | torch.Tensor]] = field(default_factory=dict)
 
 
@@ -60,9 +61,11 @@ _ACTIVE: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("_DECO
 
 
 @contextlib.contextmanager
-def matching() -> Iterator[None]:
-    """Run the enclosed model forward decode-matched (see the module docstring)."""
-    token = _ACTIVE.set(_Forward())
+def matching(plans: dict[tuple[object, ...], RowPlan] | None = None) -> Iterator[None]:
+    """Run the enclosed model forward decode-matched (see the module docstring), its products under the row plans
+    in ``plans`` (the target's, ``target.facts.row_plans``; calibrated into it on first use; None: a fresh
+    table)."""
+    token = _ACTIVE.set(_Forward({} if plans is None else plans))
     try:
         yield
     finally:
@@ -148,24 +151,24 @@ def calibrate(kernel: Kernel, in_features: int, dtype: torch.dtype, device: torc
     return RowPlan(0)
 
 
-_PLANS: dict[tuple[object, ...], RowPlan] = {}
-
-
-def plan_for(key: tuple[object, ...], kernel: Kernel, x: torch.Tensor) -> RowPlan:
-    """The cached `RowPlan` of the kernel named by ``key`` (its kind and weight shape) at ``x``'s dtype and
-    device and the current thread count, calibrated on first use."""
-    full = (*key, x.dtype, x.device.type, torch.get_num_threads())
-    plan = _PLANS.get(full)
+def plan_for(
+    key: tuple[object, ...], kernel: Kernel, x: torch.Tensor, plans: dict[tuple[object, ...], RowPlan]
+) -> RowPlan:
+    """The `RowPlan` in ``plans`` (a target's) of the kernel named by ``key`` (its kind and weight shape) at ``x``'s
+    dtype and device and the current thread count, calibrated into ``plans`` on first use."""
+    full = (*key, x.dtype, str(x.device), torch.get_num_threads())
+    plan = plans.get(full)
     if plan is None:
-        plan = _PLANS[full] = calibrate(kernel, x.shape[-1], x.dtype, x.device)
+        plan = plans[full] = calibrate(kernel, x.shape[-1], x.dtype, x.device)
     return plan
 
 
 def matched_product(key: tuple[object, ...], kernel: Kernel, x: torch.Tensor) -> torch.Tensor:
     """``kernel(x)``; inside a decode-matched forward, computed under the kernel's `RowPlan`."""
-    if _ACTIVE.get() is None:
+    forward = _ACTIVE.get()
+    if forward is None:
         return kernel(x)
-    return plan_for(key, kernel, x).apply(kernel, x)
+    return plan_for(key, kernel, x, forward.plans).apply(kernel, x)
 
 
 def linear_key(kind: str, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[object, ...]:

@@ -10,7 +10,6 @@ differ, so the report says which operation broke the identity; generation still 
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -146,14 +145,10 @@ def locate(target: Target, tokens: list[int]) -> str:
     return "an operation outside the model's modules"
 
 
-_CHECKED: weakref.WeakKeyDictionary[Target, Exactness] = weakref.WeakKeyDictionary()
-
-
 def exactness(target: Target, max_width: int) -> Exactness:
-    """`check_exactness` up to ``max_width``, once per target (kept while it lives)."""
-    known = _CHECKED.get(target)
+    """`check_exactness` up to ``max_width``, once per target (kept on it: ``target.facts.exactness``)."""
+    known = target.facts.exactness
     if known is not None and (not known.exact or (known.widths[-1] if known.widths else 1) >= max_width):
         return known
-    result = check_exactness(target, max_width)
-    _CHECKED[target] = result
+    result = target.facts.exactness = check_exactness(target, max_width)
     return result

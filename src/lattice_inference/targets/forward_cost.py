@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,14 +78,10 @@ def measure_forward_costs(
     return ForwardCosts(tuple(widths), tuple(best))
 
 
-_MEASURED: weakref.WeakKeyDictionary[Target, ForwardCosts] = weakref.WeakKeyDictionary()
-
-
 def forward_costs(target: Target, max_width: int) -> ForwardCosts:
-    """`measure_forward_costs` up to ``max_width``, once per target (kept while the target lives)."""
-    known = _MEASURED.get(target)
+    """`measure_forward_costs` up to ``max_width``, once per target (kept on it: ``target.facts.costs``)."""
+    known = target.facts.costs
     if known is not None and known.widths[-1] >= max_width:
         return known
-    costs = measure_forward_costs(target, calibration_widths(max_width))
-    _MEASURED[target] = costs
+    costs = target.facts.costs = measure_forward_costs(target, calibration_widths(max_width))
     return costs

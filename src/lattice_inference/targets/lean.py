@@ -40,7 +40,7 @@ from lattice_inference.errors import ConfigError
 from lattice_inference.options import PREFIX_BUDGET
 from lattice_inference.targets import decode_matched, native_ops
 from lattice_inference.targets.block_attention import Block, block_attention, plan_blocks
-from lattice_inference.targets.decode_matched import Product
+from lattice_inference.targets.decode_matched import Product, RowPlan
 from lattice_inference.targets.packed_linear import packed_operands, products
 from lattice_inference.targets.prefix_reuse import CachedRows, KeptSequences, RowKey
 from lattice_inference.targets.transformers import TransformersTarget
@@ -107,7 +107,7 @@ class LeanTarget(TransformersTarget):
         self._groups = text.num_attention_heads // text.num_key_value_heads
         self._heads, self._kv_heads = text.num_attention_heads, text.num_key_value_heads
         self._native = native_ops.ops() if native and self._native_fits(model) else None
-        self._loop = _LayerLoop.of(self._layers) if self._native is not None else None
+        self._loop = _LayerLoop.of(self._layers, self.facts.row_plans) if self._native is not None else None
         self.prefix_cache = prefix_cache
         """Whether a `prefill` may keep the cached rows of the prompt's longest prefix already in the cache, where
         they are bit for bit what it would compute (`prefix_reuse`): from the live cache or from the caches of the
@@ -349,10 +349,12 @@ class _LayerLoop:
     operands: tuple[object, ...]
     products: list[Product]
     """One per distinct product (plan key): whose row plans decide whether the loop runs."""
+    plans: dict[tuple[object, ...], RowPlan]
+    """The target's row plans (``target.facts.row_plans``), which the verdicts read."""
     _verdicts: dict[tuple[torch.dtype, int], bool] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, layers: list[_Layer]) -> _LayerLoop | None:
+    def of(cls, layers: list[_Layer], plans: dict[tuple[object, ...], RowPlan]) -> _LayerLoop | None:
         """The loop's operands, or None where a layer's products are not single packed matrices or its norms'
         epsilons differ (the Python loop runs those)."""
         packed, biases, norms, qk_norms = [], [], [], []
@@ -370,7 +372,7 @@ class _LayerLoop:
         eps = {e for layer in layers for e in (layer.input_weight[1], layer.post_weight[1])}
         if len(eps) != 1 or len({layer.qk_eps for layer in layers}) != 1:
             return None
-        return cls((packed, biases, norms, eps.pop(), qk_norms, layers[0].qk_eps), list(products.values()))
+        return cls((packed, biases, norms, eps.pop(), qk_norms, layers[0].qk_eps), list(products.values()), plans)
 
     def runs(self, x: torch.Tensor) -> bool:
         """Whether every product computes its rows at any width as alone (row plan 1) at ``x``'s dtype and the
@@ -379,7 +381,7 @@ class _LayerLoop:
         verdict = self._verdicts.get(when)
         if verdict is None:
             verdict = self._verdicts[when] = all(
-                decode_matched.plan_for(key, kernel, x.new_zeros(1, _in_features(key))).base == 1
+                decode_matched.plan_for(key, kernel, x.new_zeros(1, _in_features(key)), self.plans).base == 1
                 for key, kernel, _ in self.products
             )
         return verdict

@@ -157,7 +157,11 @@ class CausalLMTarget(Target):
             positions = torch.arange(self._length, self._length + n, device=self.device).unsqueeze(0)
         else:
             positions = torch.tensor([[self._length + o for o in offsets]], dtype=torch.long, device=self.device)
-        matching = decode_matched_module.matching() if matched and self.decode_matched else contextlib.nullcontext()
+        matching = (
+            decode_matched_module.matching(self.facts.row_plans)
+            if matched and self.decode_matched
+            else contextlib.nullcontext()
+        )
         with torch.inference_mode(), matching:
             logits = self._logits(ids, positions, attention_mask, logits_to_keep)
         self._length += n
