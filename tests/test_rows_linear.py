@@ -60,23 +60,84 @@ def test_rows_equal_one_row_products_at_every_width(rows):
 def test_pack_weight_uses_them_only_where_they_take_the_weight(rows, monkeypatch):
     assert rows_packed(pack_weight(_rand(32, 64)))
     assert not rows_packed(pack_weight(_rand(40, 64)))  # outputs not a multiple of 16: oneDNN
-    if packing_supported(torch.bfloat16):  # oneDNN packs bfloat16 only with AVX512BW/VL/DQ or AVX-NE-CONVERT
-        assert not rows_packed(pack_weight(_rand(32, 64).to(torch.bfloat16)))
+    # bfloat16: the tile products where they run, else ours from the bfloat16 bytes
+    assert rows_packed(pack_weight(_rand(32, 64).bfloat16())) == (native_ops.tiles() is None)
+    monkeypatch.setenv("LATTICE_TILES", "0")
+    assert rows_packed(pack_weight(_rand(32, 64).bfloat16()))
     monkeypatch.setenv("LATTICE_ROWS", "0")
     assert native_ops.rows() is None
     assert not rows_packed(pack_weight(_rand(32, 64)))
+    if packing_supported(torch.bfloat16):  # oneDNN packs bfloat16 only with AVX512BW/VL/DQ or AVX-NE-CONVERT
+        assert not rows_packed(pack_weight(_rand(32, 64).bfloat16()))
 
 
 def test_bad_input_gets_a_clear_error(rows):
     packed = pack_weight(_rand(32, 64))
     with pytest.raises(RuntimeError, match="input of 63 features, the weight takes 64"):
         rows.rows_linear(_rand(2, 63), packed, None)
-    with pytest.raises(RuntimeError, match="float32 input expected"):
+    with pytest.raises(RuntimeError, match=r"Float input expected \(the weight's\), got BFloat16"):
         rows.rows_linear(_rand(2, 64).to(torch.bfloat16), packed, None)
-    with pytest.raises(RuntimeError, match="a float32 bias of 32 values"):
+    with pytest.raises(RuntimeError, match="a BFloat16 bias of 32 values"):
+        rows.rows_linear(_rand(2, 64).bfloat16(), rows.rows_pack(_rand(32, 64).bfloat16()), _rand(32))
+    with pytest.raises(RuntimeError, match="a Float bias of 32 values"):
         rows.rows_linear(_rand(2, 64), packed, _rand(31))
     with pytest.raises(RuntimeError, match=r"\[out, in\] = \[40, 64\], out must be a multiple of 16"):
         rows.rows_pack(_rand(40, 64))
+
+
+@pytest.mark.parametrize(("out", "inp"), [(48, 64), (96, 1536), (208, 97)])
+def test_bfloat16_products_are_the_float64_product_to_one_bfloat16_rounding(rows, out, inp):
+    """From bfloat16 weights (the path of CPUs without bfloat16 dot products): float32 sums of the exact products,
+    rounded once to bfloat16."""
+    weight, bias, x = (
+        _rand(out, inp, seed=1).bfloat16(),
+        _rand(out, seed=2).bfloat16(),
+        _rand(21, inp, seed=3).bfloat16(),
+    )
+    packed = rows.rows_pack(weight)
+    assert rows_packed(packed) and packed.dtype == torch.bfloat16
+    y = rows.rows_linear(x, packed, bias)
+    want = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    assert y.shape == (21, out) and y.dtype == torch.bfloat16
+    sums = (x.double().abs() @ weight.double().abs().T + bias.double().abs()) * inp * 2**-23
+    bound = want.abs() * 2**-8 + sums * (1 + 2**-8)  # one rounding to 8 bits after the float32 sum's
+    assert bool(((y.double() - want).abs() <= bound).all())
+    assert torch.equal(y, (x.float() @ weight.float().T + bias.float()).bfloat16()) or inp > 64  # short sums agree
+
+
+def test_bfloat16_rows_equal_one_row_products_at_every_width(rows):
+    weight, bias = _rand(160, 200, seed=4).bfloat16(), _rand(160, seed=5).bfloat16()
+    packed = rows.rows_pack(weight)
+    x = _rand(40, 200, seed=6).bfloat16()
+    alone = torch.cat([rows.rows_linear(x[i : i + 1], packed, bias) for i in range(40)])
+    for width in (2, 3, 5, 6, 7, 12, 13, 17, 40):
+        assert torch.equal(rows.rows_linear(x[:width], packed, bias), alone[:width]), width
+
+
+def test_a_bfloat16_lean_target_without_bfloat16_dot_products_runs_its_layers_on_them(rows, monkeypatch):
+    """Where no bfloat16 dot-product kernel runs (here: ``LATTICE_TILES=0``; an AVX2-only CPU), a bfloat16 model's
+    products run on the row kernel from its bfloat16 bytes: the native layer loop runs, k-token rows equal 1-token
+    steps, a prefill's rows are reusable, and speculation equals plain decoding."""
+    from lattice_inference.decode import SpeculativeDecoder
+    from lattice_inference.drafters.ngram import NgramDrafter
+    from lattice_inference.targets.lean import LeanTarget
+    from lattice_inference.testing.toy import toy_config, toy_model
+
+    monkeypatch.setenv("LATTICE_TILES", "0")
+    model = toy_model(toy_config("qwen3", hidden_size=128, intermediate_size=512, head_dim=32), seed=1).bfloat16()
+    lean = LeanTarget(model, prefix_budget=0)
+    assert lean._loop is not None and lean._loop.runs(torch.empty(0, dtype=torch.bfloat16))
+    lean.prefill(list(range(20)))
+    wide = lean.forward([5, 6, 7])
+    lean.rollback(20)
+    assert all(torch.equal(lean.forward([token])[0], wide[i]) for i, token in enumerate([5, 6, 7]))
+    lean.prefill([*range(20), 5, 9])
+    assert lean.prefix_reused == 21
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4] * 3
+    plain = SpeculativeDecoder(lean, None, adaptive=False).generate(prompt, 40).token_ids
+    drafter = NgramDrafter(max_ngram=4, min_ngram=1, max_draft=6)
+    fast = SpeculativeDecoder(lean, drafter, max_draft=6, adaptive=False).generate(prompt, 40)
+    assert fast.token_ids == plain and fast.metrics.drafted_tokens > 0 and fast.metrics.exact is True
 
 
 @pytest.mark.parametrize("on", [True, False])
@@ -131,3 +192,8 @@ def test_the_avx2_build_equals_the_avx512_build(rows):
             theirs = avx2.rows_linear(x, packed, bias)
             assert torch.equal(ours, theirs), (out, inp)
             assert all(torch.equal(avx2.rows_linear(x[i : i + 1], packed, bias)[0], theirs[i]) for i in range(37))
+            half = (weight.bfloat16(), bias.bfloat16(), x.bfloat16())  # and from bfloat16 weights
+            assert torch.equal(
+                rows.rows_linear(half[2], rows.rows_pack(half[0]), half[1]),
+                avx2.rows_linear(half[2], avx2.rows_pack(half[0]), half[1]),
+            ), (out, inp)

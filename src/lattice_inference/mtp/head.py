@@ -34,7 +34,7 @@ from lattice_inference.mtp.config import MtpConfig
 from lattice_inference.mtp.layer import LayerTensors, Linear, gqa_attention, mtp_layer, rope_inv_freq, swiglu
 from lattice_inference.mtp.weights import MtpWeights
 from lattice_inference.sampling import top_tokens
-from lattice_inference.targets.packed_linear import pack_weight, packed_linear, packing_supported
+from lattice_inference.targets.packed_linear import pack_weight, packable, packed_linear
 
 _INITIAL_CAPACITY = 256
 
@@ -129,8 +129,9 @@ class MtpHead:
             self._mlp_gate_up = torch.cat([w.mlp_gate, w.mlp_up], dim=0)
             self._mlp_down = w.mlp_down
         self._linear: Linear = F.linear
-        if self.device.type == "cpu" and packing_supported(self.dtype):  # oneDNN reads the weights faster
-            layer = self._layer
+        layer = self._layer
+        matrices = (layer.fc, layer.qkv, layer.o, self._mlp_gate_up, self._mlp_down)
+        if self.device.type == "cpu" and all(packable(m) for m in matrices):  # packed products read them faster
             self._layer = dataclasses.replace(
                 layer, fc=pack_weight(layer.fc), qkv=pack_weight(layer.qkv), o=pack_weight(layer.o)
             )

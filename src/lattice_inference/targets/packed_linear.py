@@ -16,6 +16,9 @@ In float32 on CPUs with AVX512F or AVX2 and FMA (the native ops built: `native_o
 for our row products (``csrc/rows_linear.cpp``): each output of each row one float32 sum over the inputs in order,
 so each row comes out the same at any width (a float32 prefill's rows are then reusable, `prefix_reuse`), and a
 1-token step of SmolLM2-135M spends 1.4-1.6x less than on oneDNN's on a Zen 4 EPYC (bench/RESULTS.md, session 21).
+bfloat16 weights where no bfloat16 dot-product kernel runs (AVX2-only CPUs, AVX512F without BF16) take the same row
+products from their bfloat16 bytes (float32 sums, rounded once to bfloat16): half float32's weight reads, none of
+torch's emulated bfloat16, and rows alike at any width (``bench/bench_bf16_rows.py``).
 
 Projections that read the same input are packed as one matrix: ``q_proj``/``k_proj``/``v_proj`` of an
 attention block and ``gate_proj``/``up_proj`` of a gated MLP (one product instead of three or two: fewer
@@ -25,8 +28,9 @@ computes the fused product and the others return their slice of it when called w
 
 `pack_linears` keeps a packed copy of every ``nn.Linear`` weight (so the linear weights take twice their memory;
 the dense ones stay, for the embedding tie, ``state_dict`` and MTP heads) and routes the module's ``forward``
-through it; `unpack_linears` undoes it. Only CPU modules whose dtype oneDNN can pack on this CPU are touched
-(float32 everywhere; bfloat16 only with AVX512-BF16/AMX-class support). The results equal ``F.linear``'s up to
+through it; `unpack_linears` undoes it. Only CPU modules whose weight a kernel here takes are touched (`packable`:
+ours, float32 and bfloat16 with out a multiple of 16, or oneDNN's: float32 everywhere, bfloat16 only with
+AVX512-BF16/AMX-class support). The results equal ``F.linear``'s up to
 float rounding (a different summation order), as any other kernel choice would. Inside a decode-matched forward
 each product runs under its row plan (`lattice_inference.targets.decode_matched`), so that its rows do not depend
 on how many there are.
@@ -70,11 +74,22 @@ def _tiles_for(weight: torch.Tensor) -> ModuleType | None:
 
 
 def _rows_for(weight: torch.Tensor) -> ModuleType | None:
-    """The native float32 products (`native_ops.rows`) where they take ``weight``: float32, ``[out, in]`` with out a
-    multiple of 16; else None (oneDNN packs it)."""
-    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[0] % 16:
+    """The native row products (`native_ops.rows`) where they take ``weight``: ``[out, in]`` with out a multiple of
+    16, float32, or bfloat16 where no bfloat16 dot-product kernel runs (AVX2-only CPUs, AVX512F without BF16:
+    computed in float32 from the bfloat16 bytes); else None (oneDNN packs it)."""
+    if weight.dim() != 2 or weight.shape[0] % 16:
         return None
-    return native_ops.rows()
+    if weight.dtype == torch.bfloat16 and native_ops.tiles() is None:
+        return native_ops.rows()
+    return native_ops.rows() if weight.dtype == torch.float32 else None
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether `pack_weight` lays ``weight`` out for a kernel that runs here: ours (`_tiles_for`, `_rows_for`) or
+    oneDNN's (`packing_supported`); only CPU weights."""
+    if weight.device.type not in ("cpu", "meta"):
+        return False
+    return _tiles_for(weight) is not None or _rows_for(weight) is not None or packing_supported(weight.dtype)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -98,8 +113,8 @@ def tile_packed(packed: torch.Tensor) -> bool:
 
 
 def rows_packed(packed: torch.Tensor) -> bool:
-    """Whether ``packed`` (from `pack_weight`) is laid out for the float32 row products."""
-    return packed.dim() == 3 and packed.shape[2] == 16 and packed.dtype == torch.float32
+    """Whether ``packed`` (from `pack_weight`) is laid out for the row products (float32 or bfloat16)."""
+    return packed.dim() == 3 and packed.shape[2] == 16 and packed.dtype in (torch.float32, torch.bfloat16)
 
 
 def packed_kind(packed: torch.Tensor) -> str:
@@ -179,13 +194,16 @@ def packed_operands(product: Product) -> tuple[torch.Tensor, torch.Tensor | None
 def _fusable(members: list[object]) -> bool:
     if not all(isinstance(m, nn.Linear) and not hasattr(m, _PACKED) for m in members):
         return False
-    first = members[0]
-    assert isinstance(first, nn.Linear)
+    linears = [m for m in members if isinstance(m, nn.Linear)]
+    first = linears[0]
+    fused = torch.empty(
+        sum(m.out_features for m in linears), first.in_features, dtype=first.weight.dtype, device="meta"
+    )
     return (
         first.weight.device.type == "cpu"
-        and packing_supported(first.weight.dtype)
-        and all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype for m in members)  # type: ignore[attr-defined]
-        and len({m.bias is None for m in members}) == 1  # type: ignore[attr-defined]
+        and packable(fused)  # the fused matrix's shape decides which kernel takes it
+        and all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype for m in linears)
+        and len({m.bias is None for m in linears}) == 1
     )
 
 
@@ -215,7 +233,7 @@ def pack_linears(model: nn.Module) -> int:
             count += 1
             continue
         weight = module.weight
-        if weight.device.type != "cpu" or not packing_supported(weight.dtype):
+        if weight.device.type != "cpu" or not packable(weight):
             continue
         packed = pack_weight(weight)
         setattr(module, _PACKED, packed)

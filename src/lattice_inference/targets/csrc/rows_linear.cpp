@@ -15,6 +15,11 @@
 // passes fetch the next slice. AVX512F: 16 lanes, groups of 4 blocks, chunks of 6 rows; AVX2: two 8-lane halves per
 // block, groups of 2 blocks, chunks of 2 rows. How rows and blocks are grouped changes no output's sequence, and
 // the two builds round alike per lane; a build with neither leaves float32 products to oneDNN.
+//
+// bfloat16 weights (where no bfloat16 dot-product kernel runs: AVX2-only CPUs, AVX512F without BF16) take the same
+// path from their bfloat16 bytes: each weight widened exactly to float32 as it is loaded (a 16-bit shift), each row's
+// inputs widened once, the same float32 fused multiply-adds, the bias added last and the sum rounded to bfloat16
+// (nearest even). Half the weight reads of float32, no emulated bfloat16 arithmetic, and the same row-exactness.
 #include "rows_linear.h"
 #include "tensor_checks.h"
 
@@ -31,6 +36,10 @@ struct Vec {  // one block's 16 outputs
   __m512 v;
 };
 inline Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Vec load(const uint16_t* p) {  // 16 bfloat16 weights, widened exactly
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
 inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
 inline Vec fma(Vec w, __m512 x, Vec acc) { return {_mm512_fmadd_ps(w.v, x, acc.v)}; }
 inline __m512 broadcast(float x) { return _mm512_set1_ps(x); }
@@ -46,6 +55,11 @@ struct Vec {
   __m256 lo, hi;
 };
 inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline Vec load(const uint16_t* p) { return {widen8(p), widen8(p + 8)}; }  // 16 bfloat16 weights, widened exactly
 inline void store(float* p, Vec a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
@@ -67,15 +81,15 @@ constexpr int64_t PREFETCH_ROWS = 5;  // from this many rows the next slice is f
 // ``sums`` [R][G * 16]: one fused multiply-add per input, row and output, each output's inputs in order. With each
 // of its first ``lines`` inputs it asks for one cache line more of each of the ``ahead`` weight streams ``next``
 // (into L2): prefetches change no sum.
-template <int R, int G>
-inline void rows_chunk(const float* x, int64_t in, const float* w, int64_t block, int64_t k0, int64_t k1,
+template <int R, int G, typename W>
+inline void rows_chunk(const float* x, int64_t in, const W* w, int64_t block, int64_t k0, int64_t k1,
                        float* sums, const char* const* next = nullptr, int ahead = 0, int64_t lines = 0) {
   Vec acc[R][G];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) acc[r][g] = load(sums + (r * G + g) * 16);
   for (int64_t k = k0; k < k1; ++k) {
     if (k - k0 < lines)
-      for (int i = 0; i < ahead; ++i) _mm_prefetch(next[i] + (k - k0) * 64, _MM_HINT_T1);
+      for (int i = 0; i < ahead; ++i) _mm_prefetch(next[i] + (k - k0) * 16 * sizeof(W), _MM_HINT_T1);
     Vec wv[G];
     for (int g = 0; g < G; ++g) wv[g] = load(w + g * block + k * 16);
     for (int r = 0; r < R; ++r) {
@@ -87,20 +101,20 @@ inline void rows_chunk(const float* x, int64_t in, const float* w, int64_t block
     for (int g = 0; g < G; ++g) store(sums + (r * G + g) * 16, acc[r][g]);
 }
 
-template <int R, int G>
-inline void rows_tail(const float* x, int64_t rows, int64_t in, const float* w, int64_t block, int64_t k0,
+template <int R, int G, typename W>
+inline void rows_tail(const float* x, int64_t rows, int64_t in, const W* w, int64_t block, int64_t k0,
                       int64_t k1, float* sums) {
   if constexpr (R > 0) {
-    if (rows == R) return rows_chunk<R, G>(x, in, w, block, k0, k1, sums);
-    rows_tail<R - 1, G>(x, rows, in, w, block, k0, k1, sums);
+    if (rows == R) return rows_chunk<R, G, W>(x, in, w, block, k0, k1, sums);
+    rows_tail<R - 1, G, W>(x, rows, in, w, block, k0, k1, sums);
   }
 }
 
 // All ``n`` rows times one group of G blocks: ``sums`` [n][G * 16] (zeroed here). From `PREFETCH_ROWS` rows the
 // passes over a slice are bound by the multiply-adds, not by memory, so the first passes also fetch the next slice
 // of the G blocks (spread over them, one line per input and block) while they run.
-template <int G>
-void rows_group(const float* x, int64_t n, int64_t in, const float* w, int64_t block, float* sums) {
+template <int G, typename W>
+void rows_group(const float* x, int64_t n, int64_t in, const W* w, int64_t block, float* sums) {
   constexpr int64_t cols = G * 16;
   std::fill(sums, sums + n * cols, 0.0f);
   const int64_t passes = n / CHUNK;
@@ -113,18 +127,37 @@ void rows_group(const float* x, int64_t n, int64_t in, const float* w, int64_t b
       int ahead = 0;
       if (lines > 0)
         for (int64_t g = c; g < G; g += passes) next[ahead++] = reinterpret_cast<const char*>(w + g * block + k1 * 16);
-      rows_chunk<CHUNK, G>(x + r * in, in, w, block, k0, k1, sums + r * cols, next, ahead, lines);
+      rows_chunk<CHUNK, G, W>(x + r * in, in, w, block, k0, k1, sums + r * cols, next, ahead, lines);
     }
-    if (r < n) rows_tail<CHUNK - 1, G>(x + r * in, n - r, in, w, block, k0, k1, sums + r * cols);
+    if (r < n) rows_tail<CHUNK - 1, G, W>(x + r * in, n - r, in, w, block, k0, k1, sums + r * cols);
   }
 }
 
-template <int G>
-void rows_group_bias(const float* x, int64_t n, int64_t in, const float* w, int64_t block, float* sums,
-                     const float* bias, float* out, int64_t stride, int64_t col) {
-  rows_group<G>(x, n, in, w, block, sums);
+// The group's sums plus the bias, stored as O (float32, or bfloat16 rounded to nearest even).
+template <int G, typename W, typename O>
+void rows_group_bias(const float* x, int64_t n, int64_t in, const W* w, int64_t block, float* sums,
+                     const float* bias, O* out, int64_t stride, int64_t col) {
+  rows_group<G, W>(x, n, in, w, block, sums);
   for (int64_t r = 0; r < n; ++r)
-    for (int64_t j = 0; j < G * 16; ++j) out[r * stride + col + j] = sums[r * G * 16 + j] + (bias ? bias[col + j] : 0.0f);
+    for (int64_t j = 0; j < G * 16; ++j)
+      out[r * stride + col + j] = static_cast<O>(sums[r * G * 16 + j] + (bias ? bias[col + j] : 0.0f));
+}
+
+// Every block of a packed weight (``W``: float or bfloat16 bits) over ``n`` float32 rows into ``out`` (O).
+template <typename W, typename O>
+void rows_all(const float* xp, int64_t n, int64_t in, const W* wp, int64_t blocks, const float* bp, O* op) {
+  const int64_t block = in * 16, out = blocks * 16;
+  at::parallel_for(0, blocks, GROUP, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sums(n * GROUP * 16);
+    for (int64_t b = b0; b < b1; b += GROUP) {
+      const int64_t width = std::min<int64_t>(GROUP, b1 - b);
+      const W* wg = wp + b * block;
+      if (width == GROUP) rows_group_bias<GROUP, W, O>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
+      else if (width == 3) rows_group_bias<3, W, O>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
+      else if (width == 2) rows_group_bias<2, W, O>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
+      else rows_group_bias<1, W, O>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
+    }
+  });
 }
 
 }  // namespace
@@ -140,7 +173,8 @@ std::string rows_linear_kernel() {
 
 torch::Tensor rows_pack(const torch::Tensor& weight) {
   TORCH_CHECK(weight.defined() && weight.device().is_cpu(), "rows_pack: the weight must be a CPU tensor");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "rows_pack: a 2-d float32 weight");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16),
+              "rows_pack: a 2-d float32 or bfloat16 weight");
   const int64_t out = weight.size(0), in = weight.size(1);
   TORCH_CHECK(out % 16 == 0, "rows_pack: [out, in] = [", out, ", ", in, "], out must be a multiple of 16");
   return weight.contiguous().view({out / 16, 16, in}).permute({0, 2, 1}).contiguous();
@@ -153,34 +187,27 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   TORCH_CHECK(x.defined() && x.device().is_cpu(), "rows_linear: x must be a CPU tensor");
   TORCH_CHECK(!bias.has_value() || bias->device().is_cpu(), "rows_linear: bias must be a CPU tensor");
   const int64_t blocks = packed.size(0), in = packed.size(1), out = blocks * 16;
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "rows_linear: float32 input expected, got ", x.scalar_type());
+  const auto dtype = packed.scalar_type();
+  TORCH_CHECK(x.scalar_type() == dtype, "rows_linear: ", dtype, " input expected (the weight's), got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, "rows_linear: input of ", x.size(-1), " features, the weight takes ", in);
-  TORCH_CHECK(!bias.has_value() || (bias->numel() == out && bias->scalar_type() == torch::kFloat32),
-              "rows_linear: a float32 bias of ", out, " values expected");
-  const torch::Tensor rows_in = x.reshape({-1, in}).contiguous();
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == out && bias->scalar_type() == dtype),
+              "rows_linear: a ", dtype, " bias of ", out, " values expected");
+  // float32 rows as they are; bfloat16 rows widened once (exactly)
+  const torch::Tensor rows_in = x.reshape({-1, in}).to(torch::kFloat32).contiguous();
   const int64_t n = rows_in.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
   torch::Tensor result = torch::empty(shape, x.options());
 #ifdef LATTICE_ROWS
   if (n == 0) return result;
-  const torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const torch::Tensor bc = bias.has_value() ? bias->to(torch::kFloat32).contiguous() : torch::Tensor();
   const float* bp = bias.has_value() ? bc.data_ptr<float>() : nullptr;
   const float* xp = rows_in.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* op = result.data_ptr<float>();
-  const int64_t block = in * 16;
-  at::parallel_for(0, blocks, GROUP, [&](int64_t b0, int64_t b1) {
-    std::vector<float> sums(n * GROUP * 16);
-    for (int64_t b = b0; b < b1; b += GROUP) {
-      const int64_t width = std::min<int64_t>(GROUP, b1 - b);
-      const float* wg = wp + b * block;
-      if (width == GROUP) rows_group_bias<GROUP>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
-      else if (width == 3) rows_group_bias<3>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
-      else if (width == 2) rows_group_bias<2>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
-      else rows_group_bias<1>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
-    }
-  });
+  if (dtype == torch::kFloat32)
+    rows_all<float, float>(xp, n, in, packed.data_ptr<float>(), blocks, bp, result.data_ptr<float>());
+  else
+    rows_all<uint16_t, c10::BFloat16>(xp, n, in, reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
+                                      blocks, bp, result.data_ptr<c10::BFloat16>());
 #endif
   return result;
 }
