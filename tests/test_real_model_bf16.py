@@ -48,10 +48,12 @@ def test_self_check_finds_every_width_exact(loaded) -> None:
 
 
 def test_self_check_finds_every_width_exact_on_onednn(monkeypatch) -> None:
-    """The products on oneDNN (``LATTICE_TILES=0``; what runs where our kernels cannot), whose bfloat16 product over
-    1536 inputs splits its reduction by row count on AVX512-BF16 CPUs without AMX: the row plans must find that
-    on the model's own activations (before spread-magnitude calibration inputs, widths 4+ differed here)."""
+    """The products on oneDNN (``LATTICE_TILES=0 LATTICE_ROWS=0``; what runs where our kernels cannot), whose
+    bfloat16 product over 1536 inputs splits its reduction by row count on AVX512-BF16 CPUs without AMX: the row
+    plans must find that on the model's own activations (before spread-magnitude calibration inputs, widths 4+
+    differed here)."""
     monkeypatch.setenv("LATTICE_TILES", "0")
+    monkeypatch.setenv("LATTICE_ROWS", "0")
     model = load_model("smollm2", dtype="bfloat16").model
     report = check_exactness(make_target(model), 11)
     assert report.exact, report.failures

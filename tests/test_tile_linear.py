@@ -91,13 +91,14 @@ def test_bad_input_gets_a_clear_error(tiles):
 
 @pytest.mark.parametrize("on", [True, False])
 def test_a_bfloat16_lean_target_runs_its_layers_on_the_tiles_or_on_onednn(tiles, on, monkeypatch):
-    """With our products (the default here) and without them (``LATTICE_TILES=0``: oneDNN, as on AVX2-only CPUs),
-    a bfloat16 lean target's k-token rows equal its 1-token steps."""
+    """With our products (the default here) and without them (``LATTICE_TILES=0 LATTICE_ROWS=0``: oneDNN), a
+    bfloat16 lean target's k-token rows equal its 1-token steps."""
     from lattice_inference.targets.lean import LeanTarget
     from lattice_inference.testing.toy import toy_config, toy_model
 
     if not on:
         monkeypatch.setenv("LATTICE_TILES", "0")
+        monkeypatch.setenv("LATTICE_ROWS", "0")
     model = toy_model(toy_config("qwen3", hidden_size=128, intermediate_size=1536, head_dim=32), seed=1)
     lean = LeanTarget(model.to(torch.bfloat16))
     assert lean._loop is not None

@@ -110,7 +110,8 @@ def ops() -> ModuleType | None:
 def tiles() -> ModuleType | None:
     """The built extension where its bfloat16 products (``tile_pack``/``tile_linear``, ``csrc/tile_linear.cpp``)
     run here: built for a CPU with AVX512-BF16 (AMX tiles where the OS grants them, `tile_kernel`), and not turned
-    off by ``LATTICE_TILES=0`` (then bfloat16 products run on oneDNN); else None."""
+    off by ``LATTICE_TILES=0`` (then bfloat16 products run on the row kernel, `rows`, or with ``LATTICE_ROWS=0`` on
+    oneDNN); else None."""
     if _switched_off("LATTICE_TILES"):
         return None
     module = ops()
