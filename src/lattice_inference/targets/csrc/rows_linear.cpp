@@ -25,6 +25,7 @@
 
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -133,11 +134,39 @@ void rows_group(const float* x, int64_t n, int64_t in, const W* w, int64_t block
   }
 }
 
+// `rows_group` over bfloat16 weights for more than one chunk of rows: each slice of the group's weights is widened
+// once into an L1 buffer that every chunk then reads as float32 (while the next slice is fetched), instead of each
+// chunk widening it again. The buffer holds the same exact values, so every sum is the one `rows_group` computes.
+template <int G>
+void rows_group_widened(const float* x, int64_t n, int64_t in, const uint16_t* w, int64_t block, float* sums) {
+  constexpr int64_t cols = G * 16, span = SLICE * 16;
+  std::fill(sums, sums + n * cols, 0.0f);
+  alignas(64) float buf[G * span];
+  for (int64_t k0 = 0; k0 < in; k0 += SLICE) {
+    const int64_t k1 = std::min(in, k0 + SLICE), len = k1 - k0;
+    for (int g = 0; g < G; ++g) {
+      const uint16_t* src = w + g * block + k0 * 16;
+      for (int64_t i = 0; i < len * 16; i += 16) {
+        if (k1 < in && i % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(src + span + i), _MM_HINT_T1);
+        store(buf + g * span + i, load(src + i));
+      }
+    }
+    int64_t r = 0;
+    for (; r + CHUNK <= n; r += CHUNK) rows_chunk<CHUNK, G, float>(x + r * in + k0, in, buf, span, 0, len, sums + r * cols);
+    if (r < n) rows_tail<CHUNK - 1, G, float>(x + r * in + k0, n - r, in, buf, span, 0, len, sums + r * cols);
+  }
+}
+
 // The group's sums plus the bias, stored as O (float32, or bfloat16 rounded to nearest even).
 template <int G, typename W, typename O>
 void rows_group_bias(const float* x, int64_t n, int64_t in, const W* w, int64_t block, float* sums,
                      const float* bias, O* out, int64_t stride, int64_t col) {
-  rows_group<G, W>(x, n, in, w, block, sums);
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (n > CHUNK) rows_group_widened<G>(x, n, in, w, block, sums);
+    else rows_group<G, W>(x, n, in, w, block, sums);
+  } else {
+    rows_group<G, W>(x, n, in, w, block, sums);
+  }
   for (int64_t r = 0; r < n; ++r)
     for (int64_t j = 0; j < G * 16; ++j)
       out[r * stride + col + j] = static_cast<O>(sums[r * G * 16 + j] + (bias ? bias[col + j] : 0.0f));
