@@ -6,8 +6,10 @@ ran its products in torch's emulated bfloat16 (``F.linear``: oneDNN cannot pack 
 ``csrc/rows_linear.cpp`` now computes them in float32 from the bfloat16 bytes, every row alike at any width (the
 native layer loop runs, prompt rows are reusable). This builds the lean target three ways over the same weights and
 times them taking turns: ``float32`` (our row products over float32 weights), ``bf16 rows`` (ours over the bfloat16
-bytes) and ``bf16 torch`` (``LATTICE_ROWS=0``: what ran before). For each: the 1-token step and a 16-token
-verification after a 256-token context, in ms (median of ``--reps``), and whether the 16 rows equal 16 1-token steps.
+bytes) and ``bf16 torch`` (the weights unpacked: torch's own ``F.linear`` under row plans, what an AVX2-only CPU
+ran before, where oneDNN cannot pack bfloat16; a CPU held to AVX2 could still pack them, so this is forced). For
+each: the 1-token step and a 16-token verification after a 256-token context, in ms (median of ``--reps``), and
+whether the 16 rows equal 16 1-token steps.
 Shapes: SmolLM2-135M (the real weights, ``smollm2``) and SmolLM2-360M / 1.7B shapes with random weights (speed
 depends on shapes, not values). Where the CPU has bfloat16 dot products (AVX512_BF16, AMX) ``bf16 rows`` forces
 ``LATTICE_TILES=0`` to run this path.
@@ -81,7 +83,7 @@ def target_for(model: PreTrainedModel, config: str) -> LeanTarget:
     """The lean target over ``model`` with the products ``config`` names."""
     switches = {"float32": {}, "bf16 rows": {"LATTICE_TILES": "0"}, "bf16 torch": {"LATTICE_ROWS": "0"}}[config]
     with env(**switches):
-        return LeanTarget(model, prefix_cache=False)
+        return LeanTarget(model, prefix_cache=False, packed_weights=config != "bf16 torch")
 
 
 def timed(target: LeanTarget, context: list[int], tokens: list[int]) -> float:
