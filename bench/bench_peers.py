@@ -43,6 +43,7 @@ from lattice_inference import Generator
 from lattice_inference.api import mtp_head_for
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, first_per_kind, load_prompts
 from lattice_inference.cli import quiet_transformers
+from lattice_inference.devices import placement
 from lattice_inference.loading import load_model
 from lattice_inference.mtp.head_file import shipped_head
 from lattice_inference.options import DecodeOptions
@@ -52,12 +53,15 @@ HERE = Path(__file__).parent
 Runner = Callable[[list[int]], list[int]]
 
 
-def hf_runner(model: torch.nn.Module, lookup: int | None, max_new: int, eos: int) -> Runner:
-    """transformers' own greedy ``generate``, with prompt lookup of ``lookup`` tokens when given."""
-    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+def hf_runner(model: torch.nn.Module, lookup: int | None, max_new: int, eos: int, static: bool = False) -> Runner:
+    """transformers' own greedy ``generate``, with prompt lookup of ``lookup`` tokens when given, or with a static
+    cache (which ``generate`` compiles with ``torch.compile``) when ``static``."""
+    extra: dict[str, object] = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    if static:  # transformers' best on a GPU: a static cache, its forward compiled by generate itself
+        extra["cache_implementation"] = "static"
 
     def run(ids: list[int]) -> list[int]:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=model.device)
         out = model.generate(
             x,
             attention_mask=torch.ones_like(x),
@@ -190,7 +194,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--prompts", default=str(GROUNDED_TASKS))
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto (vLLM and llama.cpp: CPU)")
+    ap.add_argument(
+        "--hf-static",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run transformers with a static cache and torch.compile (default: on a GPU only)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--limit", type=int, help="first N prompts only")
@@ -210,8 +221,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     quiet_transformers()
-    loaded = load_model(args.model, dtype=args.dtype)
-    reference_model = load_model(args.model, dtype=args.dtype).model  # never packed: transformers as users run it
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    # never packed: transformers as users run it
+    reference_model = load_model(args.model, dtype=args.dtype, device=args.device).model
     eos = loaded.eos_token_ids[0]
     prompts = first_per_kind(load_prompts(args.prompts), args.per_kind)[: args.limit]
 
@@ -225,6 +237,7 @@ def main() -> None:
         "transformers greedy": hf_runner(reference_model, None, n, eos),
         "transformers lookup 10": hf_runner(reference_model, 10, n, eos),
         "transformers lookup 4": hf_runner(reference_model, 4, n, eos),
+        "transformers static compile": hf_runner(reference_model, None, n, eos, static=True),
         "ours greedy": ours_runner(greedy, n),
         "ours ngram": ours_runner(ours(method="ngram"), n),
         "ours ngram max-draft 4": ours_runner(ours(method="ngram", max_draft=4), n),
@@ -234,6 +247,9 @@ def main() -> None:
         head = mtp_head_for(loaded, DecodeOptions(method="mtp").draft_length)
         runners["ours mtp"] = ours_runner(ours(method="mtp", mtp_head=head), n)
     skipped = {name.strip() for name in args.skip.split(",") if name.strip()}
+    static = args.hf_static if args.hf_static is not None else reference_model.device.type == "cuda"
+    if not static:
+        skipped.add("transformers static compile")
     runners = {name: run for name, run in runners.items() if name not in skipped}
     names = list(runners)
     for run in runners.values():  # warm-up
@@ -282,7 +298,9 @@ def main() -> None:
     table = summarise(results, prompts, reference)
     save(table)
     print("command: python " + " ".join(sys.argv))
-    print(f"model {loaded.source} ({args.dtype}), {n} new tokens, {args.reps} reps, {torch.get_num_threads()} threads")
+    where = placement(loaded.model)["device"]
+    threads = torch.get_num_threads()
+    print(f"model {loaded.source} ({args.dtype}) on {where}, {n} new tokens, {args.reps} reps, {threads} threads")
     for name, group in table.items():
         print(f"\n== {name}: {group['prompts']} prompts ==")
         print(f"{'engine':<26} {'tok/s':>7} {'vs ' + reference:>23} {'= own plain':>12} {'= ' + reference:>15}")

@@ -16,6 +16,7 @@ default, the same through the lean decoder loop (``targets/lean.py``). For each 
   native ops (the default) and through its PyTorch path.
 
     python bench/profile_step.py --dtype bfloat16 --threads 2
+    python bench/profile_step.py --dtype bfloat16 --device cuda   # on a GPU: times synchronised, kernel time profiled
 """
 
 from __future__ import annotations
@@ -31,12 +32,21 @@ from torch.profiler import ProfilerActivity, profile
 
 from lattice_inference.benchmark import GROUNDED_TASKS, load_prompts
 from lattice_inference.cli import quiet_transformers
+from lattice_inference.devices import placement
 from lattice_inference.loading import LoadedModel, load_model
 from lattice_inference.targets import LeanTarget, TransformersTarget, native_ops
 from lattice_inference.targets.exactness import check_exactness
 from lattice_inference.targets.packed_linear import packed_linear, packed_operands
 
 WIDTHS = tuple(range(1, 17))
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a wall-clock interval holds it (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"}
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"}
 
@@ -49,8 +59,10 @@ def step_times(targets: dict[str, TransformersTarget], reps: int) -> dict[str, d
         for width in WIDTHS:
             for name, target in targets.items():
                 length = target.length
+                sync(target.device)
                 start = time.perf_counter()
                 target.forward([100] * width)
+                sync(target.device)
                 elapsed = time.perf_counter() - start
                 target.rollback(length)
                 if rep:  # the first round warms up
@@ -61,13 +73,17 @@ def step_times(targets: dict[str, TransformersTarget], reps: int) -> dict[str, d
 def breakdown(target: TransformersTarget, steps: int, wall: float) -> dict[str, float]:
     """Milliseconds per 1-token step by category (see the module docstring); ``wall``: the unprofiled step, ms."""
     length = target.length
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    on_gpu = target.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             target.forward([100])
             target.rollback(length)
+        sync(target.device)
     cats = {"matrix products": 0.0, "attention": 0.0, "other ops": 0.0}
-    for event in prof.key_averages():
-        ms = event.self_cpu_time_total / 1e3 / steps
+    for event in prof.key_averages():  # on a GPU: the kernels' own time; on a CPU: the ops' own time
+        own = event.self_device_time_total if on_gpu else event.self_cpu_time_total
+        ms = own / 1e3 / steps
         key = "matrix products" if event.key in MATMUL_OPS else "attention" if event.key in ATTENTION_OPS else None
         cats[key or "other ops"] += ms
     cats["python and dispatch"] = max(wall - sum(cats.values()), 0.0)
@@ -146,8 +162,10 @@ def prefill_times(model: torch.nn.Module, prompt: list[int], reps: int) -> dict[
     times: dict[str, list[float]] = {name: [] for name in targets}
     for rep in range(reps + 1):
         for name, target in targets.items():
+            sync(target.device)
             start = time.perf_counter()
             target.prefill(prompt)
+            sync(target.device)
             if rep:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
@@ -157,17 +175,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--steps", type=int, default=10, help="profiled 1-token steps")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     quiet_transformers()
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     prompt = encode_prompt_ids(loaded)
     print("command: python " + " ".join(sys.argv))
-    print(f"model {loaded.source} ({args.dtype}), {args.threads} threads, context {len(prompt)} tokens")
-    packed_model = load_model(args.model, dtype=args.dtype).model  # its own copy, packed
+    where = placement(loaded.model)["device"]
+    print(f"model {loaded.source} ({args.dtype}) on {where}, {args.threads} threads, context {len(prompt)} tokens")
+    packed_model = load_model(args.model, dtype=args.dtype, device=args.device).model  # its own copy, packed
     targets = {
         "dense": TransformersTarget(loaded.model, packed_weights=False, decode_matched=False),
         "packed": TransformersTarget(packed_model, decode_matched=False),
