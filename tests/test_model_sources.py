@@ -111,15 +111,23 @@ def test_truncated_safetensors_names_the_file(tmp_path: Path) -> None:
         load_model(str(folder))
 
 
-def test_gguf_auto_dtype_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_auto_dtype_follows_where_bfloat16_products_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 where the CPU has bfloat16 dot products or our row kernel takes bfloat16 bytes (AVX2 with FMA),
+    float32 where only torch's emulation would run it; bfloat16 on a GPU."""
     import torch
 
     from lattice_inference import loading
+    from lattice_inference.targets import native_ops
 
     gguf = model_source.ModelSource("gguf", "m.gguf", "m.gguf")
     monkeypatch.setattr(loading, "has_native_bf16", lambda: False)
+    monkeypatch.setattr(native_ops, "rows", lambda: None)
     assert loading.torch_dtype("auto", gguf) == torch.float32
     assert loading.torch_dtype("auto", gguf, "cuda") == torch.bfloat16
+    monkeypatch.setattr(native_ops, "rows", lambda: native_ops)  # the row kernel runs: an AVX2-only CPU
+    assert loading.torch_dtype("auto", gguf) == torch.bfloat16
+    assert loading.torch_dtype("auto", gguf, ours=False) == torch.float32  # vLLM: no such kernel
+    monkeypatch.setattr(native_ops, "rows", lambda: None)
     monkeypatch.setattr(loading, "has_native_bf16", lambda: True)
     assert loading.torch_dtype("auto", gguf) == torch.bfloat16
     assert loading.torch_dtype("bfloat16", gguf) == torch.bfloat16

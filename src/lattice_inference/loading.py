@@ -88,16 +88,28 @@ def _check_local_dir(path: Path) -> int:
     return sum(sum(check_safetensors_file(file).values()) for file in weights)
 
 
-def torch_dtype(dtype: str, source: ModelSource, device: str | torch.device = "cpu") -> torch.dtype | str:
+def bf16_products_run_here() -> bool:
+    """Whether this CPU computes bfloat16 linear layers without torch's emulation: natively (AVX512_BF16, AMX) or
+    on our row kernel from the bfloat16 bytes (AVX2 with FMA, AVX512F; `native_ops.rows`), half float32's reads."""
+    from lattice_inference.targets import native_ops
+
+    return has_native_bf16() or native_ops.rows() is not None
+
+
+def torch_dtype(
+    dtype: str, source: ModelSource, device: str | torch.device = "cpu", *, ours: bool = True
+) -> torch.dtype | str:
     """The dtype to load ``source`` in. ``auto`` is bfloat16 on a GPU (what its tensor cores compute), on a CPU
     the checkpoint's own; a GGUF file has no float dtype of its own (its weights are quantized), so ``auto``
-    dequantizes it to bfloat16 where the CPU computes it natively, else to float32."""
+    dequantizes it to bfloat16 where the CPU's products compute it without emulation (`bf16_products_run_here`;
+    for another engine, ``ours=False``: where the CPU has native bfloat16), else to float32."""
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     if dtype == "auto" and torch.device(device).type != "cpu":
         return torch.bfloat16
     if dtype == "auto" and source.kind == "gguf":
-        return torch.bfloat16 if has_native_bf16() else torch.float32
+        fast = bf16_products_run_here() if ours else has_native_bf16()
+        return torch.bfloat16 if fast else torch.float32
     return DTYPES[dtype]
 
 

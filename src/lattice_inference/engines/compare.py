@@ -231,9 +231,13 @@ def compare(args: argparse.Namespace) -> int:
     loaded: LoadedModel | None = None
     if "local" in engines or any(t.conversation for t in traces):  # conversations are answered by local greedy
         from lattice_inference.devices import placement
-        from lattice_inference.loading import load_model
+        from lattice_inference.loading import load_model, torch_dtype
 
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        dtype = args.dtype
+        if "vllm" in engines:  # both engines on the same weights: `auto` as vLLM resolves it
+            wanted = torch_dtype(dtype, source, ours=False)
+            dtype = wanted if isinstance(wanted, str) else str(wanted).removeprefix("torch.")
+        loaded = load_model(args.model, dtype=dtype, device=args.device)
         report |= placement(loaded.model)
     if "local" in engines:
         assert loaded is not None

@@ -105,12 +105,13 @@ class VllmModel:
 def vllm_model(model: str | None, dtype: str) -> VllmModel:
     """The Hugging Face folder vLLM reads for ``--model``: the folder itself, or for a GGUF file (``smollm2``
     included) the dequantized copy this package caches (made here on first use, as ``lattice generate`` would).
-    ``dtype`` ``auto`` resolves as for the local engine (GGUF: float32 on a CPU without native bf16)."""
+    ``dtype`` ``auto`` resolves as for the local engine, except that a GGUF is float32 on a CPU without native
+    bf16 (vLLM has no bfloat16 products from bfloat16 bytes on AVX2)."""
     from lattice_inference import gguf
     from lattice_inference.loading import torch_dtype
 
     source = resolve_model(model)
-    wanted = torch_dtype(dtype, source)
+    wanted = torch_dtype(dtype, source, ours=False)
     name = "auto" if isinstance(wanted, str) else str(wanted).removeprefix("torch.")
     if source.kind == "hub":
         return VllmModel(source.location, name, source, {})
