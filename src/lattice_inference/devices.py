@@ -14,7 +14,15 @@ import torch
 
 from lattice_inference.errors import ConfigError, ModelLoadError
 
-__all__ = ["DEVICE_CHOICES", "DEVICE_HELP", "check_fits", "describe_device", "placement", "resolve_device"]
+__all__ = [
+    "DEVICE_CHOICES",
+    "DEVICE_HELP",
+    "check_fits",
+    "describe_device",
+    "device_map",
+    "placement",
+    "resolve_device",
+]
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 DEVICE_HELP = (
@@ -59,6 +67,11 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
             param="device",
         )
     return torch.device("cuda", index)
+
+
+def device_map(device: torch.device | None) -> dict[str, object]:
+    """``from_pretrained`` keywords that load the weights straight onto ``device`` (none for the CPU: its default)."""
+    return {} if device is None or device.type == "cpu" else {"device_map": {"": str(device)}}
 
 
 def _gib(nbytes: float) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from lattice_inference.devices import device_map
 from lattice_inference.errors import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
@@ -106,10 +107,9 @@ def load_gguf(
     check_gguf_file(path)
     cached = _cache_dir(path, dtype) if cache_enabled() else None
     if cached is not None and (cached / "config.json").is_file():
-        placed = {} if device is None or device.type == "cpu" else {"device_map": {"": str(device)}}
         try:
             tokenizer = AutoTokenizer.from_pretrained(cached)
-            return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, **placed), tokenizer
+            return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, **device_map(device)), tokenizer
         except Exception:  # a damaged cache entry: rebuild it from the GGUF file
             shutil.rmtree(cached, ignore_errors=True)
     model, tokenizer = _dequantize(path, dtype)

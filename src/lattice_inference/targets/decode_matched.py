@@ -156,7 +156,7 @@ def plan_for(
 ) -> RowPlan:
     """The `RowPlan` in ``plans`` (a target's) of the kernel named by ``key`` (its kind and weight shape) at ``x``'s
     dtype and device and the current thread count, calibrated into ``plans`` on first use."""
-    full = (*key, x.dtype, str(x.device), torch.get_num_threads())
+    full = (*key, x.dtype, x.device.type, torch.get_num_threads())
     plan = plans.get(full)
     if plan is None:
         plan = plans[full] = calibrate(kernel, x.shape[-1], x.dtype, x.device)

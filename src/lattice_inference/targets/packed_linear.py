@@ -79,9 +79,8 @@ def _rows_for(weight: torch.Tensor) -> ModuleType | None:
     computed in float32 from the bfloat16 bytes); else None (oneDNN packs it)."""
     if weight.dim() != 2 or weight.shape[0] % 16:
         return None
-    if weight.dtype == torch.bfloat16 and native_ops.tiles() is None:
-        return native_ops.rows()
-    return native_ops.rows() if weight.dtype == torch.float32 else None
+    takes = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and native_ops.tiles() is None)
+    return native_ops.rows() if takes else None
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -233,7 +232,7 @@ def pack_linears(model: nn.Module) -> int:
             count += 1
             continue
         weight = module.weight
-        if weight.device.type != "cpu" or not packable(weight):
+        if not packable(weight):
             continue
         packed = pack_weight(weight)
         setattr(module, _PACKED, packed)
