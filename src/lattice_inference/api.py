@@ -23,6 +23,7 @@ from typing import Any, TypedDict, Unpack, cast
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from lattice_inference.batching import Batch
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.devices import placement
 from lattice_inference.drafters.build import build_drafter
@@ -34,6 +35,7 @@ from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.mtp import MtpHead, load_mtp_head
 from lattice_inference.mtp.head_file import load_head_file, shipped_head
 from lattice_inference.options import (
+    MAX_BATCH,
     METHOD_DRAFTERS,
     METHODS,
     DecodeOptions,
@@ -341,6 +343,42 @@ class Generator:
         result = started.result()
         result.text = cast(str, self.tokenizer.decode(result.token_ids, skip_special_tokens=True))
         return result
+
+    def generate_many(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_new_tokens: int = 256,
+        chat: bool = False,
+        logprobs: int | None = None,
+        *,
+        max_batch: int = MAX_BATCH,
+        **sampling: Unpack[SamplingArgs],
+    ) -> list[GenerationResult]:
+        """Generate for every prompt, up to ``max_batch`` at once sharing each forward (continuous batching,
+        `lattice_inference.batching`: a prompt joins as soon as another finishes); results in the prompts' order,
+        each token for token what `generate` returns for it alone (greedy, or sampled with its seed: a ``seed``
+        given here seeds every prompt alike; without one each draws its own, reported as ``.seed``). Sampling
+        keywords as `start`."""
+        if max_batch < 1:
+            raise ConfigError(f"max_batch must be at least 1, got {max_batch}")
+        options = self.sampling(**sampling)
+        gens = [
+            self.decoder.new_generation(self.encode(p, chat), max_new_tokens, options, logprobs, self.suffix_index)
+            for p in prompts
+        ]
+        batch = Batch(self.decoder.target)
+        waiting = list(gens)
+        try:
+            while waiting or len(batch):
+                while waiting and len(batch) < max_batch:
+                    batch.add(self.decoder, waiting.pop(0))
+                batch.step()
+        finally:
+            batch.close()
+        results = [gen.outcome() for gen in gens]
+        for result in results:
+            result.text = cast(str, self.tokenizer.decode(result.token_ids, skip_special_tokens=True))
+        return results
 
     @property
     def metrics(self) -> GenerationMetrics:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Generator, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -39,11 +40,24 @@ from lattice_inference.targets.exactness import Exactness, exactness
 from lattice_inference.targets.forward_cost import ForwardCosts, forward_costs
 from lattice_inference.verify import DraftTree, Verdict, verify_prefix
 
-__all__ = ["Generation", "GenerationResult", "SpeculativeDecoder"]
+__all__ = ["Generation", "GenerationResult", "Round", "SpeculativeDecoder"]
 
 _GREEDY = SamplingOptions()
 MAX_SCOPES = 256
 """Most scopes whose learned acceptance a decoder keeps (the least recently used dropped first; a few KB each)."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """One planned verification round of a generation: the draft, the rows to feed (the pending token and the
+    draft, or a draft tree's rows with their parents and depths) and the position of the first."""
+
+    planned: PlannedDraft
+    tokens: list[int]
+    position: int
+    tree: DraftTree | None = None
+    parents: list[int] | None = None
+    depths: list[int] | None = None
 
 
 class SpeculativeDecoder:
@@ -119,6 +133,27 @@ class SpeculativeDecoder:
                 f"{len(prompt_ids) + max_new_tokens} exceeds the model's {limit} positions"
             )
 
+    def new_generation(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingOptions | None = None,
+        logprobs: int | None = None,
+        suffix_index: SuffixIndex | None = None,
+        scope: str | None = "",
+    ) -> Generation:
+        """A validated `Generation` of this decoder, not started (`start` starts one on the target's current
+        sequence; a `lattice_inference.batching.Batch` runs several, each on its own sequence). The arguments are
+        `start`'s."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        self._validate(prompt_ids, max_new_tokens)
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise ConfigError(f"logprobs must be a number of most likely tokens >= 0, or None, got {logprobs!r}")
+        gen = Generation(prompt_ids, max_new_tokens, sampling or _GREEDY, self.target.vocab_size, logprobs)
+        gen.suffix_index = suffix_index
+        gen.scope = scope
+        return gen
+
     def start(
         self,
         prompt_ids: Sequence[int],
@@ -138,13 +173,7 @@ class SpeculativeDecoder:
         ``scope``: whose learned acceptance the planner starts from and leaves its own to (the same scope's next
         generation starts from it; None: nothing carried in or out).
         """
-        prompt_ids = [int(t) for t in prompt_ids]
-        self._validate(prompt_ids, max_new_tokens)
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
-            raise ConfigError(f"logprobs must be a number of most likely tokens >= 0, or None, got {logprobs!r}")
-        gen = Generation(prompt_ids, max_new_tokens, sampling or _GREEDY, self.target.vocab_size, logprobs)
-        gen.suffix_index = suffix_index
-        gen.scope = scope
+        gen = self.new_generation(prompt_ids, max_new_tokens, sampling, logprobs, suffix_index, scope)
         gen._chunks = self._run(gen)
         self.last = gen
         return gen
@@ -182,11 +211,32 @@ class SpeculativeDecoder:
         return tokens
 
     def _run(self, gen: Generation) -> Generator[list[int], None, None]:
-        m = gen.metrics
+        """A generation on the target's current sequence: `open`, then rounds (`plan`, the target's forward,
+        `finish`) until it stops, then `close`."""
         if gen.max_new_tokens == 0:
             gen.stop_reason = "length"
             return
-        target, drafter, sampler = self.target, self.drafter, gen.sampler
+        first = self.open(gen)
+        try:
+            if first:
+                yield first
+            while not gen.stop_reason:
+                self._check_current(gen)
+                chunk = self.round(gen)
+                if chunk:
+                    yield chunk
+        finally:
+            self.close(gen)
+
+    def wants_hidden(self) -> bool:
+        """Whether this decoder's drafter reads the target's hidden states (the target must capture them)."""
+        return self._wants_hidden
+
+    def open(self, gen: Generation) -> list[int]:
+        """Start ``gen`` on the target's current sequence: the self-check and cost measurement where not done yet,
+        the planner, the prefill; returns the first emitted tokens (`close` must follow, whatever happens)."""
+        m = gen.metrics
+        target, drafter = self.target, self.drafter
         if target.capture_hidden != self._wants_hidden:  # a target shared with another decoder may have it on
             target.capture_hidden = self._wants_hidden
         if drafter is not None:
@@ -203,46 +253,84 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         first, hidden, rows = self._prefill(gen)
         m.prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
-        try:
-            out = self._emit(gen, first, rows, range(len(first)))
-            self._inform_drafter(gen, first, hidden, 0)
-            if out:
-                yield out
-            pending = first[-1]
-            while not gen.stop_reason:
-                self._check_current(gen)
-                planned = self._draft(gen, gen.max_new_tokens - m.new_tokens - 1)
-                draft = planned.verify
-                position = target.length
-                forward_start = time.perf_counter()
-                if planned.alternatives and target.verifies_trees:  # a draft tree: leaves beside the draft
-                    tree = DraftTree(draft, planned.alternatives)
-                    tokens, parents, depths = tree.rows(pending)
-                    logits = target.forward_tree(tokens, parents)
-                    scores = gen.penalised(logits, tokens, parents)
-                    verdict = tree.verify(sampler.choose_at(scores, [position + 1 + d for d in depths]))
-                else:
-                    tokens = [pending, *draft]
-                    logits = target.forward(tokens)
-                    verdict = verify_prefix(draft, sampler.choose(gen.penalised(logits, tokens), position + 1))
-                if gen.planner is not None and self.costs is None:  # given costs stand as given
-                    gen.planner.observe_forward_seconds(len(tokens), time.perf_counter() - forward_start)
-                hidden = self._hidden_rows(verdict.path)  # before rollback, which may run the model
-                target.keep_rows(position, verdict.path)
-                leaves = len(tokens) - len(draft) - 1
-                m.record_round(len(draft), verdict.accepted, leaves=leaves, on_leaf=verdict.rows is not None)
-                self._learn(gen, planned, verdict)
-                out = self._emit(gen, verdict.tokens, logits, verdict.path)
-                self._inform_drafter(gen, verdict.tokens, hidden, position)
-                pending = verdict.tokens[-1]
-                if out:
-                    yield out
-        finally:
-            if gen.planner is not None and gen.scope is not None:
-                self._keep_learned(gen.scope, gen.planner.stats)
-            m.decode_s = time.perf_counter() - start
-            m.drafter_forwards = gen.drafter_state.forward_count if gen.drafter_state is not None else 0
+        gen.opened_at = time.perf_counter()
+        out = self._emit(gen, first, rows, range(len(first)))
+        self._inform_drafter(gen, first, hidden, 0)
+        return out
+
+    def plan(self, gen: Generation, *, rows_left: int | None = None, shared_rows: int = 0) -> Round:
+        """This round of ``gen``: its draft (a chain, or a tree where the target verifies trees) and the rows to
+        feed. In a batched step, ``rows_left`` caps the rows it may add and ``shared_rows`` counts the rows of the
+        other sequences in the forward, which the planner weighs (drafts shrink as the step fills)."""
+        room = gen.max_new_tokens - gen.metrics.new_tokens - 1
+        if rows_left is not None:
+            room = min(room, rows_left - 1)
+        if gen.planner is not None:
+            gen.planner.share(shared_rows)
+        planned = self._draft(gen, room)
+        pending, position = gen.pending, self.target.length
+        if planned.alternatives and self.target.verifies_trees:  # a draft tree: leaves beside the draft
+            tree = DraftTree(planned.verify, planned.alternatives)
+            tokens, parents, depths = tree.rows(pending)
+            return Round(planned, tokens, position, tree, parents, depths)
+        return Round(planned, [pending, *planned.verify], position)
+
+    def round(self, gen: Generation) -> list[int]:
+        """One round of ``gen`` on the target's current sequence (`plan`, the forward, `finish`); returns the
+        tokens it emits."""
+        planned = self.plan(gen)
+        forward_start = time.perf_counter()
+        if planned.tree is not None:
+            assert planned.parents is not None
+            logits = self.target.forward_tree(planned.tokens, planned.parents)
+        else:
+            logits = self.target.forward(planned.tokens)
+        seconds = time.perf_counter() - forward_start
+        return self.finish(gen, planned, logits, self.target.last_hidden, len(planned.tokens), seconds)
+
+    def finish(
+        self,
+        gen: Generation,
+        planned: Round,
+        logits: torch.Tensor,
+        hidden: torch.Tensor | None,
+        width: int,
+        seconds: float,
+    ) -> list[int]:
+        """Verify ``planned``'s rows against their ``logits`` (and ``hidden`` states, for a drafter that reads
+        them), keep the accepted rows on the target's current sequence (``gen``'s), learn from the round and
+        return the tokens it emits. ``width``: rows of the forward that ran it (more than ``planned``'s in a
+        batch), which took ``seconds``."""
+        sampler, target, draft = gen.sampler, self.target, planned.planned.verify
+        if planned.tree is not None:
+            assert planned.parents is not None and planned.depths is not None
+            scores = gen.penalised(logits, planned.tokens, planned.parents)
+            depths = planned.depths
+            verdict = planned.tree.verify(sampler.choose_at(scores, [planned.position + 1 + d for d in depths]))
+        else:
+            scores = gen.penalised(logits, planned.tokens)
+            verdict = verify_prefix(draft, sampler.choose(scores, planned.position + 1))
+        if gen.planner is not None and self.costs is None:  # given costs stand as given
+            gen.planner.observe_forward_seconds(width, seconds)
+        rows = self._path_hidden(hidden, verdict.path)
+        target.keep_rows(planned.position, verdict.path)
+        leaves = len(planned.tokens) - len(draft) - 1
+        gen.metrics.record_round(len(draft), verdict.accepted, leaves=leaves, on_leaf=verdict.rows is not None)
+        self._learn(gen, planned.planned, verdict)
+        out = self._emit(gen, verdict.tokens, logits, verdict.path)
+        self._inform_drafter(gen, verdict.tokens, rows, planned.position)
+        gen.pending = verdict.tokens[-1]
+        return out
+
+    def close(self, gen: Generation) -> None:
+        """End ``gen`` (finished or not): leave what its planner learned to its scope, and fill in its decode time
+        and drafter forwards."""
+        m = gen.metrics
+        if gen.planner is not None and gen.scope is not None:
+            self._keep_learned(gen.scope, gen.planner.stats)
+        if gen.opened_at is not None:
+            m.decode_s = time.perf_counter() - gen.opened_at
+        m.drafter_forwards = gen.drafter_state.forward_count if gen.drafter_state is not None else 0
 
     def _keep_learned(self, scope: str, stats: AcceptanceStats) -> None:
         self._learned[scope] = stats
@@ -275,17 +363,17 @@ class SpeculativeDecoder:
         """The target's self-check (kept in `exactness`, where it is decode-matched) and, when adaptive, the
         forward costs the planner weighs; each measured once per target, before any prefill."""
         if self.target.decode_matched:
-            self.exactness = exactness(self.target, self._widest())
+            self.exactness = exactness(self.target, self.widest())
         if not self.adaptive:
             return None
-        return self.costs or forward_costs(self.target, self._widest())
+        return self.costs or forward_costs(self.target, self.widest())
 
     def _leaves(self) -> int:
         """Most tree leaves a round may verify (0 where the target or the drafter cannot use them)."""
         trees = self.drafter is not None and self.drafter.proposes_trees
         return self.max_leaves if self.target.verifies_trees and trees else 0
 
-    def _widest(self) -> int:
+    def widest(self) -> int:
         """The widest forward a round may run: the pending token, ``max_draft`` drafted tokens and the leaves."""
         return self.max_draft + 1 + self._leaves()
 
@@ -338,7 +426,8 @@ class SpeculativeDecoder:
             logits = target.prefill(prompt).unsqueeze(0)
             gen.metrics.cached_prompt_tokens = target.prefix_reused
             first = gen.sampler.choose(gen.penalised(logits, prompt[-1:]), len(prompt))
-            return first, self._hidden_rows(len(prompt)), logits
+            gen.pending = first[-1]
+            return first, self._path_hidden(self.target.last_hidden, len(prompt)), logits
         planned = self._draft(gen, budget - 1)
         draft = planned.verify
         logits = target.prefill_with_draft(prompt, draft)
@@ -347,14 +436,14 @@ class SpeculativeDecoder:
         self._learn(gen, planned, verdict)
         if draft:
             gen.metrics.record_round(len(draft), verdict.accepted, in_prefill=True)
+        gen.pending = verdict.tokens[-1]
         return verdict.tokens, None, logits
 
-    def _hidden_rows(self, rows: int | list[int]) -> torch.Tensor | None:
-        """The hidden-state rows of the target's last forward (the first ``rows``, or those listed: an accepted
-        path), if the drafter wants them."""
+    def _path_hidden(self, hidden: torch.Tensor | None, rows: int | list[int]) -> torch.Tensor | None:
+        """The rows of a forward's ``hidden`` states (the first ``rows``, or those listed: an accepted path), if
+        the drafter wants them."""
         if not self._wants_hidden:
             return None
-        hidden = self.target.last_hidden
         assert hidden is not None
         if isinstance(rows, int):
             return hidden[:rows]

@@ -75,9 +75,23 @@ class DraftPlanner:
         verifies trees)."""
         self.stats = learned if learned is not None else AcceptanceStats(priors)
         """Acceptance learned so far (with what the decoder carried in from earlier generations)."""
+        self.shared_rows = 0
+        """Rows of other sequences in the forward this round shares (a batched step; 0 alone): see `share`."""
         self._plain_rounds = 0
         self._drift = [0.0, 0.0]  # decayed count and sum of timed / calibrated seconds, every width
         self._timed: dict[int, list[float]] = {}  # the same, per width
+
+    def share(self, rows: int) -> None:
+        """Plan the next round as part of a forward that also holds ``rows`` rows of other sequences (a batched
+        step): a round of ``w`` rows then costs the step's widening from ``rows + 1`` to ``rows + w`` rows, and the
+        tokens weighed are the step's (each other sequence counted as one token). With ``rows`` 0, a round alone,
+        the plan is exactly the unbatched one. As the step fills and wider forwards cost more per row, drafts
+        shrink, down to none."""
+        self.shared_rows = rows
+
+    def _cost(self, width: int) -> float:
+        """Cost in one-token forwards of a forward holding this round's ``width`` rows (and the shared ones)."""
+        return self.relative(self.shared_rows + width)
 
     def observe_drafter_seconds(self, seconds_per_token: float) -> None:
         """Fold one measured drafting time per token into ``drafter_cost`` (a running average)."""
@@ -124,7 +138,7 @@ class DraftPlanner:
         if drafted:
             self.stats.note_key(key)
         k = self.choose(available, key, free=False, drafted=drafted)
-        chain = (k, self._yield(k, key), self.relative(k + 1) + max(0, k - drafted) * self.drafter_cost)
+        chain = (k, self.shared_rows + self._yield(k, key), self._cost(k + 1) + max(0, k - drafted) * self.drafter_cost)
         best_k, best_leaves, _, _ = self._tree(available, key, chain, drafted, runners_up)
         if best_k and not k:
             self._plain_rounds = 0
@@ -150,18 +164,20 @@ class DraftPlanner:
             cost += weight * spent
         total = sum(seen.values())
         rate, cost = tokens / total, cost / total + self.drafter_cost
-        return _better(rate / cost, cost, 1.0, 1.0)
+        plain = self._cost(1)
+        return _better(rate / cost, cost, (1.0 + self.shared_rows) / plain, plain)
 
     def _chain(self, available: int, key: int, per_token: float, drafted: int) -> tuple[int, float, float]:
         """The best draft length ``k`` of 0..``available`` under ``key`` (the most tokens per one-token forward,
         `_better`), with its expected tokens and its cost in one-token forwards; ``per_token``: the drafting cost
         of each token past the ``drafted`` ones."""
-        best_k, best_expected, best_cost = 0, 1.0, 1.0
-        expected, reach = 1.0, 1.0
+        base = 1.0 + self.shared_rows
+        best_k, best_expected, best_cost = 0, base, self._cost(1)
+        expected, reach = base, 1.0
         for k in range(1, available + 1):
             reach *= self.acceptance(k - 1, key)
             expected += reach
-            cost = self.relative(k + 1) + max(0, k - drafted) * per_token
+            cost = self._cost(k + 1) + max(0, k - drafted) * per_token
             if _better(expected / cost, cost, best_expected / best_cost, best_cost):
                 best_k, best_expected, best_cost = k, expected, cost
         return best_k, best_expected, best_cost
@@ -178,7 +194,7 @@ class DraftPlanner:
             return best_k, best_leaves, best_expected, best_cost
         per_token = self.drafter_cost
         for depth_count in range(1, available + 1):
-            gains, reach, expected = [], 1.0, 1.0
+            gains, reach, expected = [], 1.0, 1.0 + self.shared_rows
             for depth in range(depth_count):
                 p = self.acceptance(depth, key)
                 gains += [(reach * (1 - p) * self.alternative(depth, r, key), depth) for r in range(width)]
@@ -190,7 +206,7 @@ class DraftPlanner:
             for n, (gain, depth) in enumerate(gains[: self.max_leaves], start=1):
                 expected += gain
                 leaves[depth] += 1
-                cost = self.relative(depth_count + 1 + n) + drafting
+                cost = self._cost(depth_count + 1 + n) + drafting
                 if _better(expected / cost, cost, best_expected / best_cost, best_cost):
                     best_k, best_leaves, best_expected, best_cost = depth_count, list(leaves), expected, cost
         return best_k, best_leaves, best_expected, best_cost

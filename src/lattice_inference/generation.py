@@ -19,6 +19,7 @@ from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.penalties import Penalties
 from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOptions, make_sampler
+from lattice_inference.targets.base import TargetSequence
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,13 @@ class Generation:
         """How many most likely tokens each `TokenLogprob` lists (None: log-probabilities are not computed)."""
         self.logprobs: list[TokenLogprob] = []
         """One `TokenLogprob` per emitted token (where ``top_logprobs`` is set), appended as rounds accept them."""
+        self.pending = -1
+        """The newest token, chosen and not fed yet (the next round feeds it first)."""
+        self.opened_at: float | None = None
+        """When the prefill ended (`SpeculativeDecoder.open`; None: not started)."""
+        self.sequence: TargetSequence | None = None
+        """The target sequence this generation runs on in a batch (`lattice_inference.batching`; None: the target's
+        current one, a single generation)."""
         self._chunks: Generator[list[int], None, None] = _no_chunks()
 
     def penalised(
@@ -130,6 +138,11 @@ class Generation:
         """Run to the end and return every generated token with the metrics."""
         for _ in self:
             pass
+        return self.outcome()
+
+    def outcome(self) -> GenerationResult:
+        """What the generation has produced so far, as a `GenerationResult` (`result` once it has run to the end;
+        a `lattice_inference.batching.Batch` runs it without iterating)."""
         return GenerationResult(
             token_ids=list(self.token_ids),
             stop_reason=self.stop_reason,

@@ -58,6 +58,13 @@ FORWARDS = ("auto", "lean", "transformers")
 #: GGUF file's: bfloat16 where bfloat16 products run without emulation, else float32); see `loading.torch_dtype`.
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 
+#: ``lattice serve --max-batch``: most generations running at once, their rounds sharing each forward (continuous
+#: batching, `lattice_inference.batching`); 1 runs requests one at a time, in arrival order.
+MAX_BATCH = 8
+
+#: Most rows a batched step feeds (every running generation's pending token first; drafts share the rest).
+MAX_BATCH_ROWS = 64
+
 #: Seconds ``lattice serve`` lets running generations finish after SIGTERM/SIGINT (``--shutdown-timeout``): under
 #: the 30 s that process managers (Kubernetes, systemd) commonly wait before they kill.
 SHUTDOWN_TIMEOUT = 10.0

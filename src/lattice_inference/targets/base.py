@@ -35,6 +35,38 @@ class TargetFacts:
     row_plans: dict[tuple[object, ...], RowPlan] = field(default_factory=dict)
 
 
+class TargetSequence:
+    """One sequence's state on a target (its cache, its length, the ids of its rows, whose rows they are), held
+    here while another sequence is the target's current one. A `Generation` that shares a target with others owns
+    one (`Target.new_sequence`); `Target.use` makes it current, so the target's single-sequence methods (`prefill`,
+    `forward`, `rollback`, ...) act on it."""
+
+    def __init__(self, target: object, state: dict[str, object]) -> None:
+        self.target = target
+        self.state = state
+        """The saved attributes (`Target.sequence_fields`) while not current; empty while current."""
+        self.released = False
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's rows in a batched forward (`Target.forward_batch`): its next token and draft (a chain), or a
+    draft tree where ``parents`` is given (as `Target.forward_tree` takes it)."""
+
+    sequence: TargetSequence
+    tokens: Sequence[int]
+    parents: Sequence[int] | None = None
+
+
+@dataclass(frozen=True)
+class SegmentOutput:
+    """What a batched forward gives one sequence: logits ``[rows, vocab]`` and, where ``capture_hidden``, the
+    hidden states of its rows (else None)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+
+
 @runtime_checkable
 class Target(Protocol):
     """A causal LM that can score several tokens in one forward and roll its cache back."""
@@ -68,6 +100,75 @@ class Target(Protocol):
     prefix_owner: str | None = ""
     """Whose earlier sequences a `prefill` may reuse rows of: only those prefilled under the same owner (``lattice
     serve`` sets each request's tenant); None: reuse none, and keep none of this one's for later."""
+
+    sequence_fields: tuple[str, ...] = ()
+    """The attributes that hold the current sequence's state, which `use` saves and restores (empty: the target
+    holds one sequence only, and `new_sequence` is refused)."""
+
+    batches_sequences: bool = False
+    """Whether `forward_batch` computes the rows of several sequences in one forward, each row bit for bit what the
+    sequence's forward alone computes (else a batch runs its sequences' forwards one after the other)."""
+
+    def _fresh_sequence(self) -> dict[str, object]:
+        """The `sequence_fields` of an empty sequence (subclasses add theirs)."""
+        return {}
+
+    def new_sequence(self, owner: str | None = "") -> TargetSequence:
+        """A new, empty sequence on this target (current once `use`d; its first call is `prefill`). ``owner``:
+        whose earlier sequences its prefill may reuse rows of (`prefix_owner`)."""
+        if not self.sequence_fields:
+            raise NotImplementedError(f"{type(self).__name__} holds one sequence only")
+        return TargetSequence(self, {**self._fresh_sequence(), "prefix_owner": owner})
+
+    @property
+    def default_sequence(self) -> TargetSequence:
+        """The sequence a target starts with, which single generations (`SpeculativeDecoder.start`) run on."""
+        default = self.__dict__.get("_default_sequence")
+        if default is None:
+            default = self.__dict__["_default_sequence"] = TargetSequence(self, {})
+            self.__dict__.setdefault("_current_sequence", default)
+        return default
+
+    @property
+    def current_sequence(self) -> TargetSequence:
+        """The sequence the single-sequence methods act on now."""
+        default = self.default_sequence
+        current = self.__dict__.get("_current_sequence", default)
+        assert isinstance(current, TargetSequence)
+        return current
+
+    def use(self, sequence: TargetSequence) -> None:
+        """Make ``sequence`` the current one: the current one's state is saved in its `TargetSequence`, and
+        ``sequence``'s restored (a few attribute assignments; no tensor is copied)."""
+        current = self.current_sequence
+        if sequence is current:
+            return
+        if sequence.target is not self or sequence.released:
+            raise ValueError("this sequence belongs to another target, or was released")
+        current.state = {name: getattr(self, name) for name in self.sequence_fields}
+        for name, value in sequence.state.items():
+            setattr(self, name, value)
+        sequence.state = {}
+        self.__dict__["_current_sequence"] = sequence
+
+    def release(self, sequence: TargetSequence) -> None:
+        """Done with ``sequence`` (its generation ended): the default sequence becomes current if it was, and its
+        cache is dropped, or kept for later prefills to reuse where the target does (`_retire`)."""
+        if sequence.released or sequence is self.default_sequence:
+            return
+        self.use(sequence)
+        self._retire()
+        self.use(self.default_sequence)
+        sequence.state, sequence.released = {}, True
+
+    def _retire(self) -> None:
+        """The current sequence ends (`release`): keep what a later prefill may reuse (the default keeps none)."""
+
+    def forward_batch(self, segments: Sequence[Segment]) -> list[SegmentOutput]:
+        """Feed each segment's rows after its sequence's cache (as `forward`, or `forward_tree` with ``parents``),
+        all in one forward, every row bit for bit what its sequence's own forward computes. Only where
+        ``batches_sequences``; afterwards the current sequence is the last segment's."""
+        raise NotImplementedError(f"{type(self).__name__} does not batch sequences")
 
     @property
     def facts(self) -> TargetFacts:

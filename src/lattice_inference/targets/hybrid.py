@@ -155,6 +155,8 @@ class HybridTarget(CausalLMTarget):
     widest forward). See the module docstring and `CausalLMTarget` for ``decode_matched``.
     """
 
+    sequence_fields = (*CausalLMTarget.sequence_fields, "_tokens", "_window", "_uncommitted")
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -198,6 +200,9 @@ class HybridTarget(CausalLMTarget):
         """True while linear layers keep conv history from the last forward (trimmed by ``crop(0)``)."""
 
     # -- Target protocol (vocab_size, max_positions, length, cache: see CausalLMTarget) ------------------
+
+    def _fresh_sequence(self) -> dict[str, object]:
+        return {**super()._fresh_sequence(), "_tokens": [], "_window": None, "_uncommitted": False}
 
     def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
         self._check_prefill(token_ids)

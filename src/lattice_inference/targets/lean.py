@@ -39,11 +39,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from lattice_inference.errors import ConfigError
 from lattice_inference.options import PREFIX_BUDGET
 from lattice_inference.targets import decode_matched, native_ops
+from lattice_inference.targets.base import Segment, SegmentOutput, TargetSequence
 from lattice_inference.targets.block_attention import Block, block_attention, plan_blocks
 from lattice_inference.targets.decode_matched import Product, RowPlan
 from lattice_inference.targets.packed_linear import packed_operands, products
 from lattice_inference.targets.prefix_reuse import CachedRows, KeptSequences, RowKey
-from lattice_inference.targets.transformers import TransformersTarget
+from lattice_inference.targets.transformers import TransformersTarget, tree_depths, tree_mask
 
 LEAN_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 """``model_type`` values whose decoder `LeanTarget` runs (full attention only, rotary positions, RMSNorm)."""
@@ -85,6 +86,8 @@ cache in place."""
 class LeanTarget(TransformersTarget):
     """`TransformersTarget` whose forwards run the lean decoder loop (see the module docstring); only for models
     `lean_supported` accepts."""
+
+    sequence_fields = (*TransformersTarget.sequence_fields, "_rows")
 
     def __init__(
         self,
@@ -176,6 +179,98 @@ class LeanTarget(TransformersTarget):
         self._rows.key = cached.key
         self._rows.fed(cached.tokens[:rows])
 
+    def _fresh_sequence(self) -> dict[str, object]:
+        return {**super()._fresh_sequence(), "_rows": CachedRows()}
+
+    def _retire(self) -> None:
+        self._kept.keep(self._rows, self._cache)
+
+    @property
+    def batches_sequences(self) -> bool:  # type: ignore[override]
+        """Whether `forward_batch` runs several sequences in one forward: where the native layer loop runs this
+        target's matched forwards (every product row plan 1, so a row comes out the same whatever other rows share
+        the product; rotary embedding, cache writes and attention run per sequence)."""
+        probe = torch.empty(0, dtype=self.model.dtype)
+        return self.decode_matched and self._loop is not None and self._loop.runs(probe)
+
+    def forward_batch(self, segments: Sequence[Segment]) -> list[SegmentOutput]:
+        """Every segment's rows in one pass of the native layer loop (`decode_layers` over several sequences):
+        products over all rows at once, each sequence's rotary embedding, cache writes and attention over its own
+        cache, as its own forward makes them; so each segment's logits equal those of its sequence's `forward`
+        (or `forward_tree`) alone, bit for bit (the self-check compares them at load)."""
+        if not self.batches_sequences:
+            return super().forward_batch(segments)
+        assert self._native is not None and self._loop is not None
+        ids: list[int] = []
+        positions: list[int] = []
+        keys, spans, starts, rows, buffers = [], [], [], [], []
+        like = torch.empty(1, self._kv_heads, 0, self._head_dim, dtype=self.model.dtype, device=self.device)
+        fed: list[tuple[TargetSequence, int]] = []
+        try:
+            for segment in segments:
+                self.use(segment.sequence)
+                tokens = list(segment.tokens)
+                self._check_forward(tokens)
+                start, n = self._length, len(tokens)
+                mask = None
+                if segment.parents is None:
+                    positions.extend(range(start, start + n))
+                else:
+                    if len(segment.parents) != n:
+                        raise ValueError(f"a draft tree of {n} tokens needs {n} parents, got {len(segment.parents)}")
+                    positions.extend(start + d for d in tree_depths(segment.parents))
+                    mask = tree_mask(segment.parents, start, self.model.dtype, self.device)
+                key_rows, key_spans = _visible_keys(start, n, mask, self.device)
+                buffers.append([cache.append_in_place(n, like) for cache in self._cache.layers])
+                fed.append((segment.sequence, start))
+                self._length += n
+                self._fed(tokens)
+                ids += tokens
+                keys.append(key_rows)
+                spans.append(key_spans)
+                starts.append(start)
+                rows.append(n)
+            logits, hidden = self._batched_layers(ids, positions, buffers, keys, spans, starts, rows)
+        except BaseException:
+            for sequence, start in fed:  # leave every sequence as it was
+                self.use(sequence)
+                self.rollback(start)
+            raise
+        outputs, first = [], 0
+        for n in rows:
+            mine = None if hidden is None else hidden[first : first + n]
+            outputs.append(SegmentOutput(logits[first : first + n], mine))
+            first += n
+        return outputs
+
+    def _batched_layers(
+        self,
+        ids: list[int],
+        positions: list[int],
+        buffers: list[list[tuple[torch.Tensor, torch.Tensor]]],
+        keys: list[torch.Tensor],
+        spans: list[torch.Tensor],
+        starts: list[int],
+        rows: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits (and, where captured, hidden states) of the rows of several sequences through the native
+        layer loop, each sequence's keys and values written to its own ``buffers`` (per layer)."""
+        ops, loop, decoder = self._native, self._loop, self.model.model
+        assert ops is not None and loop is not None
+        k_bufs = [seq[layer][0][0] for layer in range(len(self._layers)) for seq in buffers]
+        v_bufs = [seq[layer][1][0] for layer in range(len(self._layers)) for seq in buffers]
+        with torch.inference_mode(), decode_matched.matching(self.facts.row_plans):
+            x = decoder.embed_tokens(torch.tensor([ids], dtype=torch.long, device=self.device))[0]
+            cos, sin = decoder.rotary_emb(x, torch.tensor([positions], dtype=torch.long, device=self.device))
+            x = ops.decode_layers(
+                x, *loop.operands, k_bufs, v_bufs, cos[0].contiguous(), sin[0].contiguous(), keys, spans, starts,
+                rows, self._heads, self._kv_heads, self._layers[0].attn.scaling,
+            )  # fmt: skip
+            self.last_hidden = None
+            hidden = decoder.norm(x[None])
+            logits = self.model.lm_head(hidden)[0]
+        return logits, self.last_hidden if self.capture_hidden else None
+
     def forget_prefix(self, owner: str | None = None) -> None:
         self._kept.forget(owner)
         if owner is None or self._rows.owned_by(owner):
@@ -243,7 +338,7 @@ class LeanTarget(TransformersTarget):
             buffers = [cache.append_in_place(n, like) for cache in self._cache.layers]
             x = ops.decode_layers(
                 x, *self._loop.operands, [k[0] for k, _ in buffers], [v[0] for _, v in buffers], cos, sin,
-                keys, offsets, start, self._heads, self._kv_heads, self._layers[0].attn.scaling,
+                [keys], [offsets], [start], [n], self._heads, self._kv_heads, self._layers[0].attn.scaling,
             )  # fmt: skip
             return decoder.norm(x[None])
         h = ops.rms_norm(x, *self._layers[0].input_weight)

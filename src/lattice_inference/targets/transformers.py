@@ -61,6 +61,7 @@ class CausalLMTarget(Target):
     """
 
     provides_hidden_states = True
+    sequence_fields: tuple[str, ...] = ("_cache", "_length", "prefix_owner")
 
     def __init__(self, model: PreTrainedModel, *, packed_weights: bool = True, decode_matched: bool = True) -> None:
         self.model = model.eval()
@@ -112,6 +113,9 @@ class CausalLMTarget(Target):
             self._hook = None
             self.last_hidden = None
         self._capture_hidden = on
+
+    def _fresh_sequence(self) -> dict[str, object]:
+        return {**super()._fresh_sequence(), "_cache": None, "_length": 0}
 
     def _keep_hidden(self, module: torch.nn.Module, args: object, output: torch.Tensor) -> None:
         self.last_hidden = output[0]

@@ -691,26 +691,52 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, cons
 // output product, `add_rms_norm`, the fused gate/up product, `silu_mul`, the down product and the next layer's
 // `add_rms_norm`: exactly the calls the Python loop makes, without the interpreter between them. ``x`` [n, hidden]
 // is updated in place (the residual stream) and returned after the last layer's residual.
+//
+// The rows may belong to several sequences (a batched step): ``rows[s]`` consecutive rows of sequence ``s``, whose
+// keys and values go to its own caches (``k_bufs[l * S + s]`` for layer ``l``) from its own write position
+// ``starts[s]``, attending to its own key rows (``keys[s]``, ``spans[s]``). The products and the row-wise ops see
+// all rows at once; rotary embedding, the cache write and attention run per sequence, each exactly the call that
+// sequence's forward alone makes. So every row is bit for bit what it is alone, whoever shares the forward.
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& packed,
                             const std::vector<c10::optional<torch::Tensor>>& biases,
                             const std::vector<torch::Tensor>& norms, double eps,
                             const std::vector<c10::optional<torch::Tensor>>& qk_norms, double qk_eps,
                             const std::vector<torch::Tensor>& k_bufs, const std::vector<torch::Tensor>& v_bufs,
-                            const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& keys,
-                            const torch::Tensor& spans, int64_t start, int64_t heads, int64_t kv_heads,
-                            double scaling) {
-  const size_t layers = k_bufs.size();
+                            const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& keys,
+                            const std::vector<torch::Tensor>& spans, const std::vector<int64_t>& starts,
+                            const std::vector<int64_t>& rows, int64_t heads, int64_t kv_heads, double scaling) {
+  const size_t sequences = rows.size();
+  TORCH_CHECK(sequences > 0 && keys.size() == sequences && spans.size() == sequences && starts.size() == sequences,
+              "decode_layers: per-sequence lists (keys, spans, starts, rows) of mismatched lengths");
+  TORCH_CHECK(k_bufs.size() % sequences == 0 && v_bufs.size() == k_bufs.size(),
+              "decode_layers: caches must be one per layer and sequence");
+  const size_t layers = k_bufs.size() / sequences;
   TORCH_CHECK(packed.size() == 4 * layers && biases.size() == 4 * layers && norms.size() == 2 * layers &&
-                  qk_norms.size() == 2 * layers && v_bufs.size() == layers,
+                  qk_norms.size() == 2 * layers,
               "decode_layers: per-layer lists of mismatched lengths");
   check2d(x, "x");
+  std::vector<int64_t> offsets(sequences + 1, 0);
+  for (size_t s = 0; s < sequences; ++s) {
+    TORCH_CHECK(rows[s] > 0, "decode_layers: sequence ", s, " has ", rows[s], " rows");
+    offsets[s + 1] = offsets[s] + rows[s];
+  }
+  TORCH_CHECK(offsets[sequences] == x.size(0), "decode_layers: the sequences' rows add up to ", offsets[sequences],
+              ", x has ", x.size(0));
   torch::Tensor h = rms_norm(x, norms[0], eps);
   for (size_t l = 0; l < layers; ++l) {
-    torch::Tensor k_buf = k_bufs[l], v_buf = v_bufs[l];
-    const torch::Tensor q = rope_qk_cache(packed_linear(h, packed[4 * l], biases[4 * l]), qk_norms[2 * l],
-                                          qk_norms[2 * l + 1], qk_eps, cos, sin, k_buf, v_buf, start, heads,
-                                          kv_heads);
-    const torch::Tensor att = attention(q, k_buf, v_buf, keys, spans, scaling);
+    const torch::Tensor qkv = packed_linear(h, packed[4 * l], biases[4 * l]);
+    std::vector<torch::Tensor> parts;
+    parts.reserve(sequences);
+    for (size_t s = 0; s < sequences; ++s) {
+      torch::Tensor k_buf = k_bufs[l * sequences + s], v_buf = v_bufs[l * sequences + s];
+      const torch::Tensor mine = sequences == 1 ? qkv : qkv.narrow(0, offsets[s], rows[s]);
+      const torch::Tensor q = rope_qk_cache(mine, qk_norms[2 * l], qk_norms[2 * l + 1], qk_eps,
+                                            sequences == 1 ? cos : cos.narrow(0, offsets[s], rows[s]),
+                                            sequences == 1 ? sin : sin.narrow(0, offsets[s], rows[s]), k_buf, v_buf,
+                                            starts[s], heads, kv_heads);
+      parts.push_back(attention(q, k_buf, v_buf, keys[s], spans[s], scaling));
+    }
+    const torch::Tensor att = sequences == 1 ? parts[0] : torch::cat(parts);
     h = add_rms_norm(x, packed_linear(att, packed[4 * l + 1], biases[4 * l + 1]), norms[2 * l + 1], eps);
     const torch::Tensor gate = silu_mul(packed_linear(h, packed[4 * l + 2], biases[4 * l + 2]));
     const torch::Tensor down = packed_linear(gate, packed[4 * l + 3], biases[4 * l + 3]);

@@ -1,0 +1,187 @@
+"""Several generations in one forward: continuous batching, each request with its own speculation.
+
+A `Batch` runs the generations that share one target, each on its own target sequence (`Target.new_sequence`:
+its cache, length and rows). A `step` plans every running generation's round (`SpeculativeDecoder.plan`: its draft,
+weighed against the rows the other sequences already put in the step, so drafts shrink as the batch grows, down to
+none), runs one forward over all their rows where the target batches sequences (`Target.forward_batch`), else each
+generation's forward in turn, and finishes each round (`SpeculativeDecoder.finish`: verification, rollback of its
+own sequence, emitted tokens). Generations join (`add`, which prefills at once) and leave (`remove`, or when they
+stop) between steps; every running generation advances every step, so none starves.
+
+Why each request's output does not depend on the batch: in a batched forward every row is computed by the same
+instructions as in its sequence's own forward (row-exact products over all rows, rotary embedding, cache writes and
+attention per sequence: `decode_layers`), and the load-time self-check compares batched rows with rows alone; every
+choice depends only on its row's logits, the request's seed and the token's index (`lattice_inference.sampling`).
+So greedy or seeded, each generation emits token for token what it emits alone, whatever shares its steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lattice_inference.decode import Round, SpeculativeDecoder
+from lattice_inference.errors import ConfigError
+from lattice_inference.generation import Generation
+from lattice_inference.options import MAX_BATCH_ROWS
+from lattice_inference.targets.base import Segment, Target, TargetSequence
+from lattice_inference.targets.forward_cost import forward_costs
+
+__all__ = ["Batch"]
+
+
+@dataclass(eq=False)
+class _Member:
+    """A running generation and the decoder whose settings (drafter, planner) run it."""
+
+    decoder: SpeculativeDecoder
+    gen: Generation
+
+
+class Batch:
+    """The running generations on ``target`` (see the module docstring); at most ``max_rows`` rows per step (every
+    generation gets its pending token's row; drafts share what is left)."""
+
+    def __init__(self, target: Target, *, max_rows: int = MAX_BATCH_ROWS) -> None:
+        if max_rows < 1:
+            raise ConfigError(f"max_rows must be at least 1, got {max_rows}")
+        self.target = target
+        self.max_rows = max_rows
+        self._members: list[_Member] = []
+        self.steps = 0
+        """Steps run so far."""
+        self.batched_rows = 0
+        """Rows computed in forwards shared by two or more sequences (0 where the target runs them one by one)."""
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    @property
+    def generations(self) -> list[Generation]:
+        """The running generations, in the order they joined."""
+        return [m.gen for m in self._members]
+
+    def add(self, decoder: SpeculativeDecoder, gen: Generation, owner: str | None = "") -> list[int]:
+        """Start ``gen`` (made by ``decoder.new_generation``) on a new sequence of the target, whose prefill may
+        reuse ``owner``'s earlier rows; returns its first tokens. A generation that stops at once (EOS, a budget
+        of one token) is ended before this returns; the others run in the following steps."""
+        if decoder.target is not self.target:
+            raise ConfigError("a batch runs generations of one target; this decoder verifies with another")
+        if len(self._members) >= self.max_rows:
+            raise ConfigError(f"a batch of at most {self.max_rows} rows per step is full")
+        target = self.target
+        if gen.max_new_tokens == 0:
+            gen.stop_reason = "length"
+            return []
+        gen.sequence = target.new_sequence(owner)
+        target.use(gen.sequence)
+        member = _Member(decoder, gen)
+        try:
+            if decoder.adaptive and decoder.drafter is not None and decoder.costs is None:
+                forward_costs(target, max(self.max_rows, decoder.widest()))  # wide enough for a full step, once
+            first = decoder.open(gen)
+        except BaseException:
+            self._end(member)
+            raise
+        gen.token_ids.extend(first)
+        if gen.stop_reason:
+            self._end(member)
+        else:
+            self._members.append(member)
+        return first
+
+    def remove(self, gen: Generation) -> None:
+        """End ``gen`` now (its client went away): its decode time is filled in and its sequence released."""
+        for member in self._members:
+            if member.gen is gen:
+                self._members.remove(member)
+                self._end(member)
+                return
+
+    def close(self) -> None:
+        """End every running generation."""
+        while self._members:
+            self._end(self._members.pop())
+
+    def step(self) -> dict[Generation, list[int]]:
+        """One round of every running generation; returns the tokens each emitted (possibly none). Those that
+        stopped are ended and leave the batch."""
+        members = list(self._members)
+        if not members:
+            return {}
+        target = self.target
+        chunks: dict[Generation, list[int]] = {}
+        try:
+            if target.batches_sequences and len(members) > 1:
+                chunks = self._batched(members)
+            else:
+                for member in members:
+                    assert member.gen.sequence is not None
+                    target.use(member.gen.sequence)
+                    self._capture(member.decoder.wants_hidden())
+                    chunks[member.gen] = member.decoder.round(member.gen)
+                    member.gen.token_ids.extend(chunks[member.gen])
+        except BaseException:
+            self.close()
+            raise
+        self.steps += 1
+        for member in members:
+            if member.gen.stop_reason:
+                self._members.remove(member)
+                self._end(member)
+        return chunks
+
+    def _batched(self, members: list[_Member]) -> dict[Generation, list[int]]:
+        """Plan every member's round, run them in one forward, finish each."""
+        target, rounds = self.target, []
+        self._capture(any(m.decoder.wants_hidden() for m in members))
+        planned = 0  # rows planned so far
+        for i, member in enumerate(members):
+            later = len(members) - i - 1  # one row each, at least
+            assert member.gen.sequence is not None
+            target.use(member.gen.sequence)
+            rounds.append(
+                member.decoder.plan(member.gen, rows_left=self.max_rows - planned - later, shared_rows=planned + later)
+            )
+            planned += len(rounds[-1].tokens)
+        segments = [Segment(_sequence(m.gen), r.tokens, r.parents) for m, r in zip(members, rounds, strict=True)]
+        start = time.perf_counter()
+        outputs = target.forward_batch(segments)
+        seconds = time.perf_counter() - start
+        self.batched_rows += planned
+        chunks = {}
+        for member, planned_round, output in zip(members, rounds, outputs, strict=True):
+            chunks[member.gen] = self._finish(member, planned_round, output.logits, output.hidden, planned, seconds)
+        return chunks
+
+    def _finish(
+        self,
+        member: _Member,
+        planned: Round,
+        logits: torch.Tensor,
+        hidden: torch.Tensor | None,
+        width: int,
+        seconds: float,
+    ) -> list[int]:
+        assert member.gen.sequence is not None
+        self.target.use(member.gen.sequence)
+        chunk = member.decoder.finish(member.gen, planned, logits, hidden, width, seconds)
+        member.gen.token_ids.extend(chunk)
+        return chunk
+
+    def _capture(self, on: bool) -> None:
+        if self.target.capture_hidden != on:
+            self.target.capture_hidden = on
+
+    def _end(self, member: _Member) -> None:
+        member.decoder.close(member.gen)
+        if member.gen.sequence is not None:
+            self.target.release(member.gen.sequence)
+
+
+def _sequence(gen: Generation) -> TargetSequence:
+    """The target sequence of a generation in a batch."""
+    assert gen.sequence is not None
+    return gen.sequence
