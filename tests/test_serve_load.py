@@ -114,7 +114,7 @@ def test_32_clients_3_requests_each_with_a_disconnect(loaded, expected):
 
 
 def test_full_queue_answers_429_and_a_hang_up_frees_the_worker(loaded, expected):
-    with running_server(loaded, method="greedy", max_queue=1) as (base, _):
+    with running_server(loaded, method="greedy", max_queue=1, max_batch=1) as (base, _):
         api = client(base)
         long = api.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=3000, stream=True)
         next(iter(long))  # running now

@@ -79,8 +79,7 @@ class Batch:
         target.use(gen.sequence)
         member = _Member(decoder, gen)
         try:
-            if decoder.adaptive and decoder.drafter is not None and decoder.costs is None:
-                forward_costs(target, max(self.max_rows, decoder.widest()))  # wide enough for a full step, once
+            self.prepare(decoder)
             first = decoder.open(gen)
         except BaseException:
             self._end(member)
@@ -91,6 +90,15 @@ class Batch:
         else:
             self._members.append(member)
         return first
+
+    def prepare(self, decoder: SpeculativeDecoder) -> float:
+        """Measure the target's forward costs up to a full step's rows (``max_rows``), once per target, where
+        ``decoder`` plans its drafts by them: the planner weighs a round's rows against the step's. Measuring runs
+        on the target's current sequence (resetting it). Returns the seconds spent (next to nothing when done)."""
+        start = time.perf_counter()
+        if decoder.adaptive and decoder.drafter is not None and decoder.costs is None:
+            forward_costs(self.target, max(self.max_rows, decoder.widest()))
+        return time.perf_counter() - start
 
     def remove(self, gen: Generation) -> None:
         """End ``gen`` now (its client went away): its decode time is filled in and its sequence released."""

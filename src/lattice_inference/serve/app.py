@@ -26,12 +26,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lattice_inference.devices import placement
-from lattice_inference.options import SHUTDOWN_TIMEOUT
+from lattice_inference.options import MAX_BATCH, SHUTDOWN_TIMEOUT
 from lattice_inference.serve.engine import Delta, Engine, Finish, GenerationJob, LogprobEntry
 from lattice_inference.serve.errors import APIError
 from lattice_inference.serve.metrics import ServerMetrics
-from lattice_inference.serve.queue import GenerationQueue, Job, QueueFull
+from lattice_inference.serve.queue import Job, QueueFull
 from lattice_inference.serve.responses import CompletionFormat, EventStreamResponse, sse
+from lattice_inference.serve.scheduler import Scheduler
 from lattice_inference.serve.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from lattice_inference.serve.tenants import tenant_of
 
@@ -77,6 +78,7 @@ class Server:
         api_key: str | Sequence[str] | None,
         max_queue: int,
         max_body: int,
+        max_batch: int = MAX_BATCH,
         shutdown_timeout: float = SHUTDOWN_TIMEOUT,
     ) -> None:
         self.engine = engine
@@ -85,7 +87,7 @@ class Server:
         """The keys the server accepts (none: no key needed); each is a tenant of the suffix methods."""
         self.max_body = max_body
         self.metrics = ServerMetrics({"model": engine.name, **placement(engine.loaded.model)})
-        self.queue = GenerationQueue(max_queue, on_depth=self.metrics.set_depth)
+        self.queue = Scheduler(max_queue, max_batch, on_depth=self.metrics.set_depth)
         self.started = int(time.time())
         self.shutdown_timeout = shutdown_timeout
         self.closing = False
@@ -227,7 +229,7 @@ class Server:
             clear_index=bool(spec and spec.clear_index),
         )
         try:
-            queued = self.queue.submit(lambda: engine.generate(job, self.metrics.observe_generation))
+            queued = self.queue.submit(lambda: engine.reply(job, self.metrics.observe_generation))
         except QueueFull as exc:
             raise APIError(
                 429, f"the server is busy: {exc}; retry later", code="queue_full", headers={"Retry-After": "1"}
@@ -335,9 +337,18 @@ def create_app(
     max_queue: int = 16,
     max_body: int = DEFAULT_MAX_BODY,
     shutdown_timeout: float = SHUTDOWN_TIMEOUT,
+    max_batch: int = MAX_BATCH,
 ) -> Starlette:
-    """The server's ASGI app over ``engine``; ``app.state.server`` holds its queue, metrics and shutdown."""
-    server = Server(engine, api_key=api_key, max_queue=max_queue, max_body=max_body, shutdown_timeout=shutdown_timeout)
+    """The server's ASGI app over ``engine``; ``app.state.server`` holds its scheduler (``max_batch`` generations
+    at once), metrics and shutdown."""
+    server = Server(
+        engine,
+        api_key=api_key,
+        max_queue=max_queue,
+        max_body=max_body,
+        max_batch=max_batch,
+        shutdown_timeout=shutdown_timeout,
+    )
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncGenerator[None, None]:

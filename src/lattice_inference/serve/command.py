@@ -14,7 +14,7 @@ from lattice_inference.flags import (
     decode_options,
     positive_int,
 )
-from lattice_inference.options import SHUTDOWN_TIMEOUT, SUFFIX_SCOPES, check_shutdown_timeout
+from lattice_inference.options import MAX_BATCH, SHUTDOWN_TIMEOUT, SUFFIX_SCOPES, check_shutdown_timeout
 
 if TYPE_CHECKING:
     from lattice_inference.options import DecodeOptions
@@ -53,6 +53,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=DEFAULT_MAX_QUEUE,
         help="requests that may wait behind the running one; beyond: 429",
+    )
+    serve.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=MAX_BATCH,
+        help=f"generations running at once, their rounds sharing each forward (continuous batching; each answer "
+        f"stays what it is alone); 1: one at a time (default {MAX_BATCH})",
     )
     serve.add_argument("--max-body", type=positive_int, default=DEFAULT_MAX_BODY, help="request body limit, bytes")
     serve.add_argument(
@@ -106,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         from lattice_inference.serve.shutdown import serve
     except ImportError as exc:
         raise ConfigError(f"lattice serve needs its extra: pip install 'lattice-inference[serve]' ({exc})") from None
+    from lattice_inference.batching import Batch
     from lattice_inference.engines import parse_engines
 
     if parse_engines(args.engine) != ["local"]:
@@ -123,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine(args)
     decoder = engine.generator(engine.defaults).decoder
     seconds = decoder.prepare()  # off the first request
+    if args.max_batch > 1:
+        seconds += Batch(decoder.target).prepare(decoder)
     if decoder.exactness is not None:
         print(f"lattice serve: {decoder.exactness.line()} ({seconds:.1f}s at start)", flush=True)
     api_key = args.api_key or [k for k in os.environ.get("LATTICE_API_KEY", "").split(",") if k] or None
@@ -131,12 +141,13 @@ def run(args: argparse.Namespace) -> int:
         api_key=api_key,
         max_queue=args.max_queue,
         max_body=args.max_body,
+        max_batch=args.max_batch,
         shutdown_timeout=args.shutdown_timeout,
     )
     where = app.state.server.metrics.info
     print(
-        f"lattice serve: {engine.name} ({args.method}, {where['dtype']} on {where['device']}) "
-        f"on http://{args.host}:{args.port}/v1",
+        f"lattice serve: {engine.name} ({args.method}, {where['dtype']} on {where['device']}, up to "
+        f"{args.max_batch} at once) on http://{args.host}:{args.port}/v1",
         flush=True,
     )
     serve(app, host=args.host, port=args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)

@@ -1,9 +1,9 @@
-"""The loaded model behind the server: prompt encoding, per-request generators, and one generation as events.
+"""The loaded model behind the server: prompt encoding, per-request generators, and each request's `Reply`.
 
 The weights and tokenizer are loaded once. Each distinct `DecodeOptions` (speculation settings) gets its own `Generator`
-over them (a drafter, cheap to build), kept in a small LRU cache; they all verify with one shared target (one KV
-cache, reused by each generation, so memory does not grow with the settings seen). Only one generation runs at a
-time (`GenerationQueue`), so they can share the model and the target.
+over them (a drafter, cheap to build), kept in a small LRU cache; they all verify with one shared target (one packing
+of the weights, one self-check and cost measurement). Each generation runs on its own sequence of that target (its
+own cache), so the `Scheduler` can run several at once, their rounds sharing each forward.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import ctypes
 import ctypes.util
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -307,64 +307,92 @@ class Engine:
             for i, lp in enumerate(state.logprobs[start:stop], start)
         ]
 
-    def generate(
-        self, job: GenerationJob, on_done: Callable[[str, GenerationMetrics, str], None] | None = None
-    ) -> Iterator[Delta | Finish]:
-        """Run one generation: a `Delta` per decode round, then a `Finish` (not when closed early).
+    def reply(self, job: GenerationJob, on_done: Callable[[str, GenerationMetrics, str], None] | None = None) -> Reply:
+        """The `Reply` of ``job``: its generation made and validated, not started (a `Scheduler` runs it)."""
+        return Reply(self, job, on_done)
 
-        Closing the iterator stops the generation after the round in flight; ``on_done(method, metrics,
-        finish_reason)`` is called in every case (``finish_reason`` ``"cancelled"`` when closed early).
-        """
-        gen = self.generator(job.settings)
-        text, stops = TextStream(self.tokenizer), StopMatcher(job.stops)
+
+class Reply:
+    """One request's generation as its client receives it: the `Generation` (not started: the scheduler runs its
+    rounds, alone or batched), the text released past stop strings (`delta` per round), the log-probabilities of
+    the released tokens, and the end (`finish`, or `cancel`). ``on_done(method, metrics, finish_reason)`` is called
+    once, at the end, whichever it is (``finish_reason`` ``"cancelled"`` when cancelled)."""
+
+    def __init__(
+        self, engine: Engine, job: GenerationJob, on_done: Callable[[str, GenerationMetrics, str], None] | None
+    ) -> None:
+        self.engine, self.job, self.on_done = engine, job, on_done
+        generator = engine.generator(job.settings)
+        self.decoder = generator.decoder
         if job.clear_index and job.tenant is not None:  # a request of no tenant keeps nothing to clear
-            self.suffix_scopes.clear(job.tenant)
-            for other in self._generators.values():
+            engine.suffix_scopes.clear(job.tenant)
+            for other in engine._generators.values():
                 other.decoder.forget(job.tenant)
-            for target in self._targets.values():
+            for target in engine._targets.values():
                 target.forget_prefix(job.tenant)
-        index = self.suffix_scopes.index_for(job.tenant) if "suffix" in job.settings.drafters else None
-        # The prefix cache reuses only this tenant's earlier rows (none for a request of no tenant): a prefill's
-        # speed would otherwise tell one tenant that another sent the same text.
-        gen.decoder.target.prefix_owner = job.tenant
-        state = gen.start(  # the planner's learned acceptance is carried within the tenant only, as its index
+        index = engine.suffix_scopes.index_for(job.tenant) if "suffix" in job.settings.drafters else None
+        # the planner's learned acceptance is carried within the tenant only, as its index
+        self.state = self.decoder.new_generation(
             job.prompt_ids,
             job.max_tokens,
-            logprobs=job.logprobs,
-            suffix_index=index,
+            generator.sampling(**asdict(job.sampling)),
+            job.logprobs,
+            index,
             scope=job.tenant,
-            **asdict(job.sampling),
         )
-        reason = "cancelled"
-        released: list[str] = []
-        sent = 0  # tokens whose log-probabilities were sent
-        try:
-            for chunk in state:
-                released.append(stops.push(text.push(chunk)))
-                entries: list[LogprobEntry] = []
-                if job.logprobs is not None:
-                    upto = text.tokens_within("".join(released), sent)
-                    entries, sent = self._logprob_entries(state, text, sent, upto), upto
-                yield Delta(released[-1], len(chunk), entries)
-                if stops.stopped:
-                    break
-            if stops.stopped:  # count what the client got, not the tokens the last round ran past the stop
-                state.metrics.new_tokens = text.tokens_covering("".join(released))
-                tail = ""
-            else:
-                tail = stops.push(text.flush())
-                tail += stops.flush()
-            rest = self._logprob_entries(state, text, sent, state.metrics.new_tokens)
-            if tail or rest:
-                yield Delta(tail, 0, rest)
-            reason = "stop" if stops.stopped or state.stop_reason == "eos" else "length"
-        finally:
-            state.close()
-            metrics = state.metrics
-            if on_done is not None:
-                on_done(job.settings.method, metrics, reason)
-            return_free_memory()
-        details = {"method": job.settings.method, **metrics.to_dict()}
+        self.owner = job.tenant
+        """Whose earlier rows the prefill may reuse: the tenant's only (none for a request of no tenant), since a
+        prefill's speed would otherwise tell one tenant that another sent the same text."""
+        self._text, self._stops = TextStream(engine.tokenizer), StopMatcher(job.stops)
+        self._released: list[str] = []
+        self._sent = 0  # tokens whose log-probabilities were sent
+        self._ended = False
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string ended the text (the generation is not to run further)."""
+        return self._stops.stopped
+
+    def delta(self, chunk: list[int]) -> Delta:
+        """The client's `Delta` for one round's tokens: the text now released (held back while it may still
+        become a stop string) and the log-probabilities of the tokens it covers."""
+        state, text = self.state, self._text
+        self._released.append(self._stops.push(text.push(chunk)))
+        entries: list[LogprobEntry] = []
+        if self.job.logprobs is not None:
+            upto = text.tokens_within("".join(self._released), self._sent)
+            entries, self._sent = self.engine._logprob_entries(state, text, self._sent, upto), upto
+        return Delta(self._released[-1], len(chunk), entries)
+
+    def finish(self) -> list[Delta | Finish]:
+        """The end of a generation that ran out (EOS, length) or hit a stop string (it must not run further): the
+        held-back text, the last log-probabilities, and the `Finish`."""
+        state, text, stops = self.state, self._text, self._stops
+        if stops.stopped:  # count what the client got, not the tokens the last round ran past the stop
+            state.metrics.new_tokens = text.tokens_covering("".join(self._released))
+            tail = ""
+        else:
+            tail = stops.push(text.flush())
+            tail += stops.flush()
+        rest = self.engine._logprob_entries(state, text, self._sent, state.metrics.new_tokens)
+        items: list[Delta | Finish] = [Delta(tail, 0, rest)] if tail or rest else []
+        reason = "stop" if stops.stopped or state.stop_reason == "eos" else "length"
+        self._end(reason)
+        metrics = state.metrics
+        details = {"method": self.job.settings.method, **metrics.to_dict()}
         if state.seed is not None:
             details["seed"] = state.seed
-        yield Finish(reason, metrics.prompt_tokens, metrics.new_tokens, details)
+        items.append(Finish(reason, metrics.prompt_tokens, metrics.new_tokens, details))
+        return items
+
+    def cancel(self) -> None:
+        """The end of a generation stopped early (its client went away, or the server is shutting down)."""
+        self._end("cancelled")
+
+    def _end(self, reason: str) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if self.on_done is not None:
+            self.on_done(self.job.settings.method, self.state.metrics, reason)
+        return_free_memory()

@@ -18,7 +18,7 @@ class QueueFull(Exception):
     """The queue already holds ``max_queue`` waiting jobs."""
 
 
-class _End:
+class JobEnd:
     """Marks the end of a job's items; carries the exception the job raised, if any."""
 
     def __init__(self, error: BaseException | None = None) -> None:
@@ -28,7 +28,7 @@ class _End:
 class Job:
     """One submitted generation: its items arrive on ``items`` (an asyncio queue) in the submitting loop."""
 
-    def __init__(self, run: Callable[[], Iterator[Any]], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, run: Callable[[], Any], loop: asyncio.AbstractEventLoop) -> None:
         self.run = run
         self.loop = loop
         self.items: asyncio.Queue[Any] = asyncio.Queue()
@@ -49,7 +49,7 @@ class Job:
         """The job's items as the worker produces them (none once cancelled); re-raises the job's exception."""
         while True:
             item = await self.items.get()
-            if isinstance(item, _End):
+            if isinstance(item, JobEnd):
                 if item.error is not None and not self.cancelled.is_set():
                     raise item.error
                 return
@@ -59,6 +59,9 @@ class Job:
 
 class GenerationQueue:
     """Runs submitted jobs one at a time on a daemon thread; at most ``max_queue`` may wait."""
+
+    capacity = 1
+    """Jobs that run at once (the rest wait)."""
 
     def __init__(self, max_queue: int, on_depth: Callable[[int, int], None] | None = None) -> None:
         if max_queue < 0:
@@ -73,11 +76,11 @@ class GenerationQueue:
         self._thread = threading.Thread(target=self._work, name="lattice-generation", daemon=True)
         self._thread.start()
 
-    def submit(self, run: Callable[[], Iterator[Any]]) -> Job:
+    def submit(self, run: Callable[[], Any]) -> Job:
         """Queue ``run`` (called on the worker thread); raise `QueueFull` when ``max_queue`` jobs wait already."""
         job = Job(run, asyncio.get_running_loop())
         with self._lock:
-            if self.pending > self.max_queue:
+            if self.pending >= self.max_queue + self.capacity:
                 raise QueueFull(f"{self.waiting} requests are waiting already, the most this server queues")
             self.pending += 1
             self._report()
@@ -131,4 +134,4 @@ class GenerationQueue:
                     close()
                 except Exception as exc:
                     error = error or exc
-            job._put(_End(error))
+            job._put(JobEnd(error))

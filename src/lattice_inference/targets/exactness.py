@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lattice_inference.targets.base import Target
+from lattice_inference.targets.base import Segment, Target
 
 CHECK_CONTEXT = 48
 """Tokens of scratch context the check runs after."""
@@ -28,12 +28,16 @@ class Exactness:
     widths: tuple[int, ...]
     trees: bool = False
     """Whether a draft tree was checked too."""
+    batched: int = 0
+    """How many sequences shared the batched forward checked too (0: none; the target does not batch)."""
     failures: tuple[str, ...] = field(default_factory=tuple)
 
     def line(self) -> str:
         """One line for a report."""
         span = f"widths {self.widths[0]}-{self.widths[-1]}" if self.widths else "no widths"
-        checked = span + (" and a draft tree" if self.trees else "")
+        checked = span + (", a draft tree" if self.trees else "")
+        if self.batched:
+            checked += f", {self.batched} sequences in one forward"
         if self.exact:
             return f"decode-matched verification: exact (k-token rows equal 1-token steps bitwise, {checked})"
         failures = "; ".join(self.failures)
@@ -41,7 +45,13 @@ class Exactness:
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready fields."""
-        return {"exact": self.exact, "widths": list(self.widths), "trees": self.trees, "failures": list(self.failures)}
+        return {
+            "exact": self.exact,
+            "widths": list(self.widths),
+            "trees": self.trees,
+            "batched": self.batched,
+            "failures": list(self.failures),
+        }
 
 
 def _tokens(count: int, vocab: int, salt: int) -> list[int]:
@@ -79,7 +89,53 @@ def check_exactness(target: Target, max_width: int) -> Exactness:
     trees = bool(target.verifies_trees) and max_width >= 3 and not failures
     if trees:
         failures += _check_tree(target, sequence[: max_width // 2 + 1], alone, vocab)
-    return Exactness(not failures, widths, trees, tuple(failures))
+    batched = BATCH_SEQUENCES if target.batches_sequences and max_width >= 3 and not failures else 0
+    if batched:
+        failures += _check_batch(target, context, sequence, alone)
+    return Exactness(not failures, widths, trees, batched, tuple(failures))
+
+
+BATCH_SEQUENCES = 3
+"""Sequences in the batched forward the self-check compares with forwards alone."""
+
+
+def _check_batch(target: Target, context: list[int], sequence: list[int], alone: list[torch.Tensor]) -> list[str]:
+    """One batched forward (`Target.forward_batch`) of three sequences, each over its own context: the checked
+    sequence's chain of ``len(sequence) // 2`` tokens, a one-token step of a second sequence, and a draft tree (or
+    a chain) of a third, against each sequence's forwards alone. The current sequence is left as it was."""
+    current = target.current_sequence
+    vocab = target.vocab_size
+    others = [_tokens(CHECK_CONTEXT // 2 + 5, vocab, 3), _tokens(CHECK_CONTEXT + 7, vocab, 4)]
+    steps = [sequence[:1], _tokens(4, vocab, 5)]
+    parents = [-1, 0, 0, 1] if target.verifies_trees else None
+    sequences = [target.new_sequence(None) for _ in range(BATCH_SEQUENCES)]
+    try:
+        expected = [alone[: max(2, len(sequence) // 2)]]
+        for seq, prompt, tokens in zip(sequences[1:], others, steps, strict=True):
+            target.use(seq)
+            target.prefill(prompt)
+            if tokens is steps[-1] and parents is not None:
+                expected.append(list(target.forward_tree(tokens, parents).clone()))
+            else:
+                expected.append(list(target.forward(tokens).clone()))
+            target.rollback(len(prompt))
+        target.use(sequences[0])
+        target.prefill(context)
+        segments = [
+            Segment(sequences[0], sequence[: len(expected[0])]),
+            Segment(sequences[1], steps[0]),
+            Segment(sequences[2], steps[1], parents),
+        ]
+        outputs = target.forward_batch(segments)
+        for index, (output, rows) in enumerate(zip(outputs, expected, strict=True)):
+            diff = _first_difference(output.logits, rows)
+            if diff is not None:
+                return [f"batched forward, sequence {index}, row {diff[0]}: max |diff| {diff[1]:.3g}"]
+        return []
+    finally:
+        for seq in sequences:
+            target.release(seq)
+        target.use(current)
 
 
 def _check_tree(target: Target, chain: list[int], alone: list[torch.Tensor], vocab: int) -> list[str]:

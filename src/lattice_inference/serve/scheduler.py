@@ -1,0 +1,134 @@
+"""Continuous batching for the server: up to ``max_batch`` generations running at once on one worker thread.
+
+The `Scheduler` is the server's `GenerationQueue` (the same bounded wait list, 429 past ``max_queue``, arrival order,
+cancellation, errors handed to the request) with a different worker: instead of running one job to its end, it keeps
+a running set. Between steps it admits waiting requests in arrival order while fewer than ``max_batch`` run (each
+one's prefill runs at once, and its first tokens go out), drops those whose clients went away, and then runs one
+step of each `lattice_inference.batching.Batch` (one per target: requests whose speculation settings verify with
+another target run in its own batch), every running request advancing one round per step, so none starves. Each
+round's tokens go to its request as a `Delta`; a request that ends (EOS, its length, a stop string) gets its
+`Finish` and leaves, and the next waiting one takes its place. ``max_batch`` 1 runs requests one at a time.
+
+A request's tokens do not depend on what else runs: see `lattice_inference.batching`.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lattice_inference.batching import Batch
+from lattice_inference.errors import ConfigError
+from lattice_inference.serve.engine import Reply
+from lattice_inference.serve.queue import GenerationQueue, Job, JobEnd
+from lattice_inference.targets.base import Target
+
+
+@dataclass(eq=False)
+class _Running:
+    """A request being generated: its job (the client's end), its reply and the batch it runs in."""
+
+    job: Job
+    reply: Reply
+    batch: Batch
+
+
+class Scheduler(GenerationQueue):
+    """Runs submitted replies (each job's ``run`` returns a `Reply`) up to ``max_batch`` at once; see the module
+    docstring."""
+
+    def __init__(self, max_queue: int, max_batch: int, on_depth: Callable[[int, int], None] | None = None) -> None:
+        if max_batch < 1:
+            raise ConfigError(f"max_batch must be at least 1, got {max_batch}")
+        self.max_batch = self.capacity = max_batch
+        self._running: list[_Running] = []
+        self._batches: dict[int, Batch] = {}
+        super().__init__(max_queue, on_depth)
+
+    def _work(self) -> None:
+        closing = False
+        while not closing or self._running:
+            closing = self._admit(closing)
+            for run in [r for r in self._running if r.job.cancelled.is_set()]:
+                run.batch.remove(run.reply.state)
+                self._end(run, cancelled=True)
+            for batch in list(self._batches.values()):
+                if len(batch):
+                    self._step(batch)
+
+    def _admit(self, closing: bool) -> bool:
+        """Start waiting jobs while fewer than ``max_batch`` run (waiting for one when none runs); returns whether
+        the queue was closed."""
+        while not closing and len(self._running) < self.max_batch:
+            try:
+                job = self._jobs.get(block=not self._running)
+            except queue.Empty:
+                break
+            if job is None:
+                return True
+            self._start(job)
+        return closing
+
+    def _start(self, job: Job) -> None:
+        job.started.set()
+        with self._lock:
+            self.running += 1
+            self._report()
+        if job.cancelled.is_set():
+            self._done(job, None)
+            return
+        try:
+            reply: Reply = job.run()
+            batch = self._batch(reply.decoder.target)
+            first = batch.add(reply.decoder, reply.state, reply.owner)
+        except Exception as exc:  # handed to the request that owns the job
+            self._done(job, exc)
+            return
+        run = _Running(job, reply, batch)
+        self._running.append(run)
+        self._deliver(run, first)
+
+    def _batch(self, target: Target) -> Batch:
+        batch = self._batches.get(id(target))
+        if batch is None or batch.target is not target:
+            batch = self._batches[id(target)] = Batch(target)
+        return batch
+
+    def _step(self, batch: Batch) -> None:
+        members = [r for r in self._running if r.batch is batch]
+        try:
+            chunks = batch.step()
+        except Exception as exc:  # the batch ended every generation in it
+            for run in members:
+                self._running.remove(run)
+                run.reply.cancel()
+                self._done(run.job, exc)
+            return
+        for run in members:
+            self._deliver(run, chunks.get(run.reply.state, []))
+
+    def _deliver(self, run: _Running, chunk: list[int]) -> None:
+        """Hand one round's tokens to the request; end it where it stopped."""
+        reply = run.reply
+        if chunk:
+            run.job._put(reply.delta(chunk))
+        if reply.stopped and not reply.state.stop_reason:
+            run.batch.remove(reply.state)  # a stop string: it runs no further
+        if reply.stopped or reply.state.stop_reason:
+            for item in reply.finish():
+                run.job._put(item)
+            self._end(run, cancelled=False)
+
+    def _end(self, run: _Running, *, cancelled: bool) -> None:
+        self._running.remove(run)
+        if cancelled:
+            run.reply.cancel()
+        self._done(run.job, None)
+
+    def _done(self, job: Job, error: BaseException | None) -> None:
+        job._put(JobEnd(error))
+        with self._lock:
+            self.running -= 1
+            self.pending -= 1
+            self._report()
