@@ -234,3 +234,18 @@ def test_each_request_starts_from_what_the_last_one_learned(loaded) -> None:
     assert first.token_ids == second.token_ids == plain
     assert second.metrics.draft_lengths[0] > first.metrics.draft_lengths[0]
     assert second.metrics.target_forwards < first.metrics.target_forwards
+
+
+def test_a_batch_answers_each_prompt_as_it_is_answered_alone(generators) -> None:
+    """Continuous batching on the real model (its native layer loop batches the sequences): greedy and seeded
+    sampling, prompt lookup with every proposal verified and adaptive, prompts joining as others finish."""
+    prompts = [p for p in load_prompts(GROUNDED_TASKS)][::3][:5]
+    ids = [encode_prompt(generators["greedy"], p) for p in prompts]
+    assert generators["ngram"].decoder.target.batches_sequences
+    for kw in ({}, {"temperature": 0.8, "top_p": 0.95, "seed": 4}):
+        alone = [generators["greedy"].generate(i, max_new_tokens=BUDGET, **kw).token_ids for i in ids]
+        for name in ("ngram", "ngram10", "greedy"):
+            many = generators[name].generate_many(ids, BUDGET, max_batch=4, **kw)
+            assert [r.token_ids for r in many] == alone, (name, kw)
+    accepted = sum(r.metrics.accepted_tokens for r in generators["ngram"].generate_many(ids, BUDGET, max_batch=4))
+    assert accepted > 0

@@ -46,6 +46,11 @@ class Scheduler(GenerationQueue):
         self._batches: dict[int, Batch] = {}
         super().__init__(max_queue, on_depth)
 
+    @property
+    def batched_rows(self) -> int:
+        """Rows computed in forwards shared by two or more requests so far (`Batch.batched_rows`)."""
+        return sum(batch.batched_rows for batch in self._batches.values())
+
     def _work(self) -> None:
         closing = False
         while not closing or self._running:

@@ -1,0 +1,83 @@
+"""`lattice serve` with continuous batching on the real model: concurrent requests share forwards, and each answer
+(greedy or seeded, streamed or not, with stop strings and log-probabilities) is what it is when served alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from lattice_inference.loading import load_model
+
+from .helpers import skip_without_real_model
+from .serve_harness import MODEL_NAME, running_server
+
+skip_without_real_model()
+
+QUESTIONS = [
+    "List the planets of the solar system.",
+    "What is the capital of France? Answer in one sentence.",
+    "Repeat after me: the cat sat on the mat, the cat sat on the mat.",
+    "Write a haiku about the sea.",
+    "Name three primary colours.",
+    "Explain what a prime number is.",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("smollm2", dtype="float32")
+
+
+def _request(i: int) -> dict:
+    body: dict = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": QUESTIONS[i]}],
+        "max_tokens": 24 + 4 * i,
+    }
+    if i % 2:
+        body |= {"temperature": 0.8, "seed": 100 + i}
+    if i == 2:
+        body["stop"] = ["mat,"]
+    if i == 3:
+        body |= {"logprobs": True, "top_logprobs": 2}
+    return body
+
+
+async def _ask(api: openai.AsyncOpenAI, i: int, stream: bool) -> tuple[str, str, object]:
+    if not stream:
+        out = await api.chat.completions.create(**_request(i))
+        choice = out.choices[0]
+        logprobs = None if choice.logprobs is None else [t.logprob for t in choice.logprobs.content or []]
+        return choice.message.content or "", choice.finish_reason, logprobs
+    chunks = [c async for c in await api.chat.completions.create(**_request(i), stream=True)]
+    return (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+        chunks[-1].choices[0].finish_reason,
+        None,
+    )
+
+
+def _serve_all(loaded, max_batch: int, concurrent: bool) -> tuple[list[tuple[str, str, object]], object]:
+    with running_server(loaded, method="ngram", max_batch=max_batch) as (base, app):
+
+        async def run() -> list[tuple[str, str, object]]:
+            api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
+            try:
+                asks = [_ask(api, i, stream=i == 4) for i in range(len(QUESTIONS))]
+                if concurrent:
+                    return list(await asyncio.gather(*asks))
+                return [await ask for ask in asks]
+            finally:
+                await api.close()
+
+        return asyncio.run(run()), app.state.server.queue  # type: ignore[attr-defined]
+
+
+def test_concurrent_requests_share_forwards_and_answer_as_alone(loaded):
+    alone, _ = _serve_all(loaded, max_batch=1, concurrent=False)
+    together, scheduler = _serve_all(loaded, max_batch=4, concurrent=True)
+    assert together == alone
+    assert scheduler.batched_rows > 0  # rows of several requests did share forwards
+    assert alone[2][1] == "stop" and alone[3][2]
