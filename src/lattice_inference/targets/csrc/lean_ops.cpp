@@ -475,59 +475,77 @@ bool bf16_attention_dots = true;  // `attention_bf16_dots`
 // run and took 1.3x the time of flash attention; with it, 0.8x (`bench/bench_prefill.py`, bench/RESULTS.md).
 constexpr int64_t RUN_ROWS = 32;
 
-// Attention of each row and key-value head (its ``groups`` query heads together): q [H, n, D] float, caches
-// [K, capacity, D] of T; row r sees the cache rows keys[spans[r][0] .. spans[r][1]) in that order. Scores,
-// softmax and the value sum in float32, each (row, head) by the same sequence at any width; output [n, H * D] in
-// T. Where every row's keys start at the same place (a chain: each row sees a prefix of one list), runs of rows
-// share each head's widened keys and values (`attend`); a tree's rows run one by one.
+// One attention call's inputs (`attention_impl` takes several: the sequences of a batched step): q [H, n, D] float,
+// caches [K, capacity, D] of T; row r sees the cache rows keys[spans[r][0] .. spans[r][1]) in that order.
+struct AttentionCall {
+  torch::Tensor q, k_cache, v_cache, keys, spans, out;
+  std::vector<int64_t> counts;  // keys per row
+  int64_t run = 1, runs = 1;    // rows per run, runs per head
+};
+
+// Attention of each row and key-value head (its ``groups`` query heads together), for every call in ``calls``:
+// scores, softmax and the value sum in float32, each (row, head) by the same sequence at any width; output
+// [n, H * D] in T per call. Where every row's keys start at the same place (a chain: each row sees a prefix of one
+// list), runs of rows share each head's widened keys and values (`attend`); a tree's rows run one by one. The
+// units (call, run of rows, key-value head) of all calls share one parallel loop, so a batched step of many
+// one-row sequences keeps every thread busy; which rows share a run, and which thread runs it, changes no row.
 template <typename T>
-torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                             const torch::Tensor& keys, const torch::Tensor& spans, double scaling) {
-  const int64_t heads = q.size(0), n = q.size(1), d = q.size(2);
-  const int64_t kv_heads = k_cache.size(0), cap = k_cache.size(1), groups = heads / kv_heads;
-  TORCH_CHECK(spans.dim() == 2 && spans.size(0) == n && spans.size(1) == 2 && spans.is_contiguous(),
-              "spans must be [rows, 2] (begin, end)");
-  TORCH_CHECK(d % L == 0 && d <= 256, "head_dim must be a multiple of 8, at most 256");
-  TORCH_CHECK(heads % kv_heads == 0, "query heads ", heads, " not a multiple of key-value heads ", kv_heads);
-  TORCH_CHECK(groups <= 16, "at most 16 query heads per key-value head");
-  const int64_t* kp = keys.data_ptr<int64_t>();
-  const int64_t* op = spans.data_ptr<int64_t>();
-  bool shared = true;
-  std::vector<int64_t> counts(n);
-  for (int64_t r = 0; r < n; ++r) {
-    TORCH_CHECK(0 <= op[2 * r] && op[2 * r] < op[2 * r + 1] && op[2 * r + 1] <= keys.numel(), "row ", r,
-                " sees keys ", op[2 * r], "..", op[2 * r + 1], " of ", keys.numel());
-    for (int64_t i = op[2 * r]; i < op[2 * r + 1]; ++i)
-      TORCH_CHECK(kp[i] >= 0 && kp[i] < cap, "key row ", kp[i], " outside ", cap);
-    counts[r] = op[2 * r + 1] - op[2 * r];
-    shared = shared && op[2 * r] == op[0];
+std::vector<torch::Tensor> attention_impl(std::vector<AttentionCall>& calls, double scaling) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> first_unit(calls.size() + 1, 0);
+  for (size_t c = 0; c < calls.size(); ++c) {
+    AttentionCall& call = calls[c];
+    const torch::Tensor& q = call.q;
+    const int64_t heads = q.size(0), n = q.size(1), d = q.size(2), kv_heads = call.k_cache.size(0);
+    const int64_t cap = call.k_cache.size(1), groups = heads / kv_heads;
+    TORCH_CHECK(call.spans.dim() == 2 && call.spans.size(0) == n && call.spans.size(1) == 2 &&
+                    call.spans.is_contiguous(),
+                "spans must be [rows, 2] (begin, end)");
+    TORCH_CHECK(d % L == 0 && d <= 256, "head_dim must be a multiple of 8, at most 256");
+    TORCH_CHECK(heads % kv_heads == 0, "query heads ", heads, " not a multiple of key-value heads ", kv_heads);
+    TORCH_CHECK(groups <= 16, "at most 16 query heads per key-value head");
+    const int64_t* kp = call.keys.data_ptr<int64_t>();
+    const int64_t* op = call.spans.data_ptr<int64_t>();
+    bool shared = true;
+    call.counts.resize(n);
+    for (int64_t r = 0; r < n; ++r) {
+      TORCH_CHECK(0 <= op[2 * r] && op[2 * r] < op[2 * r + 1] && op[2 * r + 1] <= call.keys.numel(), "row ", r,
+                  " sees keys ", op[2 * r], "..", op[2 * r + 1], " of ", call.keys.numel());
+      for (int64_t i = op[2 * r]; i < op[2 * r + 1]; ++i)
+        TORCH_CHECK(kp[i] >= 0 && kp[i] < cap, "key row ", kp[i], " outside ", cap);
+      call.counts[r] = op[2 * r + 1] - op[2 * r];
+      shared = shared && op[2 * r] == op[0];
+    }
+    call.out = torch::empty({n, heads * d}, q.options().dtype(call.k_cache.scalar_type()));
+    // Units of (run of rows, key-value head): runs as long as keeps every thread busy, and at most `RUN_ROWS` rows
+    // (a long prefill's runs keep their scores in cache).
+    const int64_t want = std::max<int64_t>((2 * threads + kv_heads - 1) / kv_heads, (n + RUN_ROWS - 1) / RUN_ROWS);
+    const int64_t per_head = shared ? std::min<int64_t>(n, want) : n;
+    call.run = (n + per_head - 1) / per_head;
+    call.runs = (n + call.run - 1) / call.run;
+    first_unit[c + 1] = first_unit[c] + call.runs * kv_heads;
   }
-  auto out = torch::empty({n, heads * d}, q.options().dtype(k_cache.scalar_type()));
-  const float* qp = q.data_ptr<float>();
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
-  T* outp = out.data_ptr<T>();
   const float scale = static_cast<float>(scaling);
-  const int64_t dv = d / L;
-  // Units of (run of rows, key-value head): runs as long as keeps every thread busy, and at most `RUN_ROWS` rows
-  // (a long prefill's runs keep their scores in cache). A causal prefill's later rows see more keys, so the runs
-  // are dealt from both ends (first, last, second, second to last, ...): the threads' contiguous shares of units
-  // then cost about the same. Which rows share a run changes no row's result.
-  const int64_t want = std::max<int64_t>((2 * at::get_num_threads() + kv_heads - 1) / kv_heads,
-                                         (n + RUN_ROWS - 1) / RUN_ROWS);
-  const int64_t per_head = shared ? std::min<int64_t>(n, want) : n;
-  const int64_t run = (n + per_head - 1) / per_head, runs = (n + run - 1) / run;
-  at::parallel_for(0, runs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, first_unit.back(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, accs;
+    size_t c = 0;
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t slot = unit / kv_heads, which = slot % 2 == 0 ? slot / 2 : runs - 1 - slot / 2;
-      const int64_t r0 = which * run, rows = std::min(n, r0 + run) - r0, kv = unit % kv_heads;
-      const float* qs = qp + (kv * groups * n + r0) * d;
-      const T* kc_h = kc + kv * cap * d;
-      const T* vc_h = vc + kv * cap * d;
-      T* dst = outp + r0 * heads * d + kv * groups * d;
-      const int64_t* ks = kp + op[2 * r0];
-      const int64_t* cs = counts.data() + r0;
+      while (unit >= first_unit[c + 1]) ++c;
+      const AttentionCall& call = calls[c];
+      const int64_t heads = call.q.size(0), n = call.q.size(1), d = call.q.size(2);
+      const int64_t kv_heads = call.k_cache.size(0), cap = call.k_cache.size(1), groups = heads / kv_heads;
+      const int64_t runs = call.runs, run = call.run, local = unit - first_unit[c];
+      // A causal prefill's later rows see more keys, so the runs are dealt from both ends (first, last, second,
+      // second to last, ...): the threads' contiguous shares of units then cost about the same.
+      const int64_t slot = local / kv_heads, which = slot % 2 == 0 ? slot / 2 : runs - 1 - slot / 2;
+      const int64_t r0 = which * run, rows = std::min(n, r0 + run) - r0, kv = local % kv_heads;
+      const float* qs = call.q.data_ptr<float>() + (kv * groups * n + r0) * d;
+      const T* kc_h = call.k_cache.data_ptr<T>() + kv * cap * d;
+      const T* vc_h = call.v_cache.data_ptr<T>() + kv * cap * d;
+      T* dst = call.out.data_ptr<T>() + r0 * heads * d + kv * groups * d;
+      const int64_t* ks = call.keys.data_ptr<int64_t>() + call.spans.data_ptr<int64_t>()[2 * r0];
+      const int64_t* cs = call.counts.data() + r0;
+      const int64_t dv = d / L;
 #ifdef LATTICE_BF16_ATTENTION
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (bf16_attention_dots && (d == 64 || d == 128)) {
@@ -547,7 +565,10 @@ torch::Tensor attention_impl(const torch::Tensor& q, const torch::Tensor& k_cach
         attend<T, 0>(qs, n * d, groups, kc_h, vc_h, dv, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
     }
   });
-  return out;
+  std::vector<torch::Tensor> outs;
+  outs.reserve(calls.size());
+  for (const AttentionCall& call : calls) outs.push_back(call.out);
+  return outs;
 }
 
 // gate_up: [n, 2I] (gate then up); returns [n, I] = to_T(silu(gate)) * up, rounded to T. Rows in parallel.
@@ -642,8 +663,9 @@ torch::Tensor rope_qk_cache(const torch::Tensor& qkv, const c10::optional<torch:
            return rope_impl<T>(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, start, heads, kv_heads));
 }
 
-torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                        const torch::Tensor& keys, const torch::Tensor& spans, double scaling) {
+// The checks of one attention call's inputs, and the call (see `attention_impl`).
+AttentionCall attention_call(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                             const torch::Tensor& keys, const torch::Tensor& spans) {
   check_tensor(q, "attention", "q", 3, torch::kFloat32);
   TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16,
               "attention: k_cache must be float32 or bfloat16, got ", k_cache.scalar_type());
@@ -654,7 +676,20 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_cache, co
               " disagree (q [heads, rows, head_dim], caches [kv heads, capacity, head_dim])");
   check_tensor(keys, "attention", "keys", 1, torch::kInt64);
   check_tensor(spans, "attention", "spans", 2, torch::kInt64);
-  DISPATCH(k_cache.scalar_type(), return attention_impl<T>(q, k_cache, v_cache, keys, spans, scaling));
+  return AttentionCall{q, k_cache, v_cache, keys, spans, torch::Tensor(), {}};
+}
+
+std::vector<torch::Tensor> attention_calls(std::vector<AttentionCall>& calls, double scaling) {
+  const auto dtype = calls.at(0).k_cache.scalar_type();
+  for (const AttentionCall& call : calls)
+    TORCH_CHECK(call.k_cache.scalar_type() == dtype, "attention: every call's caches must share one dtype");
+  DISPATCH(dtype, return attention_impl<T>(calls, scaling));
+}
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                        const torch::Tensor& keys, const torch::Tensor& spans, double scaling) {
+  std::vector<AttentionCall> calls{attention_call(q, k_cache, v_cache, keys, spans)};
+  return attention_calls(calls, scaling)[0];
 }
 
 torch::Tensor silu_mul(const torch::Tensor& gu) {
@@ -725,8 +760,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
   torch::Tensor h = rms_norm(x, norms[0], eps);
   for (size_t l = 0; l < layers; ++l) {
     const torch::Tensor qkv = packed_linear(h, packed[4 * l], biases[4 * l]);
-    std::vector<torch::Tensor> parts;
-    parts.reserve(sequences);
+    std::vector<AttentionCall> calls;
+    calls.reserve(sequences);
     for (size_t s = 0; s < sequences; ++s) {
       torch::Tensor k_buf = k_bufs[l * sequences + s], v_buf = v_bufs[l * sequences + s];
       const torch::Tensor mine = sequences == 1 ? qkv : qkv.narrow(0, offsets[s], rows[s]);
@@ -734,8 +769,9 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& p
                                             sequences == 1 ? cos : cos.narrow(0, offsets[s], rows[s]),
                                             sequences == 1 ? sin : sin.narrow(0, offsets[s], rows[s]), k_buf, v_buf,
                                             starts[s], heads, kv_heads);
-      parts.push_back(attention(q, k_buf, v_buf, keys[s], spans[s], scaling));
+      calls.push_back(attention_call(q, k_buf, v_buf, keys[s], spans[s]));
     }
+    const std::vector<torch::Tensor> parts = attention_calls(calls, scaling);
     const torch::Tensor att = sequences == 1 ? parts[0] : torch::cat(parts);
     h = add_rms_norm(x, packed_linear(att, packed[4 * l + 1], biases[4 * l + 1]), norms[2 * l + 1], eps);
     const torch::Tensor gate = silu_mul(packed_linear(h, packed[4 * l + 2], biases[4 * l + 2]));
