@@ -156,3 +156,28 @@ def test_suffix_index_starts_empty_in_every_rep():
         run_bench(generators, prompts, max_new_tokens=12, reps=reps)
         sizes.append(len(generators["suffix"].suffix_index))
     assert sizes[0] == sizes[1] > 0  # what one repetition added, whatever came before it
+
+
+def test_bench_concurrency_reports_aggregate_rate_latency_and_identical_answers(tmp_path, capsys):
+    model = save_toy_model_dir(tmp_path / "m", "llama", init_std=0.3, seed=4)
+    prompts = tmp_path / "p.jsonl"
+    texts = ["one two three one two three one", "hello world", "a b c a b c a b", "the cat sat on the mat the"]
+    prompts.write_text("".join(json.dumps({"kind": "k", "prompt": t}) + "\n" for t in texts))
+    argv = ["bench", "--model", str(model), "--prompts", str(prompts), "--methods", "ngram", "--max-new-tokens", "12"]
+    for sampled in ([], ["--temperature", "0.8", "--seed", "3"]):
+        assert main([*argv, *sampled, "--concurrency", "1,3", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert [(r["method"], r["concurrency"]) for r in report["rows"]] == [
+            ("greedy", 1),
+            ("greedy", 3),
+            ("ngram", 1),
+            ("ngram", 3),
+        ]
+        for row in report["rows"]:
+            assert row["identical_share"] == 1.0 and row["tokens_per_s"] > 0
+            assert 0 < row["latency_p50_s"] <= row["latency_p95_s"]
+    assert main([*argv, "--concurrency", "2"]) == 0
+    assert "clients" in capsys.readouterr().out
+    for bad in ("0", "2,2", "x"):
+        assert main([*argv, "--concurrency", bad]) == 2
+        assert "--concurrency" in capsys.readouterr().err

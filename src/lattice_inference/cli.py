@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=positive_int, help="use only the first N prompts (traces with --traces)")
     bench.add_argument("--per-kind", type=positive_int, help="use only the first N prompts of each kind")
     bench.add_argument("--reps", type=positive_int, default=1, help="timed repetitions after a warm-up")
+    bench.add_argument(
+        "--concurrency",
+        help="N,M,...: submit every prompt at once and run N at a time in one continuous batch, per method: "
+        "aggregate tokens/s, request latency p50/p95, answers identical to each alone",
+    )
     add_placement_arguments(bench)
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
     bench.add_argument("--show", action="store_true", help="print one sample output per prompt kind")
@@ -174,6 +179,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         quiet_transformers()
         return compare(args)
+    from lattice_inference import concurrency_bench
+
+    levels = concurrency_bench.parse_levels(args.concurrency) if args.concurrency else None
+    if levels and args.traces:
+        raise ConfigError("--concurrency runs prompts at once; --traces replays requests in order: choose one")
     explicit = args.methods is not None
     methods = parse_methods(args.methods, DEFAULT_TRACE_METHODS if args.traces else DEFAULT_BENCH_METHODS)
     base = bench_options(args)
@@ -218,6 +228,21 @@ def _bench(args: argparse.Namespace) -> int:
         print(json.dumps(report) if args.json else f"model {loaded.source}\n{trace_bench.format_traces(report)}")
         return 0
     benchmark.log(f"{len(prompts)} prompts, methods {', '.join(methods)}, model {loaded.source}")
+    if levels:
+        report = concurrency_bench.run_concurrency(
+            generators,
+            prompts,
+            levels=levels,
+            max_new_tokens=args.max_new_tokens,
+            reps=args.reps,
+            chat=bool(args.chat),
+            progress=benchmark.log,
+        )
+        report["model"] = loaded.source
+        report |= placement(lm)
+        where = f"model {report['model']} ({report['dtype']}, {report['device']})"
+        print(json.dumps(report) if args.json else f"{where}\n{concurrency_bench.format_concurrency(report)}")
+        return 0
     report = benchmark.run_bench(
         generators,
         prompts,

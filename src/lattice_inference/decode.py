@@ -328,8 +328,10 @@ class SpeculativeDecoder:
         m = gen.metrics
         if gen.planner is not None and gen.scope is not None:
             self._keep_learned(gen.scope, gen.planner.stats)
+        now = time.perf_counter()
         if gen.opened_at is not None:
-            m.decode_s = time.perf_counter() - gen.opened_at
+            m.decode_s = now - gen.opened_at
+        m.latency_s = now - gen.created_at
         m.drafter_forwards = gen.drafter_state.forward_count if gen.drafter_state is not None else 0
 
     def _keep_learned(self, scope: str, stats: AcceptanceStats) -> None:

@@ -8,6 +8,7 @@ model can serve several generations in turn.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -101,6 +102,8 @@ class Generation:
         """One `TokenLogprob` per emitted token (where ``top_logprobs`` is set), appended as rounds accept them."""
         self.pending = -1
         """The newest token, chosen and not fed yet (the next round feeds it first)."""
+        self.created_at = time.perf_counter()
+        """When the generation was made (`GenerationMetrics.latency_s` counts from here)."""
         self.opened_at: float | None = None
         """When the prefill ended (`SpeculativeDecoder.open`; None: not started)."""
         self.sequence: TargetSequence | None = None

@@ -42,6 +42,8 @@ class GenerationMetrics:
     """Forward passes of a learned drafter (MTP head steps, catch-up batches included); 0 for n-gram lookup."""
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    latency_s: float = 0.0
+    """Seconds from the generation's making (a batch's request: its arrival) to its end, waiting included."""
     calibration_s: float = 0.0
     """Time spent measuring the target's forward costs for the draft planner and checking that its verification
     is decode-matched (first generation of a target only; counted in neither prefill nor decode)."""
