@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import openai
 import pytest
@@ -81,3 +82,37 @@ def test_concurrent_requests_share_forwards_and_answer_as_alone(loaded):
     assert together == alone
     assert scheduler.batched_rows > 0  # rows of several requests did share forwards
     assert alone[2][1] == "stop" and alone[3][2]
+
+
+def test_a_short_request_finishes_beside_a_long_one(loaded):
+    """With room in the batch, a request that arrives behind a long one runs beside it, not after it."""
+    with running_server(loaded, method="ngram", max_batch=2) as (base, _):
+
+        async def run() -> tuple[str, float, float]:
+            api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
+            started = asyncio.Event()
+
+            async def read_long() -> float:
+                long = await api.chat.completions.create(
+                    model=MODEL_NAME,
+                    messages=[{"role": "user", "content": "Tell me a long story about a dragon."}],
+                    max_tokens=300,
+                    stream=True,
+                )
+                async for _ in long:
+                    started.set()
+                return time.perf_counter()
+
+            try:
+                reader = asyncio.create_task(read_long())
+                await started.wait()
+                short = await api.chat.completions.create(
+                    model=MODEL_NAME, messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=8
+                )
+                short_done = time.perf_counter()
+                return short.choices[0].message.content or "", short_done, await reader
+            finally:
+                await api.close()
+
+        text, short_done, long_done = asyncio.run(run())
+    assert text and short_done < long_done

@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lattice_inference.engines import add_engine_arguments, parse_engines
 from lattice_inference.errors import ConfigError, LatticeError
@@ -228,31 +229,19 @@ def _bench(args: argparse.Namespace) -> int:
         print(json.dumps(report) if args.json else f"model {loaded.source}\n{trace_bench.format_traces(report)}")
         return 0
     benchmark.log(f"{len(prompts)} prompts, methods {', '.join(methods)}, model {loaded.source}")
+    common: dict[str, Any] = dict(
+        max_new_tokens=args.max_new_tokens, reps=args.reps, chat=bool(args.chat), progress=benchmark.log
+    )
     if levels:
-        report = concurrency_bench.run_concurrency(
-            generators,
-            prompts,
-            levels=levels,
-            max_new_tokens=args.max_new_tokens,
-            reps=args.reps,
-            chat=bool(args.chat),
-            progress=benchmark.log,
-        )
-        report["model"] = loaded.source
-        report |= placement(lm)
+        report = concurrency_bench.run_concurrency(generators, prompts, levels=levels, **common)
+    else:
+        report = benchmark.run_bench(generators, prompts, **common)
+    report["model"] = loaded.source
+    report |= placement(lm)
+    if levels:
         where = f"model {report['model']} ({report['dtype']}, {report['device']})"
         print(json.dumps(report) if args.json else f"{where}\n{concurrency_bench.format_concurrency(report)}")
         return 0
-    report = benchmark.run_bench(
-        generators,
-        prompts,
-        max_new_tokens=args.max_new_tokens,
-        reps=args.reps,
-        chat=bool(args.chat),
-        progress=benchmark.log,
-    )
-    report["model"] = loaded.source
-    report |= placement(lm)
     if args.plot:
         benchmark.plot(report, args.plot)
     if args.json:
