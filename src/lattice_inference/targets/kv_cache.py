@@ -20,10 +20,29 @@ class GrowableLayer(DynamicLayer):
     """A full-attention cache layer over a preallocated buffer (see the module docstring)."""
 
     def __init__(self) -> None:
-        super().__init__()
         self._filled = 0
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+        super().__init__()
+
+    # ``keys``/``values``: views of the filled part of the buffers, made when read (a batched step grows every
+    # layer of every sequence, and making the views there cost as much as the rest of its Python); what the base
+    # class assigns before the buffers exist is kept aside.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.__dict__.get("_unbuffered_keys") if self._k is None else self._k[..., : self._filled, :]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self.__dict__["_unbuffered_keys"] = value
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.__dict__.get("_unbuffered_values") if self._v is None else self._v[..., : self._filled, :]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self.__dict__["_unbuffered_values"] = value
 
     def _reserve(self, needed: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         capacity = 0 if self._k is None else self._k.shape[-2]
@@ -39,11 +58,6 @@ class GrowableLayer(DynamicLayer):
             new_v[..., : self._filled, :] = self._v[..., : self._filled, :]
         self._k, self._v = new_k, new_v
 
-    def _expose(self) -> None:
-        assert self._k is not None and self._v is not None
-        self.keys = self._k[..., : self._filled, :]
-        self.values = self._v[..., : self._filled, :]
-
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +70,7 @@ class GrowableLayer(DynamicLayer):
         self._k[..., self._filled : end, :] = key_states
         self._v[..., self._filled : end, :] = value_states
         self._filled = end
-        self._expose()
+        assert self.keys is not None and self.values is not None
         return self.keys, self.values
 
     def buffers(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +78,6 @@ class GrowableLayer(DynamicLayer):
         length too: those rows hold zeros or stale, finite values."""
         assert self._k is not None and self._v is not None
         self._reserve(length, self._k, self._v)
-        self._expose()
         return self._k[..., :length, :], self._v[..., :length, :]
 
     def append_in_place(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +89,6 @@ class GrowableLayer(DynamicLayer):
         assert self._k is not None and self._v is not None
         self._reserve(self._filled + rows, self._k, self._v)
         self._filled += rows
-        self._expose()
         assert self._k is not None and self._v is not None
         return self._k, self._v
 
@@ -92,7 +104,6 @@ class GrowableLayer(DynamicLayer):
         if -tokens_to_remove > self._filled:
             raise ValueError(f"cannot remove {-tokens_to_remove} tokens from a cache of {self._filled}")
         self._filled += tokens_to_remove
-        self._expose()
 
     def keep(self, start: int, rows: list[int]) -> None:
         """Keep rows ``start + rows[i]`` as positions ``start + i`` (``rows`` increasing) and drop every later one."""
@@ -106,7 +117,6 @@ class GrowableLayer(DynamicLayer):
             self._k[..., start:end, :] = self._k[..., index, :]
             self._v[..., start:end, :] = self._v[..., index, :]
         self._filled = end
-        self._expose()
 
     def reset(self) -> None:
         super().reset()
