@@ -151,7 +151,12 @@ class Batch:
             assert member.gen.sequence is not None
             target.use(member.gen.sequence)
             rounds.append(
-                member.decoder.plan(member.gen, rows_left=self.max_rows - planned - later, shared_rows=planned + later)
+                member.decoder.plan(
+                    member.gen,
+                    rows_left=self.max_rows - planned - later,
+                    shared_rows=planned + later,
+                    shared_tokens=len(members) - 1,
+                )
             )
             planned += len(rounds[-1].tokens)
         segments = [Segment(_sequence(m.gen), r.tokens, r.parents) for m, r in zip(members, rounds, strict=True)]

@@ -258,15 +258,18 @@ class SpeculativeDecoder:
         self._inform_drafter(gen, first, hidden, 0)
         return out
 
-    def plan(self, gen: Generation, *, rows_left: int | None = None, shared_rows: int = 0) -> Round:
+    def plan(
+        self, gen: Generation, *, rows_left: int | None = None, shared_rows: int = 0, shared_tokens: int = 0
+    ) -> Round:
         """This round of ``gen``: its draft (a chain, or a tree where the target verifies trees) and the rows to
-        feed. In a batched step, ``rows_left`` caps the rows it may add and ``shared_rows`` counts the rows of the
-        other sequences in the forward, which the planner weighs (drafts shrink as the step fills)."""
+        feed. In a batched step, ``rows_left`` caps the rows it may add, and ``shared_rows`` counts the rows of the
+        other sequences in the forward and ``shared_tokens`` the tokens they surely give, which the planner weighs
+        (`DraftPlanner.share`: drafts shrink as the step fills)."""
         room = gen.max_new_tokens - gen.metrics.new_tokens - 1
         if rows_left is not None:
             room = min(room, rows_left - 1)
         if gen.planner is not None:
-            gen.planner.share(shared_rows)
+            gen.planner.share(shared_rows, shared_tokens)
         planned = self._draft(gen, room)
         pending, position = gen.pending, self.target.length
         if planned.alternatives and self.target.verifies_trees:  # a draft tree: leaves beside the draft

@@ -77,17 +77,21 @@ class DraftPlanner:
         """Acceptance learned so far (with what the decoder carried in from earlier generations)."""
         self.shared_rows = 0
         """Rows of other sequences in the forward this round shares (a batched step; 0 alone): see `share`."""
+        self.shared_tokens = 0.0
+        """Tokens those rows are expected to give (see `share`)."""
         self._plain_rounds = 0
         self._drift = [0.0, 0.0]  # decayed count and sum of timed / calibrated seconds, every width
         self._timed: dict[int, list[float]] = {}  # the same, per width
 
-    def share(self, rows: int) -> None:
+    def share(self, rows: int, tokens: float | None = None) -> None:
         """Plan the next round as part of a forward that also holds ``rows`` rows of other sequences (a batched
-        step): a round of ``w`` rows then costs the step's widening from ``rows + 1`` to ``rows + w`` rows, and the
-        tokens weighed are the step's (each other sequence counted as one token). With ``rows`` 0, a round alone,
-        the plan is exactly the unbatched one. As the step fills and wider forwards cost more per row, drafts
-        shrink, down to none."""
+        step), expected to give ``tokens`` tokens (default ``rows``; a batch counts each other sequence's pending
+        token, whose row always gives one, and not their drafts): a round of ``w`` rows then costs the step's
+        widening to ``rows + w`` rows, and it is weighed by the step's tokens per second, its own and the others'.
+        With ``rows`` 0, a round alone, the plan is exactly the unbatched one. As the step fills and wider forwards
+        cost more per row, drafts shrink, down to none."""
         self.shared_rows = rows
+        self.shared_tokens = float(rows if tokens is None else tokens)
 
     def _cost(self, width: int) -> float:
         """Cost in one-token forwards of a forward holding this round's ``width`` rows (and the shared ones)."""
@@ -138,7 +142,8 @@ class DraftPlanner:
         if drafted:
             self.stats.note_key(key)
         k = self.choose(available, key, free=False, drafted=drafted)
-        chain = (k, self.shared_rows + self._yield(k, key), self._cost(k + 1) + max(0, k - drafted) * self.drafter_cost)
+        drafting = max(0, k - drafted) * self.drafter_cost
+        chain = (k, self.shared_tokens + self._yield(k, key), self._cost(k + 1) + drafting)
         best_k, best_leaves, _, _ = self._tree(available, key, chain, drafted, runners_up)
         if best_k and not k:
             self._plain_rounds = 0
@@ -165,13 +170,13 @@ class DraftPlanner:
         total = sum(seen.values())
         rate, cost = tokens / total, cost / total + self.drafter_cost
         plain = self._cost(1)
-        return _better(rate / cost, cost, (1.0 + self.shared_rows) / plain, plain)
+        return _better(rate / cost, cost, (1.0 + self.shared_tokens) / plain, plain)
 
     def _chain(self, available: int, key: int, per_token: float, drafted: int) -> tuple[int, float, float]:
         """The best draft length ``k`` of 0..``available`` under ``key`` (the most tokens per one-token forward,
         `_better`), with its expected tokens and its cost in one-token forwards; ``per_token``: the drafting cost
         of each token past the ``drafted`` ones."""
-        base = 1.0 + self.shared_rows
+        base = 1.0 + self.shared_tokens
         best_k, best_expected, best_cost = 0, base, self._cost(1)
         expected, reach = base, 1.0
         for k in range(1, available + 1):
@@ -194,7 +199,7 @@ class DraftPlanner:
             return best_k, best_leaves, best_expected, best_cost
         per_token = self.drafter_cost
         for depth_count in range(1, available + 1):
-            gains, reach, expected = [], 1.0, 1.0 + self.shared_rows
+            gains, reach, expected = [], 1.0, 1.0 + self.shared_tokens
             for depth in range(depth_count):
                 p = self.acceptance(depth, key)
                 gains += [(reach * (1 - p) * self.alternative(depth, r, key), depth) for r in range(width)]
