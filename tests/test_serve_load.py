@@ -201,3 +201,31 @@ def test_metrics_match_the_requests_made(loaded):
     drafts = sum(m["drafts"] for m in ngram)
     assert value("lattice_mean_acceptance_length", method="ngram") == pytest.approx(1 + accepted / drafts)
     assert value("lattice_queue_depth") == 0
+
+
+def test_an_error_in_one_request_ends_only_that_request(loaded, expected, monkeypatch):
+    from lattice_inference.serve.engine import Reply
+
+    original = Reply.delta
+
+    def delta(self, chunk):
+        if self.job.max_tokens == 7:  # the doomed request
+            raise RuntimeError("boom")
+        return original(self, chunk)
+
+    monkeypatch.setattr(Reply, "delta", delta)
+    with running_server(loaded, method="ngram", max_batch=4) as (base, _):
+
+        async def run_both():
+            api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+            doomed = api.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=7)
+            fine = api.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS)
+            outcome = await asyncio.gather(doomed, fine, return_exceptions=True)
+            await api.close()
+            return outcome
+
+        doomed, fine = asyncio.run(run_both())
+        assert isinstance(doomed, openai.InternalServerError) and "boom" in str(doomed)
+        assert fine.choices[0].text == expected[(1, 0)]
+        assert request(base, "GET", "/health").json()["running"] == 0  # the worker lives on
+        assert client(base).completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS)

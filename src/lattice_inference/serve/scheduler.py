@@ -114,7 +114,18 @@ class Scheduler(GenerationQueue):
             self._deliver(run, chunks.get(run.reply.state, []))
 
     def _deliver(self, run: _Running, chunk: list[int]) -> None:
-        """Hand one round's tokens to the request; end it where it stopped."""
+        """Hand one round's tokens to the request; end it where it stopped. An error here (in its text or stop
+        handling) ends this request with the error, and no other."""
+        try:
+            self._hand_over(run, chunk)
+        except Exception as exc:  # handed to the request that owns the job
+            if run in self._running:
+                self._running.remove(run)
+                run.batch.remove(run.reply.state)
+                run.reply.cancel()
+                self._done(run.job, exc)
+
+    def _hand_over(self, run: _Running, chunk: list[int]) -> None:
         reply = run.reply
         if chunk:
             run.job._put(reply.delta(chunk))
