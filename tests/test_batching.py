@@ -238,8 +238,9 @@ def test_the_planner_drafts_less_as_the_step_fills():
 
 def test_generate_many_checks_its_arguments_first():
     generator = Generator(_model("llama"), byte_tokenizer(), method="ngram")
-    with pytest.raises(ConfigError, match="max_batch"):
-        generator.generate_many(["a"], 4, max_batch=0)
+    for bad in (0, 65):
+        with pytest.raises(ConfigError, match="max_batch"):
+            generator.generate_many(["a"], 4, max_batch=bad)
     with pytest.raises(TokenError, match="empty"):
         generator.generate_many(["hello", []], 4)
     assert generator.generate_many([], 4) == []

@@ -153,6 +153,12 @@ def test_shipped_mtp_head_drafts_losslessly(loaded, generators) -> None:
         out = gen.generate(prompt, max_new_tokens=24, chat=True)
         assert out.token_ids == reference.token_ids
         assert out.metrics.drafted_tokens > 0
+        # in a batch the head reads each sequence's own hidden states, split out of the shared forward
+        others = ["Name three rivers.", "What is two plus two?"]
+        alone = [generators["greedy"].generate(p, max_new_tokens=16, chat=True).token_ids for p in others]
+        many = gen.generate_many([prompt, *others], 16, chat=True, max_batch=3)
+        assert [r.token_ids for r in many] == [reference.token_ids[:16], *alone], method
+        assert sum(r.metrics.drafted_tokens for r in many) > 0
 
 
 def test_shipped_head_drafts_trees_losslessly_and_its_hiddens_follow_the_kept_path(loaded, generators) -> None:

@@ -36,6 +36,7 @@ from lattice_inference.mtp import MtpHead, load_mtp_head
 from lattice_inference.mtp.head_file import load_head_file, shipped_head
 from lattice_inference.options import (
     MAX_BATCH,
+    MAX_BATCH_ROWS,
     METHOD_DRAFTERS,
     METHODS,
     DecodeOptions,
@@ -359,8 +360,8 @@ class Generator:
         each token for token what `generate` returns for it alone (greedy, or sampled with its seed: a ``seed``
         given here seeds every prompt alike; without one each draws its own, reported as ``.seed``). Sampling
         keywords as `start`."""
-        if max_batch < 1:
-            raise ConfigError(f"max_batch must be at least 1, got {max_batch}")
+        if not 1 <= max_batch <= MAX_BATCH_ROWS:
+            raise ConfigError(f"max_batch must be 1..{MAX_BATCH_ROWS} (the rows of a step), got {max_batch}")
         options = self.sampling(**sampling)
         gens = [
             self.decoder.new_generation(self.encode(p, chat), max_new_tokens, options, logprobs, self.suffix_index)
