@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 
 import torch
+from bench_serve_concurrency import cpu_line
 
 from lattice_inference.loading import load_model
 from lattice_inference.targets import make_target
@@ -48,10 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?")
-    flags = [f for f in ("avx512_bf16", "amx_bf16") if f in cpu]
-    print(f"command: {' '.join(sys.argv)}\nCPU: {name} ({', '.join(flags) or 'no avx512_bf16/amx'})")
+    print(f"command: {' '.join(sys.argv)}\nCPU: {cpu_line()}")
     loaded = load_model(args.model, dtype=args.dtype)
     target = make_target(loaded.model)
     if not target.batches_sequences:

@@ -20,9 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
-
-from lattice_inference.decode import Round, SpeculativeDecoder
+from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.errors import ConfigError
 from lattice_inference.generation import Generation
 from lattice_inference.options import MAX_BATCH_ROWS
@@ -126,8 +124,7 @@ class Batch:
                 chunks = self._batched(members)
             else:
                 for member in members:
-                    assert member.gen.sequence is not None
-                    target.use(member.gen.sequence)
+                    target.use(_sequence(member.gen))
                     self._capture(member.decoder.wants_hidden())
                     chunks[member.gen] = member.decoder.round(member.gen)
                     member.gen.token_ids.extend(chunks[member.gen])
@@ -148,8 +145,7 @@ class Batch:
         planned = 0  # rows planned so far
         for i, member in enumerate(members):
             later = len(members) - i - 1  # one row each, at least
-            assert member.gen.sequence is not None
-            target.use(member.gen.sequence)
+            target.use(_sequence(member.gen))
             rounds.append(
                 member.decoder.plan(
                     member.gen,
@@ -166,23 +162,11 @@ class Batch:
         self.batched_rows += planned
         chunks = {}
         for member, planned_round, output in zip(members, rounds, outputs, strict=True):
-            chunks[member.gen] = self._finish(member, planned_round, output.logits, output.hidden, planned, seconds)
+            target.use(_sequence(member.gen))
+            chunk = member.decoder.finish(member.gen, planned_round, output.logits, output.hidden, planned, seconds)
+            member.gen.token_ids.extend(chunk)
+            chunks[member.gen] = chunk
         return chunks
-
-    def _finish(
-        self,
-        member: _Member,
-        planned: Round,
-        logits: torch.Tensor,
-        hidden: torch.Tensor | None,
-        width: int,
-        seconds: float,
-    ) -> list[int]:
-        assert member.gen.sequence is not None
-        self.target.use(member.gen.sequence)
-        chunk = member.decoder.finish(member.gen, planned, logits, hidden, width, seconds)
-        member.gen.token_ids.extend(chunk)
-        return chunk
 
     def _capture(self, on: bool) -> None:
         if self.target.capture_hidden != on:
