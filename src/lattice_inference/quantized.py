@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from lattice_inference.targets.packed_linear import QUANT
 from lattice_inference.targets.quant_linear import BLOCK, FORMATS, dequantize, quant_pack
 
 _HASH_SEED = 0x5EED
+_ATTACHED = "_lattice_quantized"
 
 
 @dataclass
@@ -85,25 +88,31 @@ def _candidates(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
     return found
 
 
-def attach(model: nn.Module, path: str | Path) -> QuantizedWeights:
-    """Give every linear layer of ``model`` (the GGUF file ``path`` dequantized to float32) whose weight the file
-    holds as Q8_0, Q4_0 or Q4_1 its quantized blocks (`packed_linear.QUANT`) and drop its dense copy (see the
-    module docstring); ``model`` must not be packed yet (`pack_linears` then runs them on the blocks)."""
+def file_tensors(path: str | Path) -> Iterator[tuple[str, str, torch.Tensor | None]]:
+    """Every 2-d tensor of the GGUF file ``path``: its name, its type (``"Q4_1"``, ``"F16"``, ...) and, where our
+    products compute that type (`FORMATS`), its data (uint8 ``[out, bytes]``), else None."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        if len(tensor.shape) == 2:
+            kind = tensor.tensor_type.name
+            raw = torch.from_numpy(tensor.data.copy()).reshape(int(tensor.shape[1]), -1) if kind in FORMATS else None
+            yield tensor.name, kind, raw
+
+
+def attach_tensors(model: nn.Module, tensors: Iterable[tuple[str, str, torch.Tensor | None]]) -> QuantizedWeights:
+    """Give every linear layer of ``model`` whose float32 weight one of ``tensors`` (`file_tensors`) dequantizes
+    to its quantized blocks (`packed_linear.QUANT`) and drop its dense copy (see the module docstring); ``model``
+    must not be packed yet (`pack_linears` then runs those layers on the blocks)."""
     candidates = _candidates(model)
-    embedding = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None
+    inputs = model.get_input_embeddings() if isinstance(model, PreTrainedModel) else None
+    embedding = inputs.weight if isinstance(inputs, nn.Embedding) else None
     done = QuantizedWeights()
-    for tensor in reader.tensors:
-        kind = tensor.tensor_type.name
-        if len(tensor.shape) != 2:
+    for name, kind, raw in tensors:
+        if raw is None:
+            if kind != "F32":
+                done.dequantized.append(f"{name} ({kind})")
             continue
-        if kind not in FORMATS:
-            if kind not in ("F32",):
-                done.dequantized.append(f"{tensor.name} ({kind})")
-            continue
-        raw = torch.from_numpy(tensor.data.copy()).reshape(int(tensor.shape[1]), -1)
         shape = (raw.shape[0], raw.shape[1] // FORMATS[kind][0] * BLOCK)
         values = dequantize(raw, kind)
         hashes = _row_hashes(values)
@@ -118,13 +127,20 @@ def attach(model: nn.Module, path: str | Path) -> QuantizedWeights:
             done.native[kind] += 1
             break
         else:
-            done.dequantized.append(f"{tensor.name} ({kind}, unmatched)")
-    model._lattice_quantized = done  # type: ignore[assignment]
+            done.dequantized.append(f"{name} ({kind}, unmatched)")
+    setattr(model, _ATTACHED, done)
+    return done
+
+
+def attach(model: nn.Module, path: str | Path) -> QuantizedWeights:
+    """`attach_tensors` over the GGUF file ``path`` (``model`` is that file dequantized to float32), saying on
+    stderr which layers run as stored."""
+    done = attach_tensors(model, file_tensors(path))
     print(f"lattice: {Path(path).name}: {done.describe()}", file=sys.stderr)
     return done
 
 
 def quantized_weights(model: nn.Module) -> QuantizedWeights | None:
     """What `attach` did to ``model``, or None where its weights are not quantized."""
-    found = getattr(model, "_lattice_quantized", None)
+    found = getattr(model, _ATTACHED, None)
     return found if isinstance(found, QuantizedWeights) else None
