@@ -1,0 +1,66 @@
+"""The real default model as its file stores it: SmolLM2-135M-Instruct's Q4_1 GGUF with its weights kept quantized.
+
+``--dtype auto`` keeps the file's Q4_1 (and its Q8_0 output/embedding) weights in their blocks on CPUs where our
+products run; every linear layer must be attached (none left dequantized), the dense copies dropped, plain
+decoding must emit exactly what the file dequantized to float32 emits on the row kernel (the quantized products
+equal those products bit for bit), and prompt lookup, seeded sampling and batches must equal plain decoding.
+Skipped where the package or our products are absent.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lattice_inference import Generator
+from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prompts
+from lattice_inference.loading import load_model
+from lattice_inference.quantized import quantized_weights
+from lattice_inference.targets import native_ops
+
+from .helpers import skip_without_real_model
+
+skip_without_real_model()
+if native_ops.rows() is None:
+    pytest.skip("our quantized products do not run here", allow_module_level=True)
+
+BUDGET = 40
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    return load_model("smollm2", dtype="auto")
+
+
+def test_auto_keeps_every_linear_layer_of_the_file_quantized(quantized, capfd) -> None:
+    done = quantized_weights(quantized.model)
+    assert done is not None and dict(done.native) == {"Q4_1": 210, "Q8_0": 1} and not done.dequantized
+    assert done.describe() == "linear layers computed as stored: 210 Q4_1, 1 Q8_0; dequantized to float32: none"
+    layer = quantized.model.model.layers[0]
+    assert layer.mlp.down_proj.weight.device.type == "meta"
+    # the tied output layer keeps the embedding's dense weight (the lookup needs it) and computes from Q8_0
+    assert quantized.model.lm_head.weight is quantized.model.model.embed_tokens.weight
+    assert quantized.model.lm_head.weight.device.type == "cpu"
+    assert load_model("smollm2", dtype="bfloat16").model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+
+
+def test_quantized_decoding_equals_the_file_dequantized_to_float32_and_speculation_equals_it(quantized) -> None:
+    dense = load_model("smollm2", dtype="float32")
+    eos = quantized.eos_token_ids
+    plain = Generator(quantized.model, quantized.tokenizer, method="greedy", eos_token_ids=eos)
+    reference = Generator(dense.model, dense.tokenizer, method="greedy", eos_token_ids=eos)
+    ngram = Generator(quantized.model, quantized.tokenizer, method="ngram", adaptive=False, eos_token_ids=eos)
+    prompts = [p for p in load_prompts(GROUNDED_TASKS) if p.set == "grounded"][1::7][:5]
+    ids = [encode_prompt(plain, p) for p in prompts]
+    accepted = 0
+    for prompt in ids:
+        want = plain.generate(prompt, max_new_tokens=BUDGET)
+        assert want.token_ids == reference.generate(prompt, max_new_tokens=BUDGET).token_ids
+        fast = ngram.generate(prompt, max_new_tokens=BUDGET)
+        assert fast.token_ids == want.token_ids
+        accepted += fast.metrics.accepted_tokens
+        seeded = plain.generate(prompt, max_new_tokens=24, temperature=0.8, seed=7).token_ids
+        assert ngram.generate(prompt, max_new_tokens=24, temperature=0.8, seed=7).token_ids == seeded
+    assert accepted > 0
+    many = ngram.generate_many(ids, BUDGET, max_batch=4)
+    assert [r.token_ids for r in many] == [plain.generate(p, max_new_tokens=BUDGET).token_ids for p in ids]
