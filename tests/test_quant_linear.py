@@ -1,15 +1,19 @@
 """GGUF weights kept quantized (Q8_0, Q4_0, Q4_1) and computed by our products (``quant_linear``).
 
 GGUF's reference (the ``gguf`` package: ``gguf.quants.quantize``/``dequantize``) makes the blocks and says what
-they are worth. Our dequantization equals it bit for bit; a quantized product equals the float32 row product over
-the dequantized weight bit for bit (within float32 rounding of the float64 product), every row alike at widths
-1..20 and awkward input sizes; errors name what is wrong; and a quantized toy model (its linear layers attached by
-content, rows permuted as llama's GGUF q/k are) runs the native layer loop, with speculation, draft trees, seeded
-sampling and batches equal to its plain decoding. The AVX2 build's quantized products equal the AVX512 build's
-in ``tests/test_rows_linear.py``; the real Q4_1 file in ``tests/test_real_model.py``.
+they are worth; our dequantization equals it bit for bit. A quantized product is, within float32 rounding, the
+float64 product of the dequantized weight with the row's inputs rounded to 8 bits per block of 32 (as llama.cpp
+rounds them), and within that rounding of the unrounded product; every row equal bit for bit to that row alone at
+widths 1..20 and awkward input sizes; errors name what is wrong; and a quantized toy model (its layers attached by
+content, rows permuted as llama's GGUF q/k are) runs the native layer loop, close to its float32 dequantization,
+with speculation, draft trees, seeded sampling and batches equal to its plain decoding; and the AVX2 build and the
+AVX512 build without VNNI compute the same bits as this one. The real Q4_1 file: ``tests/test_real_model_quantized.py``.
 """
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +28,7 @@ gguf = pytest.importorskip("gguf")
 
 @pytest.fixture(scope="module")
 def ops():
-    built = native_ops.rows()
+    built = native_ops.quant()
     if built is None:
         pytest.skip(f"our products do not run here ({native_ops.unavailable() or 'no AVX2 with FMA'})")
     return built
@@ -51,18 +55,33 @@ def test_dequantize_is_ggufs_reference_bit_for_bit(kind):
     assert torch.equal(ours.view(torch.int32), want.view(torch.int32))
 
 
+def rounded_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [n, in] rounded to 8 bits per block of 32 as the product rounds it (float32 steps: the scale
+    ``max|x| / 127``, its inverse, the rounding to nearest even), as float64; and each block's scale."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse)
+    return (q.double() * d.double()).reshape(x.shape), d.double().expand(blocks.shape).reshape(x.shape)
+
+
 @pytest.mark.parametrize("kind", list(FORMATS))
 @pytest.mark.parametrize(("out", "inp"), [(48, 64), (96, 1536), (32, 96), (16, 2080), (208, 160)])
-def test_products_equal_the_float32_row_product_over_the_dequantized_weight(ops, kind, out, inp):
+def test_products_are_the_float64_product_of_the_rounded_inputs_to_float32_rounding(ops, kind, out, inp):
     raw, bias, x = quantized(_rand(out, inp, seed=2), kind), _rand(out, seed=3), _rand(21, inp, seed=4)
     packed = quant_pack(raw, kind)
     assert quant_format(packed) == kind and packed.shape == (out // 16, inp // 32, FORMATS[kind][1])
-    weight = dequantize(raw, kind)
+    weight = dequantize(raw, kind).double()
     y = ops.quant_linear(x, packed, bias)
-    assert torch.equal(y, ops.rows_linear(x, ops.rows_pack(weight), bias))
-    want = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
-    bound = (x.double().abs() @ weight.double().abs().T + bias.double().abs()) * inp * 2**-23
-    assert bool(((y.double() - want).abs() <= bound).all())
+    assert y.shape == (21, out) and y.dtype == torch.float32
+    xq, scale = rounded_inputs(x)
+    want = xq @ weight.T + bias.double()
+    # float32 roundings: a scale product and a fused multiply-add per block (two for Q4_1), the bias
+    steps = 2 * (inp // 32) + 2
+    assert bool(((y.double() - want).abs() <= (xq.abs() @ weight.abs().T + bias.abs()) * steps * 2**-23).all())
+    # and the inputs' rounding (half a step of each block's scale) from the exact product
+    exact = x.double() @ weight.T + bias.double()
+    assert bool(((y.double() - exact).abs() <= (scale / 2) @ weight.abs().T * 1.01 + 1e-5).all())
 
 
 @pytest.mark.parametrize("kind", list(FORMATS))
@@ -100,8 +119,8 @@ def test_bad_input_gets_a_clear_error(ops):
 
 def _quantize_model(model: torch.nn.Module, kinds: list[str]) -> list[tuple[str, str, torch.Tensor | None]]:
     """Quantize every linear layer GGUF would (out a multiple of 16) with GGUF's reference, cycling through
-    ``kinds`` by layer; set the model's float32 weights to the dequantized values (what loading the file gives) and return
-    the file's tensors, q/k rows permuted as llama's converter stores them (attaching must find the order)."""
+    ``kinds`` by layer; set the model's float32 weights to the dequantized values (what loading the file gives) and
+    return the file's tensors, q/k rows permuted as llama's converter stores them (attaching must find the order)."""
     tensors: list[tuple[str, str, torch.Tensor | None]] = []
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.out_features % 16 == 0]
     for name, module in linears:
@@ -147,12 +166,15 @@ def test_a_quantized_toy_model_decodes_speculatively_as_it_decodes_plainly(ops, 
     lean = LeanTarget(model)
     assert lean._loop is not None and lean._loop.runs(torch.empty(0))
     assert packed_kind(layer.mlp.down_proj._lattice_packed_weight).startswith("quant-")
-    # the same tokens as the dequantized float32 model on the float32 row kernel
+    # close to the file dequantized to float32 (its inputs rounded to 8 bits), not equal to it
     prompts = [[(7 * i + j * j) % 250 for j in range(12 + i)] for i in range(4)]
+    reference = LeanTarget(dense)
+    reference.prefill(prompts[0][:-1])
+    lean.prefill(prompts[0][:-1])
+    ours, theirs = lean.forward(prompts[0][-1:]), reference.forward(prompts[0][-1:])
+    assert not torch.equal(ours, theirs)
+    assert torch.nn.functional.cosine_similarity(ours, theirs).min() > 0.999
     plain = SpeculativeDecoder(lean, None)
-    reference = SpeculativeDecoder(LeanTarget(dense), None)
-    for p in prompts:
-        assert plain.generate(p, 24).token_ids == reference.generate(p, 24).token_ids
     samplings = [SamplingOptions(), SamplingOptions(temperature=0.9, seed=5)]
     for s in samplings:
         for i, p in enumerate(prompts):
@@ -164,9 +186,10 @@ def test_a_quantized_toy_model_decodes_speculatively_as_it_decodes_plainly(ops, 
             assert SpeculativeDecoder(lean, tree, max_draft=4, costs=FLAT_COSTS).generate(p, 24, s).token_ids == want
     drafter = NgramDrafter(max_ngram=3, min_ngram=1, max_draft=4)
     repeat = [5, 6, 7, 8] * 6
-    assert SpeculativeDecoder(lean, drafter, adaptive=False).generate(repeat, 30).token_ids == plain.generate(
-        repeat, 30
-    ).token_ids
+    assert (
+        SpeculativeDecoder(lean, drafter, adaptive=False).generate(repeat, 30).token_ids
+        == plain.generate(repeat, 30).token_ids
+    )
 
 
 def test_quantized_layers_in_a_batch_and_under_the_transformers_forward(ops):
@@ -187,7 +210,7 @@ def test_quantized_layers_in_a_batch_and_under_the_transformers_forward(ops):
     plain = Generator(model, byte_tokenizer(), method="greedy")
     through = Generator(model, byte_tokenizer(), method="greedy", target=slow)
     assert through.generate(prompts[0], 12).token_ids == plain.generate(prompts[0], 12).token_ids
-    with pytest.raises(ValueError, match="quantized weights compute float32 inputs on the CPU, got torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"quantized weights compute float32 inputs on the CPU, got torch\.bfloat16"):
         model.model.layers[0].mlp.down_proj(torch.zeros(1, 128, dtype=torch.bfloat16))
 
 
@@ -201,3 +224,35 @@ def test_attaching_matches_by_content_and_leaves_what_matches_nothing(ops):
     assert not done.native and done.dequantized == ["blk.1.ffn_down.weight (Q8_0, unmatched)"]
     assert not hasattr(down, QUANT) and down.weight.device.type == "cpu"
     assert pack_linears(model) > 0 and not quant_packed(down._lattice_packed_weight)
+
+
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512vnni",)], ids=["avx2", "avx512-without-vnni"])
+def test_every_build_computes_the_same_bits(ops, flags):
+    """The dots are exact integers and the float steps run lane-wise alike in 8 or 16 lanes: the AVX2 build (pairwise
+    multiply-adds) and the AVX512 build without VNNI equal this build bit for bit, every format, any width."""
+    built = ops.quant_linear_kernel()
+    if built == "avx2" or (built == "avx512" and "-mno-avx512vnni" in flags):
+        pytest.skip(f"this CPU runs the {built} build already")
+    from torch.utils import cpp_extension
+
+    with tempfile.TemporaryDirectory() as directory:
+        bind = Path(directory) / "bind.cpp"
+        bind.write_text(
+            '#include "quant_linear.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
+            '  m.def("quant_linear", &quant_linear); m.def("quant_linear_kernel", &quant_linear_kernel);\n}\n'
+        )
+        other = cpp_extension.load(
+            name="lattice_quant_" + flags[0].removeprefix("-mno-"),
+            sources=[str(bind), str(native_ops.CSRC / "quant_linear.cpp")],
+            extra_cflags=[*native_ops.FLAGS, *flags],
+            extra_include_paths=[str(native_ops.CSRC)],
+            build_directory=directory,
+        )
+        assert other.quant_linear_kernel() == ("avx2" if flags == ("-mno-avx512f",) else "avx512")
+        weight, bias, x = _rand(96, 576, seed=10), _rand(96, seed=11), _rand(23, 576, seed=12) * 3
+        x[0, :32] = 0.0  # an all-zero block of inputs
+        for kind in FORMATS:
+            packed = quant_pack(quantized(weight, kind), kind)
+            ours = ops.quant_linear(x, packed, bias)
+            assert torch.equal(ours, other.quant_linear(x, packed, bias)), kind
+            assert all(torch.equal(other.quant_linear(x[i : i + 1], packed, bias)[0], ours[i]) for i in range(23))

@@ -1,10 +1,10 @@
 """The real default model as its file stores it: SmolLM2-135M-Instruct's Q4_1 GGUF with its weights kept quantized.
 
 ``--dtype auto`` keeps the file's Q4_1 (and its Q8_0 output/embedding) weights in their blocks on CPUs where our
-products run; every linear layer must be attached (none left dequantized), the dense copies dropped, plain
-decoding must emit exactly what the file dequantized to float32 emits on the row kernel (the quantized products
-equal those products bit for bit), and prompt lookup, seeded sampling and batches must equal plain decoding.
-Skipped where the package or our products are absent.
+quantized products run: every linear layer must be attached (none left dequantized) and the dense copies dropped;
+plain decoding of it must stay close to the file dequantized to float32 (a different model: its inputs are
+rounded to 8 bits per block, so tokens agree for a while and then may part); and prompt lookup, seeded sampling
+and batches must equal its own plain decoding. Skipped where the package or our quantized products are absent.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from lattice_inference import Generator
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prompts
+from lattice_inference.devices import placement
 from lattice_inference.loading import load_model
 from lattice_inference.quantized import quantized_weights
 from lattice_inference.targets import native_ops
@@ -21,7 +22,7 @@ from lattice_inference.targets import native_ops
 from .helpers import skip_without_real_model
 
 skip_without_real_model()
-if native_ops.rows() is None:
+if native_ops.quant() is None:
     pytest.skip("our quantized products do not run here", allow_module_level=True)
 
 BUDGET = 40
@@ -36,6 +37,7 @@ def test_auto_keeps_every_linear_layer_of_the_file_quantized(quantized, capfd) -
     done = quantized_weights(quantized.model)
     assert done is not None and dict(done.native) == {"Q4_1": 210, "Q8_0": 1} and not done.dequantized
     assert done.describe() == "linear layers computed as stored: 210 Q4_1, 1 Q8_0; dequantized to float32: none"
+    assert placement(quantized.model) == {"device": "cpu", "dtype": "float32", "weights": "GGUF Q4_1+Q8_0"}
     layer = quantized.model.model.layers[0]
     assert layer.mlp.down_proj.weight.device.type == "meta"
     # the tied output layer keeps the embedding's dense weight (the lookup needs it) and computes from Q8_0
@@ -44,7 +46,7 @@ def test_auto_keeps_every_linear_layer_of_the_file_quantized(quantized, capfd) -
     assert load_model("smollm2", dtype="bfloat16").model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
 
 
-def test_quantized_decoding_equals_the_file_dequantized_to_float32_and_speculation_equals_it(quantized) -> None:
+def test_speculation_equals_plain_decoding_of_the_quantized_model_which_stays_close_to_float32(quantized) -> None:
     dense = load_model("smollm2", dtype="float32")
     eos = quantized.eos_token_ids
     plain = Generator(quantized.model, quantized.tokenizer, method="greedy", eos_token_ids=eos)
@@ -52,15 +54,19 @@ def test_quantized_decoding_equals_the_file_dequantized_to_float32_and_speculati
     ngram = Generator(quantized.model, quantized.tokenizer, method="ngram", adaptive=False, eos_token_ids=eos)
     prompts = [p for p in load_prompts(GROUNDED_TASKS) if p.set == "grounded"][1::7][:5]
     ids = [encode_prompt(plain, p) for p in prompts]
-    accepted = 0
+    accepted = agreed = 0
     for prompt in ids:
         want = plain.generate(prompt, max_new_tokens=BUDGET)
-        assert want.token_ids == reference.generate(prompt, max_new_tokens=BUDGET).token_ids
+        float32 = reference.generate(prompt, max_new_tokens=BUDGET).token_ids
+        agreed += next(
+            (i for i, (a, b) in enumerate(zip(want.token_ids, float32, strict=False)) if a != b), len(float32)
+        )
         fast = ngram.generate(prompt, max_new_tokens=BUDGET)
         assert fast.token_ids == want.token_ids
         accepted += fast.metrics.accepted_tokens
         seeded = plain.generate(prompt, max_new_tokens=24, temperature=0.8, seed=7).token_ids
         assert ngram.generate(prompt, max_new_tokens=24, temperature=0.8, seed=7).token_ids == seeded
     assert accepted > 0
+    assert agreed >= len(ids) * 4  # the first tokens agree with the float32 model's (a broken layout agrees on none)
     many = ngram.generate_many(ids, BUDGET, max_batch=4)
     assert [r.token_ids for r in many] == [plain.generate(p, max_new_tokens=BUDGET).token_ids for p in ids]

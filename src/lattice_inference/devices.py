@@ -17,6 +17,7 @@ from lattice_inference.errors import ConfigError, ModelLoadError
 __all__ = [
     "DEVICE_CHOICES",
     "DEVICE_HELP",
+    "WEIGHTS",
     "check_fits",
     "describe_device",
     "device_map",
@@ -103,8 +104,16 @@ def describe_device(device: torch.device) -> str:
     return str(device)
 
 
+WEIGHTS = "lattice_weights"
+"""Attribute of a model whose linear weights are not in its dtype (a GGUF file's kept quantized: ``"GGUF Q4_1+Q8_0"``,
+set by `lattice_inference.quantized`), which `placement` reports as ``weights``."""
+
+
 def placement(model: torch.nn.Module) -> dict[str, str]:
     """Where ``model``'s weights are and what they are, as ``--json``, bench reports and server metrics say it:
-    ``{"device": "cuda:0 (NVIDIA H200)", "dtype": "bfloat16"}``."""
+    ``{"device": "cuda:0 (NVIDIA H200)", "dtype": "bfloat16"}``, and ``"weights": "GGUF Q4_1+Q8_0"`` where its linear
+    layers run on a GGUF file's quantized blocks (`WEIGHTS`)."""
     weight = next(model.parameters())
-    return {"device": describe_device(weight.device), "dtype": str(weight.dtype).removeprefix("torch.")}
+    found = {"device": describe_device(weight.device), "dtype": str(weight.dtype).removeprefix("torch.")}
+    weights = getattr(model, WEIGHTS, None)
+    return found | {"weights": weights} if isinstance(weights, str) else found

@@ -110,15 +110,15 @@ def torch_dtype(
 
 def keeps_quantized(dtype: str, source: ModelSource, device: str | torch.device = "cpu") -> bool:
     """Whether ``source`` loads with its quantized weights kept as stored (`lattice_inference.quantized`): a GGUF
-    file under ``--dtype auto`` on the CPU where our quantized products run (the native row kernel: AVX2 with FMA,
-    or AVX512F); its other layers and its activations are float32. Elsewhere `torch_dtype` dequantizes it."""
+    file under ``--dtype auto`` on the CPU where our quantized products run (`native_ops.quant`: AVX2 with FMA, or
+    AVX512BW); its other layers and its activations are float32. Elsewhere `torch_dtype` dequantizes it."""
     from lattice_inference.targets import native_ops
 
     return (
         dtype == "auto"
         and source.kind == "gguf"
         and torch.device(device).type == "cpu"
-        and (native_ops.rows() is not None)
+        and native_ops.quant() is not None
     )
 
 

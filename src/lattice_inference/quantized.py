@@ -4,9 +4,11 @@ How: the model loads as before, dequantized to float32 through transformers (`gg
 structure, tokenizer, norms and embedding. Then every 2-d tensor of the file in a format our products compute
 (`targets.quant_linear.FORMATS`) is matched to the ``nn.Linear`` whose float32 weight it dequantizes to, bit for
 bit, and attached to it (`packed_linear.QUANT`, laid out by `quant_pack`); the module's dense copy is dropped
-(kept where it is also the input embedding: a tied ``lm_head``). Our quantized products compute exactly what the
-float32 row products compute over the dequantized weights, so the model computes the same tokens as the file
-dequantized to float32 and run on the row kernel, reading a quarter (Q4) to a half (Q8_0) of bfloat16's bytes.
+(kept where it is also the input embedding: a tied ``lm_head``). Those layers then run on integer dot products
+over the file's blocks (``csrc/quant_linear.cpp``, inputs rounded to 8 bits per block of 32 as llama.cpp rounds
+them), reading a quarter (Q4) to a half (Q8_0) of bfloat16's bytes. The quantized model is its own model, close to
+the file dequantized to float32 (its greedy tokens mostly agree, `bench/bench_quant_sizes.py`): every method is
+checked against plain decoding of it.
 
 Matching by content, not by name: converters rename tensors per architecture and permute the rows of some
 (llama's q/k projections, for its rotary layout, which transformers undoes at load). Each row's hash finds the
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from lattice_inference.devices import WEIGHTS
 from lattice_inference.targets.packed_linear import QUANT
 from lattice_inference.targets.quant_linear import BLOCK, FORMATS, dequantize, quant_pack
 
@@ -129,6 +132,8 @@ def attach_tensors(model: nn.Module, tensors: Iterable[tuple[str, str, torch.Ten
         else:
             done.dequantized.append(f"{name} ({kind}, unmatched)")
     setattr(model, _ATTACHED, done)
+    if done.native:
+        setattr(model, WEIGHTS, f"GGUF {done.formats}")
     return done
 
 

@@ -31,6 +31,8 @@ class Exactness:
     batched: int = 0
     """How many sequences shared the batched forward checked too (0: none; the target does not batch)."""
     failures: tuple[str, ...] = field(default_factory=tuple)
+    kernels: tuple[str, ...] = ()
+    """The product kernels the checked forwards ran (``rows``, ``tiles``, ``quant-Q4_1``, ...: the row plans' kinds)."""
 
     def line(self) -> str:
         """One line for a report."""
@@ -38,6 +40,8 @@ class Exactness:
         checked = span + (", a draft tree" if self.trees else "")
         if self.batched:
             checked += f", {self.batched} sequences in one forward"
+        if self.kernels:
+            checked += f"; products: {', '.join(self.kernels)}"
         if self.exact:
             return f"decode-matched verification: exact (k-token rows equal 1-token steps bitwise, {checked})"
         failures = "; ".join(self.failures)
@@ -51,6 +55,7 @@ class Exactness:
             "trees": self.trees,
             "batched": self.batched,
             "failures": list(self.failures),
+            "kernels": list(self.kernels),
         }
 
 
@@ -92,7 +97,8 @@ def check_exactness(target: Target, max_width: int) -> Exactness:
     batched = BATCH_SEQUENCES if target.batches_sequences and max_width >= 3 and not failures else 0
     if batched:
         failures += _check_batch(target, context, sequence, alone)
-    return Exactness(not failures, widths, trees, batched, tuple(failures))
+    kernels = tuple(sorted({str(key[0]) for key in target.facts.row_plans}))
+    return Exactness(not failures, widths, trees, batched, tuple(failures), kernels)
 
 
 BATCH_SEQUENCES = 3

@@ -15,7 +15,8 @@ instructions; `packed_linear` lays bfloat16 weights out for them and the layer l
 ``LATTICE_AMX=0`` runs the AVX512-BF16 kernel on an AMX CPU too (to compare them; each is row-exact). On those
 CPUs bfloat16 attention (head size 64 or 128) runs on the same dot products, rounded as transformers' bfloat16
 attention rounds (query and probabilities in bfloat16, float32 sums): 1.6-2x faster than in float32 lanes;
-``LATTICE_BF16_ATTENTION=0`` keeps the float32 lanes (each is row-exact).
+``LATTICE_BF16_ATTENTION=0`` keeps the float32 lanes (each is row-exact). And it holds our products over GGUF's
+quantized weights (``csrc/quant_linear.cpp``, `quant`: Q8_0, Q4_0, Q4_1 in their blocks, integer dot products).
 
 It is compiled with the machine's C++ compiler for its own CPU (``-O3 -march=native``) on first use, through
 ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja), into the cache directory
@@ -32,6 +33,7 @@ import hashlib
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -41,8 +43,8 @@ from lattice_inference.cpu_features import cpu_flags, native_compiler_flags
 from lattice_inference.gguf import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "lean_ops.cpp", CSRC / "tile_linear.cpp", CSRC / "rows_linear.cpp")
-HEADERS = (CSRC / "tile_linear.h", CSRC / "rows_linear.h", CSRC / "tensor_checks.h")
+SOURCES = (CSRC / "lean_ops.cpp", CSRC / "tile_linear.cpp", CSRC / "rows_linear.cpp", CSRC / "quant_linear.cpp")
+HEADERS = (CSRC / "tile_linear.h", CSRC / "rows_linear.h", CSRC / "quant_linear.h", CSRC / "tensor_checks.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 """Compiler flags: the host CPU's instruction set; OpenMP pragmas bind to the runtime torch already loaded."""
 
@@ -71,6 +73,21 @@ def build_directory() -> Path:
     return cache_root() / "native" / key.hexdigest()[:16]
 
 
+STALE_LOCK_S = 600.0
+"""A build lock older than this is left by a build that was killed (torch's builders would wait on it forever)."""
+
+
+def _clear_stale_lock(directory: Path) -> None:
+    """Remove the build lock of ``directory`` where a killed build left it (older than `STALE_LOCK_S`)."""
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            print(f"lattice: removed a stale build lock ({lock}) left by an interrupted build", file=sys.stderr)
+    except OSError:  # no lock, or another process took it away first
+        pass
+
+
 @functools.cache
 def _load() -> tuple[ModuleType | None, str | None]:
     if not enabled():
@@ -82,6 +99,7 @@ def _load() -> tuple[ModuleType | None, str | None]:
 
         directory = build_directory()
         directory.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(directory)
         if not any(directory.glob("*.so")):
             print(f"lattice: building the native ops for this CPU, once (into {directory})", file=sys.stderr)
         module = cpp_extension.load(
@@ -140,6 +158,24 @@ def rows_kernel() -> str | None:
     (oneDNN's, see `rows`)."""
     module = rows()
     return None if module is None else str(module.rows_linear_kernel())
+
+
+def quant() -> ModuleType | None:
+    """The built extension where its GGUF-quantized products (``quant_linear``, ``csrc/quant_linear.cpp``: Q8_0, Q4_0
+    and Q4_1 weights in their blocks, integer dot products, every row alike at any width) run here: built for a CPU
+    with AVX512BW or AVX2 with FMA, and not turned off by ``LATTICE_QUANT=0`` (then GGUF files are dequantized at
+    load); else None."""
+    if _switched_off("LATTICE_QUANT"):
+        return None
+    module = ops()
+    return module if module is not None and module.quant_linear_kernel() else None
+
+
+def quant_kernel() -> str | None:
+    """Which vector instructions quantized products run on here: ``"avx512_vnni"``, ``"avx512"``, ``"avx2"``, or
+    None (GGUF files are dequantized, see `quant`)."""
+    module = quant()
+    return None if module is None else str(module.quant_linear_kernel())
 
 
 def product_kernel(dtype: torch.dtype) -> str | None:

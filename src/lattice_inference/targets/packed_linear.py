@@ -27,8 +27,8 @@ computes the fused product and the others return their slice of it when called w
 (anything else runs their own part of the weight).
 
 GGUF weights kept quantized (Q8_0, Q4_0, Q4_1; `lattice_inference.quantized` leaves each module's blocks under
-`QUANT`) run on our quantized products (``csrc/rows_linear.cpp``'s ``quant_linear``, `quant_linear`): float32
-rows, each equal bit for bit to the float32 row product over the dequantized weight, with the file's reads.
+`QUANT`) run on our quantized products (``csrc/quant_linear.cpp``, `quant_linear`): float32 rows in and out,
+integer dot products over the file's blocks, each row the same at any width.
 
 `pack_linears` keeps a packed copy of every ``nn.Linear`` weight (so the linear weights take twice their memory;
 the dense ones stay, for the embedding tie, ``state_dict`` and MTP heads) and routes the module's ``forward``

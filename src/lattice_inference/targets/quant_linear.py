@@ -4,14 +4,15 @@ Why: people who run models on CPUs keep them quantized (the default model itself
 decode step at the sizes they run is a read of the weights. Dequantizing at load reads 4-7x the bytes of the file.
 
 What: GGUF stores a quantized ``[out, in]`` weight as rows of blocks of 32 inputs, each one float16 scale ``d``
-(Q4_1: and a float16 minimum ``m``) and 32 quants. `quant_pack` lays the same bytes out for the native product
-(``csrc/rows_linear.cpp``'s ``quant_linear``): per 16 outputs and 32 inputs one superblock with the 16 outputs'
-scales (and minimums), then the quants input-major, 16 outputs side by side. The product dequantizes each
-superblock into the L1 cache exactly as GGUF's reference dequantization does (`dequantize`: Q8_0 ``d*q``, Q4_0
-``d*(q-8)``, Q4_1 ``d*q+m``; ``d*q`` is exact in float32, so each value is rounded once at most, the same way) and
-then sums as ``rows_linear`` does over that float32 weight. So a quantized product equals the float32 row product
-over the dequantized weight bit for bit, every row alike at any width, with a quarter (Q4) to a half (Q8_0) of
-bfloat16's reads.
+(Q4_1: and a float16 minimum ``m``) and 32 quants (Q8_0 ``d*q``, Q4_0 ``d*(q-8)``, Q4_1 ``d*q+m``). `quant_pack`
+lays the same bytes out for the native product (``csrc/quant_linear.cpp``): per 16 outputs and 32 inputs one
+superblock with the 16 outputs' scales (and minimums), then the quants in groups of 4 inputs, each output's 4 side
+by side, the lanes of an integer dot product. The product quantizes each row's inputs to 8 bits per block of 32
+(as llama.cpp does), takes exact integer dots per block and sums the scaled dots per output in input order: every
+row the same at any width and in every build (AVX2, AVX512, VNNI), with a quarter (Q4) to a half (Q8_0) of
+bfloat16's reads. A quantized model is thus its own model, close to the file dequantized to float32 but not equal
+to it (its inputs are rounded to 8 bits): plain decoding of it is the reference its speculation equals.
+`dequantize` gives GGUF's reference values (what `lattice_inference.quantized` matches layers by).
 """
 
 from __future__ import annotations
@@ -88,11 +89,12 @@ def quant_pack(raw: torch.Tensor, kind: str) -> torch.Tensor:
     parts = [as_bytes(side_by_side(_halves(blocks, 0)))]
     if kind == "Q4_1":
         parts.append(as_bytes(side_by_side(_halves(blocks, 2))))
-    q = side_by_side(_quants(blocks, kind))  # [groups, blocks, 32, 16]
+    q = side_by_side(_quants(blocks, kind))  # [groups, blocks, 32 inputs, 16 outputs]
+    lanes = q.reshape(groups, count, 8, 4, 16).transpose(-1, -2)  # [.., 8 groups of 4 inputs, 16 outputs, 4]
     if kind == "Q8_0":
-        parts.append(as_bytes(q))
-    else:
-        parts.append(as_bytes(q[:, :, 0::2] | (q[:, :, 1::2] << 4)))  # inputs 2p and 2p + 1 in one byte
+        parts.append(as_bytes(lanes))
+    else:  # chunk c: group c in the low nibbles, group c + 4 in the high ones
+        parts.append(as_bytes(lanes[:, :, :4] | (lanes[:, :, 4:] << 4)))
     packed = torch.cat(parts, dim=-1)
     assert packed.shape[-1] == FORMATS[kind][1]
     return packed

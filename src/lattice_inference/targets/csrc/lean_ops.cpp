@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_linear.h"
 #include "rows_linear.h"
 #include "tensor_checks.h"
 #include "tile_linear.h"
@@ -701,7 +702,8 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
 namespace {
 
 // The product `packed_linear` computes from Python: over a `tile_pack`ed weight `tile_linear`, over a `rows_pack`ed
-// one `rows_linear`, over a `quant_pack`ed one `quant_linear`, else oneDNN's linear over its packed weight, through the dispatcher.
+// one `rows_linear`, over a `quant_pack`ed one `quant_linear`, else oneDNN's linear over its packed weight, through
+// the dispatcher.
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
   if (tile_packed(w)) return tile_linear(x, w, b);
   if (rows_packed(w)) return rows_linear(x, w, b);
@@ -801,5 +803,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear_kernel", &rows_linear_kernel);
   m.def("rows_pack", &rows_pack);
   m.def("rows_linear", &rows_linear);
+  m.def("quant_linear_kernel", &quant_linear_kernel);
   m.def("quant_linear", &quant_linear);
 }

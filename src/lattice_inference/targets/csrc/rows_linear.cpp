@@ -47,7 +47,7 @@ inline __m512 broadcast(float x) { return _mm512_set1_ps(x); }
 using Scalar = __m512;
 const char* const KERNEL = "avx512";
 }  // namespace
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(__AVX2__) && defined(__FMA__)
 #define LATTICE_ROWS 1
 #include <immintrin.h>
 namespace {
@@ -157,151 +157,35 @@ void rows_group_widened(const float* x, int64_t n, int64_t in, const uint16_t* w
   }
 }
 
-// Quantized GGUF weights (`quant_pack`'s layout, [out / 16][in / 32][superblock]): per 16 outputs and 32 inputs
-// one superblock holding the 16 outputs' float16 scales (Q4_1: then their float16 minimums), then the 32 inputs'
-// quants, input-major, 16 outputs side by side (Q8_0: one signed byte each; Q4_0/Q4_1: two inputs per byte, the
-// even input in the low nibble). A superblock dequantizes to exactly the float32 values GGUF's reference
-// dequantization gives (Q8_0 d*q, Q4_0 d*(q-8), Q4_1 d*q+m: one rounding at most, the same one), so a product over
-// it equals `rows_linear` over the dequantized float32 weight bit for bit, with a quarter to an eighth of the reads.
-enum class Quant { Q8_0, Q4_0, Q4_1 };
-template <Quant F>
-struct Format;
-template <>
-struct Format<Quant::Q8_0> {
-  static constexpr int64_t HEAD = 32, BYTES = HEAD + 512;
-};
-template <>
-struct Format<Quant::Q4_0> {
-  static constexpr int64_t HEAD = 32, BYTES = HEAD + 256;
-};
-template <>
-struct Format<Quant::Q4_1> {
-  static constexpr int64_t HEAD = 64, BYTES = HEAD + 256;
-};
-
-#if defined(__AVX512F__)
-inline Vec half16(const uint8_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
-inline Vec quant_value(__m512i q, Vec d, Vec off) { return {_mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d.v, off.v)}; }
-inline Vec times(Vec a, float b) { return {_mm512_mul_ps(a.v, _mm512_set1_ps(b))}; }
-// Input k's 16 signed bytes (Q8_0) times the scales.
-inline Vec q8_values(const uint8_t* p, Vec d) {
-  const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return {_mm512_mul_ps(_mm512_cvtepi32_ps(q), d.v)};
-}
-// Two inputs' 16 nibble pairs: the even input's values, then the odd one's.
-inline void q4_values(const uint8_t* p, Vec d, Vec off, Vec& even, Vec& odd) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  even = quant_value(_mm512_and_si512(b, _mm512_set1_epi32(15)), d, off);
-  odd = quant_value(_mm512_srli_epi32(b, 4), d, off);
-}
-#else
-inline Vec half16(const uint8_t* p) {
-  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
-}
-inline __m256i bytes8(const uint8_t* p, bool is_signed) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
-}
-inline __m256 quant8(__m256i q, __m256 d, __m256 off) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, off); }
-inline Vec times(Vec a, float b) { return {_mm256_mul_ps(a.lo, _mm256_set1_ps(b)), _mm256_mul_ps(a.hi, _mm256_set1_ps(b))}; }
-inline Vec q8_values(const uint8_t* p, Vec d) {
-  return {_mm256_mul_ps(_mm256_cvtepi32_ps(bytes8(p, true)), d.lo),
-          _mm256_mul_ps(_mm256_cvtepi32_ps(bytes8(p + 8, true)), d.hi)};
-}
-inline void q4_values(const uint8_t* p, Vec d, Vec off, Vec& even, Vec& odd) {
-  const __m256i lo = bytes8(p, false), hi = bytes8(p + 8, false), mask = _mm256_set1_epi32(15);
-  even = {quant8(_mm256_and_si256(lo, mask), d.lo, off.lo), quant8(_mm256_and_si256(hi, mask), d.hi, off.hi)};
-  odd = {quant8(_mm256_srli_epi32(lo, 4), d.lo, off.lo), quant8(_mm256_srli_epi32(hi, 4), d.hi, off.hi)};
-}
-#endif
-
-// One superblock's 32 x 16 weights, dequantized exactly into ``dst`` (input-major, 16 outputs per input).
-template <Quant F>
-inline void dequantize(const uint8_t* sb, float* dst) {
-  const Vec d = half16(sb);
-  const uint8_t* q = sb + Format<F>::HEAD;
-  if constexpr (F == Quant::Q8_0) {
-    for (int k = 0; k < 32; ++k) store(dst + k * 16, q8_values(q + k * 16, d));
+// The group's sums plus the bias, stored as O (float32, or bfloat16 rounded to nearest even).
+template <int G, typename W, typename O>
+void rows_group_bias(const float* x, int64_t n, int64_t in, const W* w, int64_t block, float* sums,
+                     const float* bias, O* out, int64_t stride, int64_t col) {
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (n > CHUNK) rows_group_widened<G>(x, n, in, w, block, sums);
+    else rows_group<G, W>(x, n, in, w, block, sums);
   } else {
-    const Vec off = F == Quant::Q4_0 ? times(d, -8.0f) : half16(sb + 32);  // d*q - 8d = d*(q-8), exact
-    for (int p = 0; p < 16; ++p) {
-      Vec even, odd;
-      q4_values(q + p * 16, d, off, even, odd);
-      store(dst + p * 32, even);
-      store(dst + p * 32 + 16, odd);
-    }
+    rows_group<G, W>(x, n, in, w, block, sums);
   }
-}
-
-// `rows_group` over quantized weights (``block`` bytes apart): each slice of the group's superblocks dequantized
-// once into an L1 buffer (while the next slice is fetched) that every chunk of rows reads as float32: the same
-// exact values, so every sum is the one `rows_group` computes over the dequantized float32 weight.
-template <int G, Quant F>
-void quant_group(const float* x, int64_t n, int64_t in, const uint8_t* w, int64_t block, float* sums) {
-  constexpr int64_t cols = G * 16, span = SLICE * 16, bytes = Format<F>::BYTES;
-  std::fill(sums, sums + n * cols, 0.0f);
-  alignas(64) float buf[G * span];
-  for (int64_t k0 = 0; k0 < in; k0 += SLICE) {
-    const int64_t k1 = std::min(in, k0 + SLICE), len = k1 - k0;
-    for (int g = 0; g < G; ++g) {
-      const uint8_t* src = w + g * block + k0 / 32 * bytes;
-      if (k1 < in)
-        for (int64_t i = 0; i < SLICE / 32 * bytes; i += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(src + len / 32 * bytes + i), _MM_HINT_T0);
-      for (int64_t s = 0; s < len / 32; ++s) dequantize<F>(src + s * bytes, buf + g * span + s * 512);
-    }
-    int64_t r = 0;
-    for (; r + CHUNK <= n; r += CHUNK) rows_chunk<CHUNK, G, float>(x + r * in + k0, in, buf, span, 0, len, sums + r * cols);
-    if (r < n) rows_tail<CHUNK - 1, G, float>(x + r * in + k0, n - r, in, buf, span, 0, len, sums + r * cols);
-  }
-}
-
-// The sums of ``n`` rows over G blocks plus the bias, stored as O (float32, or bfloat16 rounded to nearest even).
-template <typename O>
-void store_sums(int64_t n, int64_t cols, const float* sums, const float* bias, O* out, int64_t stride, int64_t col) {
   for (int64_t r = 0; r < n; ++r)
-    for (int64_t j = 0; j < cols; ++j)
-      out[r * stride + col + j] = static_cast<O>(sums[r * cols + j] + (bias ? bias[col + j] : 0.0f));
-}
-
-// Every block of a weight over ``n`` rows into ``out`` (O): the blocks split in groups over the threads, and
-// ``group(G, b, sums)`` (G an std::integral_constant) filling the sums [n][G * 16] of the G blocks from block b.
-template <typename O, typename Group>
-void blocks_all(int64_t n, int64_t blocks, const float* bp, O* op, const Group& group) {
-  const int64_t out = blocks * 16;
-  at::parallel_for(0, blocks, GROUP, [&](int64_t b0, int64_t b1) {
-    std::vector<float> sums(n * GROUP * 16);
-    for (int64_t b = b0; b < b1; b += GROUP) {
-      const int64_t width = std::min<int64_t>(GROUP, b1 - b);
-      if (width == GROUP) group(std::integral_constant<int, GROUP>{}, b, sums.data());
-      else if (width == 3) group(std::integral_constant<int, 3>{}, b, sums.data());
-      else if (width == 2) group(std::integral_constant<int, 2>{}, b, sums.data());
-      else group(std::integral_constant<int, 1>{}, b, sums.data());
-      store_sums<O>(n, width * 16, sums.data(), bp, op, out, b * 16);
-    }
-  });
+    for (int64_t j = 0; j < G * 16; ++j)
+      out[r * stride + col + j] = static_cast<O>(sums[r * G * 16 + j] + (bias ? bias[col + j] : 0.0f));
 }
 
 // Every block of a packed weight (``W``: float or bfloat16 bits) over ``n`` float32 rows into ``out`` (O).
 template <typename W, typename O>
 void rows_all(const float* xp, int64_t n, int64_t in, const W* wp, int64_t blocks, const float* bp, O* op) {
-  const int64_t block = in * 16;
-  blocks_all<O>(n, blocks, bp, op, [&](auto width, int64_t b, float* sums) {
-    constexpr int G = decltype(width)::value;
-    if constexpr (std::is_same_v<W, uint16_t>) {
-      if (n > CHUNK) return rows_group_widened<G>(xp, n, in, wp + b * block, block, sums);
+  const int64_t block = in * 16, out = blocks * 16;
+  at::parallel_for(0, blocks, GROUP, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sums(n * GROUP * 16);
+    for (int64_t b = b0; b < b1; b += GROUP) {
+      const int64_t width = std::min<int64_t>(GROUP, b1 - b);
+      const W* wg = wp + b * block;
+      if (width == GROUP) rows_group_bias<GROUP, W, O>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
+      else if (width == 3) rows_group_bias<3, W, O>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
+      else if (width == 2) rows_group_bias<2, W, O>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
+      else rows_group_bias<1, W, O>(xp, n, in, wg, block, sums.data(), bp, op, out, b * 16);
     }
-    rows_group<G, W>(xp, n, in, wp + b * block, block, sums);
-  });
-}
-
-// Every block of a `quant_pack`ed weight (format F) over ``n`` float32 rows into float32 ``out``.
-template <Quant F>
-void quant_all(const float* xp, int64_t n, int64_t in, const uint8_t* wp, int64_t blocks, const float* bp, float* op) {
-  const int64_t block = in / 32 * Format<F>::BYTES;
-  blocks_all<float>(n, blocks, bp, op, [&](auto width, int64_t b, float* sums) {
-    quant_group<decltype(width)::value, F>(xp, n, in, wp + b * block, block, sums);
   });
 }
 
@@ -353,40 +237,6 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   else
     rows_all<uint16_t, c10::BFloat16>(xp, n, in, reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
                                       blocks, bp, result.data_ptr<c10::BFloat16>());
-#endif
-  return result;
-}
-
-torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(!rows_linear_kernel().empty(), "quant_linear: this build has neither AVX512F nor AVX2 with FMA");
-  check_cpu(packed, "quant_linear", "packed");
-  TORCH_CHECK(quant_packed(packed), "quant_linear: the weight must be quant_pack's layout (uint8 [out/16, in/32, ",
-              "544 | 288 | 320])");
-  TORCH_CHECK(x.defined() && x.device().is_cpu(), "quant_linear: x must be a CPU tensor");
-  const int64_t blocks = packed.size(0), in = packed.size(1) * 32, out = blocks * 16;
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "quant_linear: float32 input expected, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, "quant_linear: input of ", x.size(-1), " features, the weight takes ",
-              in);
-  TORCH_CHECK(!bias.has_value() || (bias->device().is_cpu() && bias->numel() == out &&
-                                    bias->scalar_type() == torch::kFloat32),
-              "quant_linear: a float32 CPU bias of ", out, " values expected");
-  const torch::Tensor rows_in = x.reshape({-1, in}).contiguous();
-  const int64_t n = rows_in.size(0);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out;
-  torch::Tensor result = torch::empty(shape, x.options());
-#ifdef LATTICE_ROWS
-  if (n == 0) return result;
-  const torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
-  const float* bp = bias.has_value() ? bc.data_ptr<float>() : nullptr;
-  const float* xp = rows_in.data_ptr<float>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* op = result.data_ptr<float>();
-  switch (packed.size(2)) {
-    case Format<Quant::Q8_0>::BYTES: quant_all<Quant::Q8_0>(xp, n, in, wp, blocks, bp, op); break;
-    case Format<Quant::Q4_0>::BYTES: quant_all<Quant::Q4_0>(xp, n, in, wp, blocks, bp, op); break;
-    default: quant_all<Quant::Q4_1>(xp, n, in, wp, blocks, bp, op);
-  }
 #endif
   return result;
 }

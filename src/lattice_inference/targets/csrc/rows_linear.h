@@ -16,13 +16,3 @@ inline bool rows_packed(const torch::Tensor& packed) {
   return packed.dim() == 3 && packed.size(2) == 16 &&
          (packed.scalar_type() == torch::kFloat32 || packed.scalar_type() == torch::kBFloat16);
 }
-
-// x [..., in] (float32) @ weight.T + bias over a quantized GGUF weight in `quant_pack`'s layout (uint8 [out / 16,
-// in / 32, superblock]: Q8_0 544, Q4_0 288, Q4_1 320 bytes): each weight dequantized exactly as GGUF's reference
-// does, then the sums `rows_linear` computes over that float32 weight, bit for bit (see rows_linear.cpp).
-torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
-// Whether ``packed`` is in `quant_pack`'s layout (its last size names the format).
-inline bool quant_packed(const torch::Tensor& packed) {
-  return packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 &&
-         (packed.size(2) == 544 || packed.size(2) == 288 || packed.size(2) == 320);
-}
