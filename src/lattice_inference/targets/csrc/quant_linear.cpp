@@ -8,7 +8,8 @@
 // What each row computes, one fixed sequence whichever rows come with it:
 // 1. its inputs quantized per block of 32 to signed bytes: amax = max |x|, d = amax / 127, q = x * (1 / d) rounded to
 //    nearest even, s = sum of q (llama.cpp's Q8_0 activations, d kept in float32);
-// 2. per output and block, the integer dot of the weight's quants with the row's (Q4_0: quants minus 8), exact;
+// 2. per output and block, the integer dot of the weight's quants with the row's (Q4_0: quants minus 8), exact
+//    (however computed: VNNI dot products, pairwise multiply-adds that cannot saturate on these ranges, offsets);
 // 3. per output, over the blocks in input order: acc = fma(d_w * d_x, dot, acc), for Q4_1 then also
 //    acc = fma(m_w, d_x * s, acc); the bias added last.
 // The dots are exact integers, so how they are computed (AVX512-VNNI dot products, or pairwise multiply-adds,
@@ -60,15 +61,31 @@ inline VI dot4(VI acc, VI w, VI x) {
   return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.v, x.v), _mm512_set1_epi16(1)))};
 #endif
 }
-// Signed weights: |w| times x with w's sign (|w| <= 128 and |x| <= 127: no pair sum saturates).
+// Signed weights (Q8_0) times signed inputs. With VNNI: the inputs offset by 128 (unsigned, a flip of the sign bit)
+// times the weights, less 128 times the weights' sum (one dot product per row, the sum shared by the rows).
+// Without: |w| times x with w's sign (|w| <= 128 and |x| <= 127: no pair sum saturates).
+#if defined(__AVX512VNNI__)
+struct Signed {
+  __m512i w;
+};
+inline Signed signed_weights(VI w) { return {w.v}; }
+inline VI q8_input(VI x) { return {_mm512_xor_si512(x.v, _mm512_set1_epi8(-128))}; }
+inline VI q8_weight_sum(VI sum, const Signed& w) { return {_mm512_dpbusd_epi32(sum.v, _mm512_set1_epi8(1), w.w)}; }
+inline VI dot4_signed(VI acc, const Signed& w, VI x) { return {_mm512_dpbusd_epi32(acc.v, x.v, w.w)}; }
+inline VI q8_correct(VI dot, VI sum) { return {_mm512_sub_epi32(dot.v, _mm512_slli_epi32(sum.v, 7))}; }
+#else
 struct Signed {
   __m512i abs;
   __mmask64 negative;
 };
 inline Signed signed_weights(VI w) { return {_mm512_abs_epi8(w.v), _mm512_movepi8_mask(w.v)}; }
+inline VI q8_input(VI x) { return x; }
+inline VI q8_weight_sum(VI sum, const Signed&) { return sum; }
 inline VI dot4_signed(VI acc, const Signed& w, VI x) {
   return dot4(acc, {w.abs}, {_mm512_mask_sub_epi8(x.v, w.negative, _mm512_setzero_si512(), x.v)});
 }
+inline VI q8_correct(VI dot, VI) { return dot; }
+#endif
 inline VI minus(VI a, int32_t b) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(b))}; }
 inline VF half16(const uint8_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 inline VF scaled(VF d, float dx) { return {_mm512_mul_ps(d.v, _mm512_set1_ps(dx))}; }
@@ -118,6 +135,9 @@ struct Signed {
   VI w;
 };
 inline Signed signed_weights(VI w) { return {w}; }
+inline VI q8_input(VI x) { return x; }
+inline VI q8_weight_sum(VI sum, const Signed&) { return sum; }
+inline VI q8_correct(VI dot, VI) { return dot; }
 inline VI dot4_signed(VI acc, const Signed& s, VI x) {
   const VI w = s.w;
   return {dot4_half(acc.lo, _mm256_sign_epi8(w.lo, w.lo), _mm256_sign_epi8(x.lo, w.lo)),
@@ -233,14 +253,19 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g) dot[r][g] = izero();
     if constexpr (F == Quant::Q8_0) {
+      VI sums[G];
+      for (int g = 0; g < G; ++g) sums[g] = izero();
       for (int j = 0; j < 8; ++j) {
         VI x4[R];
-        for (int r = 0; r < R; ++r) x4[r] = bcast4(xb + r * in + 4 * j);
+        for (int r = 0; r < R; ++r) x4[r] = q8_input(bcast4(xb + r * in + 4 * j));
         for (int g = 0; g < G; ++g) {
           const Signed wv = signed_weights(load64(sb[g] + head + 64 * j));
+          sums[g] = q8_weight_sum(sums[g], wv);
           for (int r = 0; r < R; ++r) dot[r][g] = dot4_signed(dot[r][g], wv, x4[r]);
         }
       }
+      for (int g = 0; g < G; ++g)
+        for (int r = 0; r < R; ++r) dot[r][g] = q8_correct(dot[r][g], sums[g]);
     } else {
       for (int c = 0; c < 4; ++c) {
         VI xlo[R], xhi[R];
