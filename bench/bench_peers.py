@@ -44,7 +44,8 @@ from lattice_inference.api import mtp_head_for
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, first_per_kind, load_prompts
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.devices import placement
-from lattice_inference.loading import load_model
+from lattice_inference.loading import load_model, torch_dtype
+from lattice_inference.model_source import resolve_model
 from lattice_inference.mtp.head_file import shipped_head
 from lattice_inference.options import DecodeOptions
 
@@ -194,7 +195,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--prompts", default=str(GROUNDED_TASKS))
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        help="ours and the peers' dtype; auto: ours as `--dtype auto` loads it (a GGUF file kept quantized on a CPU), "
+        "transformers in the dtype auto dequantizes to",
+    )
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto (vLLM and llama.cpp: CPU)")
     ap.add_argument(
         "--hf-static",
@@ -222,8 +229,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     quiet_transformers()
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    # never packed: transformers as users run it
-    reference_model = load_model(args.model, dtype=args.dtype, device=args.device).model
+    # never packed: transformers as users run it (under auto, in the dtype auto dequantizes a GGUF file to)
+    hf_dtype = args.dtype
+    if args.dtype == "auto":
+        hf_dtype = str(torch_dtype("auto", resolve_model(args.model), args.device, ours=False)).removeprefix("torch.")
+    reference_model = load_model(args.model, dtype=hf_dtype, device=args.device).model
     eos = loaded.eos_token_ids[0]
     prompts = first_per_kind(load_prompts(args.prompts), args.per_kind)[: args.limit]
 

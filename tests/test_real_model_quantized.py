@@ -3,8 +3,9 @@
 ``--dtype auto`` keeps the file's Q4_1 (and its Q8_0 output/embedding) weights in their blocks on CPUs where our
 quantized products run: every linear layer must be attached (none left dequantized) and the dense copies dropped;
 plain decoding of it must stay close to the file dequantized to float32 (a different model: its inputs are
-rounded to 8 bits per block, so tokens agree for a while and then may part); and prompt lookup, seeded sampling
-and batches must equal its own plain decoding. Skipped where the package or our quantized products are absent.
+rounded to 8 bits per block, so tokens agree for a while and then may part); and prompt lookup, seeded sampling,
+batches and the shipped MTP head must equal its own plain decoding. Skipped where the package or our quantized
+products are absent.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import pytest
 import torch
 
 from lattice_inference import Generator
+from lattice_inference.api import mtp_head_for
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prompts
 from lattice_inference.devices import placement
 from lattice_inference.loading import load_model
+from lattice_inference.options import DecodeOptions
 from lattice_inference.quantized import quantized_weights
 from lattice_inference.targets import native_ops
 
@@ -70,3 +73,14 @@ def test_speculation_equals_plain_decoding_of_the_quantized_model_which_stays_cl
     assert agreed >= len(ids) * 4  # the first tokens agree with the float32 model's (a broken layout agrees on none)
     many = ngram.generate_many(ids, BUDGET, max_batch=4)
     assert [r.token_ids for r in many] == [plain.generate(p, max_new_tokens=BUDGET).token_ids for p in ids]
+
+
+def test_the_shipped_mtp_head_drafts_for_the_quantized_model_losslessly(quantized) -> None:
+    eos = quantized.eos_token_ids
+    head = mtp_head_for(quantized, DecodeOptions(method="mtp").draft_length)
+    plain = Generator(quantized.model, quantized.tokenizer, method="greedy", eos_token_ids=eos)
+    mtp = Generator(quantized.model, quantized.tokenizer, method="mtp", mtp_head=head, eos_token_ids=eos)
+    prompt = encode_prompt(plain, load_prompts(GROUNDED_TASKS)[3])
+    fast = mtp.generate(prompt, max_new_tokens=BUDGET)
+    assert fast.token_ids == plain.generate(prompt, max_new_tokens=BUDGET).token_ids
+    assert fast.metrics.drafted_tokens > 0

@@ -103,13 +103,21 @@ def file_tensors(path: str | Path) -> Iterator[tuple[str, str, torch.Tensor | No
             yield tensor.name, kind, raw
 
 
+def _kept_dense(model: nn.Module) -> set[int]:
+    """The ids of the weights whose dense copy stays: the input embedding's (its lookup) and the output layer's (MTP
+    heads share it; tied, it is the embedding's)."""
+    if not isinstance(model, PreTrainedModel):
+        return set()
+    modules = (model.get_input_embeddings(), model.get_output_embeddings())
+    return {id(m.weight) for m in modules if isinstance(m, nn.Module) and isinstance(m.weight, torch.Tensor)}
+
+
 def attach_tensors(model: nn.Module, tensors: Iterable[tuple[str, str, torch.Tensor | None]]) -> QuantizedWeights:
     """Give every linear layer of ``model`` whose float32 weight one of ``tensors`` (`file_tensors`) dequantizes
     to its quantized blocks (`packed_linear.QUANT`) and drop its dense copy (see the module docstring); ``model``
     must not be packed yet (`pack_linears` then runs those layers on the blocks)."""
     candidates = _candidates(model)
-    inputs = model.get_input_embeddings() if isinstance(model, PreTrainedModel) else None
-    embedding = inputs.weight if isinstance(inputs, nn.Embedding) else None
+    kept = _kept_dense(model)
     done = QuantizedWeights()
     for name, kind, raw in tensors:
         if raw is None:
@@ -124,7 +132,7 @@ def attach_tensors(model: nn.Module, tensors: Iterable[tuple[str, str, torch.Ten
             if perm is None:
                 continue
             setattr(module, QUANT, quant_pack(raw[perm], kind))
-            if module.weight is not embedding:  # tied to the input embedding: the lookup still needs it
+            if id(module.weight) not in kept:  # the embedding's, or the output layer's (MTP heads share it)
                 module.weight = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
             candidates[shape].remove(module)
             done.native[kind] += 1
