@@ -47,6 +47,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -195,6 +196,16 @@ def ensure_gguf(work: Path, shape: str, fmt: str) -> tuple[Path, float]:
 # ------------------------------------------------------------------------------------------------------- workers
 
 
+def forward_row(args: argparse.Namespace, steps: list[float], verifies: list[float]) -> dict[str, Any]:
+    """The row of one engine's timed 1-token steps and 16-token forwards (seconds): medians and minima in ms."""
+    return {
+        "what": "forward", "context": args.context, "reps": args.reps,
+        "step_ms": round(statistics.median(steps) * 1e3, 3), "verify16_ms": round(statistics.median(verifies) * 1e3, 3),
+        "step_ms_min": round(min(steps) * 1e3, 3), "verify16_ms_min": round(min(verifies) * 1e3, 3),
+        "peak_rss_gb": peak_rss_gb(),
+    }  # fmt: skip
+
+
 def timed_pairs(step: Any, verify: Any, warmup: int, reps: int) -> tuple[list[float], list[float]]:
     """``warmup`` untimed calls of each, then ``reps`` timed calls of each taking turns (seconds)."""
     for _ in range(warmup):
@@ -244,13 +255,7 @@ def ours_worker(args: argparse.Namespace) -> None:
         target.rollback(len(context))
         return seconds
 
-    steps, verifies = timed_pairs(lambda: run(draft[:1]), lambda: run(draft), args.warmup, args.reps)
-    emit({
-        "what": "forward", "context": args.context, "reps": args.reps,
-        "step_ms": round(statistics.median(steps) * 1e3, 3), "verify16_ms": round(statistics.median(verifies) * 1e3, 3),
-        "step_ms_min": round(min(steps) * 1e3, 3), "verify16_ms_min": round(min(verifies) * 1e3, 3),
-        "peak_rss_gb": peak_rss_gb(),
-    })  # fmt: skip
+    emit(forward_row(args, *timed_pairs(lambda: run(draft[:1]), lambda: run(draft), args.warmup, args.reps)))
 
     if args.e2e_reps <= 0:
         return
@@ -303,13 +308,7 @@ def llamacpp_worker(args: argparse.Namespace) -> None:
         ctx.kv_cache_seq_rm(0, n_past, -1)  # untimed, as our rollback
         return seconds
 
-    steps, verifies = timed_pairs(lambda: run(draft[:1]), lambda: run(draft), args.warmup, args.reps)
-    emit({
-        "what": "forward", "context": args.context, "reps": args.reps,
-        "step_ms": round(statistics.median(steps) * 1e3, 3), "verify16_ms": round(statistics.median(verifies) * 1e3, 3),
-        "step_ms_min": round(min(steps) * 1e3, 3), "verify16_ms_min": round(min(verifies) * 1e3, 3),
-        "peak_rss_gb": peak_rss_gb(),
-    })  # fmt: skip
+    emit(forward_row(args, *timed_pairs(lambda: run(draft[:1]), lambda: run(draft), args.warmup, args.reps)))
 
     if args.e2e_reps <= 0:
         return
@@ -328,19 +327,6 @@ def llamacpp_worker(args: argparse.Namespace) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- orchestration
-
-
-def cpu_line() -> str:
-    """``lscpu``'s model name and whether the AVX512 / bf16 / AMX flags are there."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}
-    flags = set(fields.get("Flags", "").split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    have = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in wanted)
-    return f"{fields.get('Model name', 'unknown CPU')}, {os.cpu_count()} cores; {have}"
 
 
 def find_peers_python(given: str | None) -> Path | None:
@@ -525,7 +511,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="135m")
     ap.add_argument("--formats", default="F32,BF16,Q8_0,Q4_0", help="any of F32, BF16, Q8_0, Q4_0, comma-separated")
-    ap.add_argument("--work", default="/tmp/quant_sizes", help="where the GGUF files are written and kept")
+    ap.add_argument(
+        "--work",
+        default=str(Path(tempfile.gettempdir()) / "quant_sizes"),
+        help="where the GGUF files are written and kept (default: quant_sizes in the temporary directory)",
+    )
     ap.add_argument("--out", default="quant_sizes.jsonl", help="JSONL file the rows are appended to")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=128, help="tokens in the cache before the timed forwards")
@@ -551,7 +541,9 @@ def main() -> None:
         with open(args.summarise, encoding="utf-8") as f:
             print(table([json.loads(line) for line in f if line.strip()]))
         return
-    cpu = cpu_line()
+    from bench_serve_concurrency import cpu_line  # here: the llama.cpp worker (the peers venv) never needs it
+
+    cpu = cpu_line(("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"))
     command = "python " + " ".join(sys.argv)
     print(f"command: {command}\n{cpu}; {args.threads} threads; ours{' held to AVX2' if args.avx2 else ''}",
           flush=True)  # fmt: skip

@@ -136,15 +136,14 @@ def make_requests(prompts: Sequence[BenchPrompt], count: int, seeded: bool) -> l
 # -- machine and output --------------------------------------------------------------------------------------
 
 
-def cpu_line() -> str:
-    """``lscpu``'s model name and whether the bf16 / AMX flags are there."""
+def cpu_line(wanted: tuple[str, ...] = ("avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")) -> str:
+    """``lscpu``'s model name and whether each of the ``wanted`` flags (by default the bf16 / AMX ones) is there."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         out = ""
     fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}
     flags = set(fields.get("Flags", "").split())
-    wanted = ("avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
     have = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in wanted)
     return f"{fields.get('Model name', 'unknown CPU')}, {os.cpu_count()} cores; {have}"
 

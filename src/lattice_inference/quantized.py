@@ -70,9 +70,11 @@ def _row_hashes(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _row_order(found: torch.Tensor, found_hashes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """The row order ``perm`` with ``found[perm]`` equal to ``weight`` bit for bit (same values), else None."""
-    wanted = _row_hashes(weight)
+def _row_order(
+    found: torch.Tensor, found_hashes: torch.Tensor, weight: torch.Tensor, wanted: torch.Tensor
+) -> torch.Tensor | None:
+    """The row order ``perm`` with ``found[perm]`` equal to ``weight`` (whose row hashes are ``wanted``) bit for bit,
+    else None."""
     if not torch.equal(found_hashes.sort().values, wanted.sort().values):
         return None
     perm = torch.empty_like(wanted)
@@ -118,6 +120,7 @@ def attach_tensors(model: nn.Module, tensors: Iterable[tuple[str, str, torch.Ten
     must not be packed yet (`pack_linears` then runs those layers on the blocks)."""
     candidates = _candidates(model)
     kept = _kept_dense(model)
+    hashes_of: dict[int, torch.Tensor] = {}  # each candidate's row hashes, computed once
     done = QuantizedWeights()
     for name, kind, raw in tensors:
         if raw is None:
@@ -128,7 +131,10 @@ def attach_tensors(model: nn.Module, tensors: Iterable[tuple[str, str, torch.Ten
         values = dequantize(raw, kind)
         hashes = _row_hashes(values)
         for module in candidates.get(shape, []):
-            perm = _row_order(values, hashes, module.weight.detach())
+            weight = module.weight.detach()
+            if id(module) not in hashes_of:
+                hashes_of[id(module)] = _row_hashes(weight)
+            perm = _row_order(values, hashes, weight, hashes_of[id(module)])
             if perm is None:
                 continue
             setattr(module, QUANT, quant_pack(raw[perm], kind))

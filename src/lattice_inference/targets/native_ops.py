@@ -125,15 +125,21 @@ def ops() -> ModuleType | None:
     return _load()[0]
 
 
+def _products(variable: str, available: str) -> ModuleType | None:
+    """The built extension where its products behind ``available`` (a function of it that says they run here) are
+    built and not turned off by the environment variable ``variable``; else None."""
+    if _switched_off(variable):
+        return None
+    module = ops()
+    return module if module is not None and getattr(module, available)() else None
+
+
 def tiles() -> ModuleType | None:
     """The built extension where its bfloat16 products (``tile_pack``/``tile_linear``, ``csrc/tile_linear.cpp``)
     run here: built for a CPU with AVX512-BF16 (AMX tiles where the OS grants them, `tile_kernel`), and not turned
     off by ``LATTICE_TILES=0`` (then bfloat16 products run on the row kernel, `rows`, or with ``LATTICE_ROWS=0`` on
     oneDNN); else None."""
-    if _switched_off("LATTICE_TILES"):
-        return None
-    module = ops()
-    return module if module is not None and module.tile_linear_available() else None
+    return _products("LATTICE_TILES", "tile_linear_available")
 
 
 def tile_kernel() -> str | None:
@@ -147,10 +153,7 @@ def rows() -> ModuleType | None:
     """The built extension where its float32 products (``rows_pack``/``rows_linear``, ``csrc/rows_linear.cpp``: each
     row computed alike at any width) run here: built for a CPU with AVX512F or AVX2 and FMA, and not turned off by
     ``LATTICE_ROWS=0`` (then float32 products run on oneDNN, whose rows are not reusable); else None."""
-    if _switched_off("LATTICE_ROWS"):
-        return None
-    module = ops()
-    return module if module is not None and module.rows_linear_kernel() else None
+    return _products("LATTICE_ROWS", "rows_linear_kernel")
 
 
 def rows_kernel() -> str | None:
@@ -165,10 +168,7 @@ def quant() -> ModuleType | None:
     and Q4_1 weights in their blocks, integer dot products, every row alike at any width) run here: built for a CPU
     with AVX512BW or AVX2 with FMA, and not turned off by ``LATTICE_QUANT=0`` (then GGUF files are dequantized at
     load); else None."""
-    if _switched_off("LATTICE_QUANT"):
-        return None
-    module = ops()
-    return module if module is not None and module.quant_linear_kernel() else None
+    return _products("LATTICE_QUANT", "quant_linear_kernel")
 
 
 def quant_kernel() -> str | None:

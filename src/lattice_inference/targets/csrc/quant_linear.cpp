@@ -281,12 +281,12 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
       }
     }
     for (int g = 0; g < G; ++g) {
-      const VF dw = half16(sb[g]);
+      const VF dw = half16(sb[g]), mw = F == Quant::Q4_1 ? half16(sb[g] + 32) : dw;
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * nb + b;
         const VI sum = F == Quant::Q4_0 ? minus(dot[r][g], 8 * xq.s[i]) : dot[r][g];  // quants minus 8
         acc[r][g] = fma_int(scaled(dw, xq.d[i]), sum, acc[r][g]);
-        if constexpr (F == Quant::Q4_1) acc[r][g] = fma_scalar(half16(sb[g] + 32), xq.ds[i], acc[r][g]);
+        if constexpr (F == Quant::Q4_1) acc[r][g] = fma_scalar(mw, xq.ds[i], acc[r][g]);
       }
     }
   }
