@@ -104,6 +104,19 @@ def build_engine(args: argparse.Namespace) -> Engine:
     return Engine(loaded, settings, name=name, mtp_head_path=args.mtp_head, suffix_scope=args.suffix_scope)
 
 
+def _load(args: argparse.Namespace) -> tuple[Engine, float]:
+    """The engine, its self-check run and its forward costs measured (off the first request); returns it and the
+    seconds the checks took."""
+    from lattice_inference.batching import Batch
+
+    engine = build_engine(args)
+    decoder = engine.generator(engine.defaults).decoder
+    seconds = decoder.prepare()
+    if args.max_batch > 1:
+        seconds += Batch(decoder.target).prepare(decoder)
+    return engine, seconds
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; returns the exit code."""
     from lattice_inference.errors import ConfigError
@@ -113,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
         from lattice_inference.serve.shutdown import serve
     except ImportError as exc:
         raise ConfigError(f"lattice serve needs its extra: pip install 'lattice-inference[serve]' ({exc})") from None
-    from lattice_inference.batching import Batch
     from lattice_inference.engines import parse_engines
+    from lattice_inference.threads import run_on_passing_thread
 
     if parse_engines(args.engine) != ["local"]:
         return _serve_vllm(args)
@@ -130,11 +143,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be 1..65535, got {args.port}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = build_engine(args)
+    engine, seconds = run_on_passing_thread(lambda: _load(args))  # see `lattice_inference.threads`
     decoder = engine.generator(engine.defaults).decoder
-    seconds = decoder.prepare()  # off the first request
-    if args.max_batch > 1:
-        seconds += Batch(decoder.target).prepare(decoder)
     if decoder.exactness is not None:
         print(f"lattice serve: {decoder.exactness.line()} ({seconds:.1f}s at start)", flush=True)
     api_key = args.api_key or [k for k in os.environ.get("LATTICE_API_KEY", "").split(",") if k] or None

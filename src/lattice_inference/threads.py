@@ -1,0 +1,45 @@
+"""Which thread runs a model's CPU work, and why a server loads its model on a thread that then exits.
+
+torch's CPU kernels (and ours, through ``at::parallel_for``) run on GNU OpenMP, which keeps one pool of worker
+threads per thread that starts parallel work, for as long as that thread lives. Once the pools together hold more
+threads than the machine has cores, libgomp stops letting any worker spin between parallel regions: each one
+sleeps and is woken again for the next region (its "throttled" spin count). A decode step is hundreds of short
+parallel regions, so it pays a wake-up for each. Measured on a 2-core EPYC (bfloat16 native), SmolLM2's Q4_1 file,
+`ngram`, six requests: 3.0 s on the thread that loaded the model, 5.4-6.1 s on a second thread while the first
+one lived (its pool still counted), 3.0 s on a second thread once the loading thread had exited. ``lattice
+serve`` loaded the model on its main thread and generated on a worker thread: every request ran at the slow
+rate, 82-90 tokens/s for one client where the same requests ran at 165 in a script.
+
+`run_on_passing_thread` runs the loading (and the load-time checks) on a thread that exits when done, so the
+thread that later generates holds the process's only pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+__all__ = ["run_on_passing_thread"]
+
+T = TypeVar("T")
+
+
+def run_on_passing_thread(fn: Callable[[], T], name: str = "lattice-load") -> T:
+    """Run ``fn`` on a new thread, wait for it and return its result (or raise its exception here); the thread,
+    and the OpenMP worker pool its parallel work made, are gone when this returns (see the module docstring)."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # re-raised on the calling thread
+            error.append(exc)
+
+    thread = threading.Thread(target=body, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
