@@ -20,6 +20,7 @@ from lattice_inference.flags import (
     positive_int,
 )
 from lattice_inference.options import DEFAULT_BENCH_METHODS, DEFAULT_TRACE_METHODS, needs_mtp_head, parse_methods
+from lattice_inference.process import settle_after_load
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +138,7 @@ def _generate(args: argparse.Namespace) -> int:
         args.model, dtype=args.dtype, device=args.device, options=options, mtp_head=args.mtp_head
     )
     gen.prepare()  # the self-check and cost calibration belong to loading, not to the request's timings
+    settle_after_load()
     prompt_ids = gen.encode(text, chat=gen.has_chat_template if args.chat is None else args.chat)
     if args.json:
         out = gen.generate(prompt_ids, args.max_new_tokens)
@@ -202,6 +204,7 @@ def _bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     benchmark.log(f"loading {source.name} ({source.location})")
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    settle_after_load()
     lm, tok = loaded.model, loaded.tokenizer
     head = None
     if not explicit and args.mtp_head is None and shipped_head(loaded.source) is not None:

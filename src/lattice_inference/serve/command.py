@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ConfigError(f"lattice serve needs its extra: pip install 'lattice-inference[serve]' ({exc})") from None
     from lattice_inference.engines import parse_engines
-    from lattice_inference.threads import run_on_passing_thread
+    from lattice_inference.process import run_on_passing_thread, settle_after_load
 
     if parse_engines(args.engine) != ["local"]:
         return _serve_vllm(args)
@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be 1..65535, got {args.port}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine, seconds = run_on_passing_thread(lambda: _load(args))  # see `lattice_inference.threads`
+    engine, seconds = run_on_passing_thread(lambda: _load(args))  # see `lattice_inference.process`
+    settle_after_load()
     decoder = engine.generator(engine.defaults).decoder
     if decoder.exactness is not None:
         print(f"lattice serve: {decoder.exactness.line()} ({seconds:.1f}s at start)", flush=True)
