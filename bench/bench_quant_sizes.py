@@ -59,11 +59,12 @@ SHAPES = {  # SmolLM2 configurations (hidden, intermediate, layers, heads, kv he
     "135m": (576, 1536, 30, 9, 3),
     "360m": (960, 2560, 32, 15, 5),
     "1.7b": (2048, 8192, 24, 32, 32),
+    "tiny": (128, 256, 2, 2, 1),  # the tests' files (tests/test_quantized_loading.py)
 }
-SIZE_LABELS = {"135m": "135M", "360m": "360M", "1.7b": "1.7B"}
+SIZE_LABELS = {"135m": "135M", "360m": "360M", "1.7b": "1.7B", "tiny": "tiny"}
 FORMATS = ("F32", "BF16", "Q8_0", "Q4_0")
 OUR_DTYPE = {"F32": "float32", "BF16": "bfloat16", "Q8_0": "auto", "Q4_0": "auto"}
-FILE_TYPE = {"F32": 0, "BF16": 32, "Q8_0": 7, "Q4_0": 2}  # general.file_type (llama_ftype)
+FILE_TYPE = {"F32": 0, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3}  # general.file_type (llama_ftype)
 VOCAB, HEAD_DIM, SEED, STD = 49152, 64, 1234, 0.02
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 ROW_PREFIX = "ROW "  # a worker's stdout line carrying one measurement

@@ -14,10 +14,18 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from lattice_inference.devices import device_map
 from lattice_inference.errors import ModelLoadError
@@ -50,13 +58,36 @@ def check_gguf_file(path: Path) -> None:
         raise ModelLoadError(f"'{path}' is not a GGUF file (it does not start with the bytes 'GGUF')")
 
 
-def _cache_dir(path: Path, dtype: torch.dtype) -> Path:
+def _cache_key(path: Path) -> str:
+    """The file's name, size and modification time: what the cached folders made from it are named by."""
     st = path.stat()
-    dtype_name = str(dtype).removeprefix("torch.")
-    return cache_root() / "gguf" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}-{dtype_name}"
+    return f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"
 
 
-def _explain(path: Path, exc: BaseException) -> ModelLoadError:
+def _cache_dir(path: Path, dtype: torch.dtype) -> Path:
+    return cache_root() / "gguf" / f"{_cache_key(path)}-{str(dtype).removeprefix('torch.')}"
+
+
+def config_and_tokenizer(path: Path) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
+    """The Hugging Face config and tokenizer of the GGUF file ``path``, from the cache when they were read before:
+    transformers parses the file's metadata (its vocabulary and merges) anew for each, seconds every time."""
+    cached = cache_root() / "gguf" / f"{_cache_key(path)}-config" if cache_enabled() else None
+    if cached is not None and (cached / "config.json").is_file():
+        try:
+            return AutoConfig.from_pretrained(cached), AutoTokenizer.from_pretrained(cached)
+        except Exception:  # a damaged cache entry: read the file again
+            shutil.rmtree(cached, ignore_errors=True)
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as exc:  # gguf and transformers raise many types for bad files; all are the user's file
+        raise load_error(path, exc) from exc
+    if cached is not None:
+        _write_atomically(cached, lambda tmp: (config.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    return config, tokenizer
+
+
+def load_error(path: Path, exc: BaseException) -> ModelLoadError:
     """One line that names the file and what transformers or gguf could not do."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, NotImplementedError) and "quantiz" in text.lower():
@@ -78,7 +109,7 @@ def _dequantize(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTra
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as exc:  # gguf and transformers raise many types for bad files; all are the user's file
-        raise _explain(path, exc) from exc
+        raise load_error(path, exc) from exc
     # The weights are plain dequantized tensors now; drop the GGUF quantizer mark so the model can be saved.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -87,12 +118,16 @@ def _dequantize(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTra
 
 
 def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
-    """Write the folder atomically (a temporary sibling renamed into place); a failure only skips caching."""
+    """Write the model's folder atomically; a failure only skips caching."""
+    _write_atomically(target, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+
+
+def _write_atomically(target: Path, write: Callable[[Path], object]) -> None:
+    """``write`` a folder under a temporary sibling, renamed into place when done; a failure only skips caching."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        write(tmp)
         os.replace(tmp, target)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -18,6 +18,7 @@ from lattice_inference.model_source import ModelSource, resolve_model
 from lattice_inference.options import DTYPE_NAMES
 from lattice_inference.prompt_codec import eos_ids
 from lattice_inference.quantized import attach as attach_quantized
+from lattice_inference.quantized import load_as_stored
 
 DTYPES: dict[str, torch.dtype | str] = {name: getattr(torch, name, name) for name in DTYPE_NAMES}
 
@@ -136,7 +137,10 @@ def load_model(model: str | Path | None, dtype: str = "auto", device: str | torc
     source = resolve_model(model)
     quantized = keeps_quantized(dtype, source, place)
     wanted = torch.float32 if quantized else torch_dtype(dtype, source, place)
-    if source.kind == "gguf":
+    stored = load_as_stored(source.path) if quantized else None  # without the whole dequantized copy
+    if stored is not None:
+        lm, tokenizer = stored
+    elif source.kind == "gguf":
         assert isinstance(wanted, torch.dtype)
         lm, tokenizer = load_gguf(source.path, wanted, place)
     else:
@@ -152,8 +156,8 @@ def load_model(model: str | Path | None, dtype: str = "auto", device: str | torc
             raise ModelLoadError(f"cannot load model '{source.location}': {first_line}") from exc
     if place.type != "cpu" and next(lm.parameters()).device != place:  # made on the CPU: a first GGUF, a hub id
         check_fits(sum(p.numel() * p.element_size() for p in lm.parameters()), place)
-    lm = lm.to(place).eval()
-    if quantized:
+    lm = (lm if stored is not None else lm.to(place)).eval()  # as stored: on the CPU, its dropped copies on meta
+    if quantized and stored is None:
         attach_quantized(lm, source.path)
     return LoadedModel(
         model=lm,

@@ -1,0 +1,101 @@
+"""Loading a GGUF file as stored without dequantizing it whole (`quantized.load_as_stored`) builds the same model as
+dequantizing it to float32 and attaching the blocks by content (`gguf.load_gguf` + `quantized.attach`): the same
+blocks on the same layers in the same row order (llama's q/k rows permuted in the file), the same dense tensors, the
+same tensors dropped, the same load line. On small random-weight llama files in each format (written as
+``bench/bench_quant_sizes.py`` writes its files) and on the real default model's Q4_1 file."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lattice_inference.gguf import load_gguf
+from lattice_inference.loading import load_model
+from lattice_inference.model_source import smollm2_gguf
+from lattice_inference.quantized import attach, load_as_stored, quantized_weights
+from lattice_inference.targets import native_ops
+from lattice_inference.targets.packed_linear import QUANT
+
+from .helpers import skip_without_real_model
+
+skip_without_real_model()
+if native_ops.quant() is None:
+    pytest.skip("our quantized products do not run here", allow_module_level=True)
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _writer():
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("bench_quant_sizes")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _by_content(path: Path):
+    model, _ = load_gguf(path, torch.float32)
+    attach(model, path)
+    return model.eval()
+
+
+def _assert_same(built: nn.Module, reference: nn.Module) -> None:
+    mine, theirs = dict(built.named_modules()), dict(reference.named_modules())
+    assert mine.keys() == theirs.keys()
+    for name, module in theirs.items():
+        blocks, expected = getattr(mine[name], QUANT, None), getattr(module, QUANT, None)
+        assert (blocks is None) == (expected is None), name
+        if expected is not None:
+            assert torch.equal(blocks, expected), f"{name}: other blocks or another row order"
+    params = dict(built.named_parameters(remove_duplicate=False))
+    for name, expected in reference.named_parameters(remove_duplicate=False):
+        got = params[name]
+        assert got.device.type == expected.device.type, f"{name}: {got.device} against {expected.device}"
+        if expected.device.type != "meta":
+            assert got.dtype == expected.dtype and torch.equal(got, expected), name
+    for name, expected in reference.named_buffers():
+        assert torch.equal(dict(built.named_buffers())[name], expected), name
+    assert quantized_weights(built).describe() == quantized_weights(reference).describe()
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+def test_a_file_loads_as_stored_as_it_attaches_by_content(fmt, tmp_path, monkeypatch):
+    monkeypatch.setenv("LATTICE_GGUF_CACHE", "0")
+    bench = _writer()
+    path = tmp_path / f"tiny-{fmt}.gguf"
+    bench.write_gguf(path, "tiny", fmt, Path(smollm2_gguf()))
+    stored = load_as_stored(path)
+    assert stored is not None, "a llama file must load as stored"
+    built, tokenizer = stored
+    _assert_same(built, _by_content(path))
+    assert quantized_weights(built).native[fmt] == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the output
+    assert tokenizer.encode("hello") == load_model(str(path), dtype="float32").tokenizer.encode("hello")
+
+
+def test_the_default_models_file_loads_as_stored_as_it_attaches_by_content(monkeypatch):
+    monkeypatch.setenv("LATTICE_GGUF_CACHE", "0")
+    path = Path(smollm2_gguf())
+    stored = load_as_stored(path)
+    assert stored is not None
+    _assert_same(stored[0], _by_content(path))
+
+
+def test_load_model_takes_the_stored_way_for_auto(monkeypatch):
+    calls: list[Path] = []
+    import lattice_inference.loading as loading
+
+    def spy(path):
+        calls.append(Path(path))
+        return load_as_stored(path)
+
+    monkeypatch.setattr(loading, "load_as_stored", spy)
+    loaded = load_model("smollm2", dtype="auto")
+    assert calls == [Path(smollm2_gguf())]
+    assert quantized_weights(loaded.model) is not None
+    load_model("smollm2", dtype="float32")
+    assert len(calls) == 1, "float32 dequantizes: it must not take the stored way"
