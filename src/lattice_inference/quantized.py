@@ -224,23 +224,25 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
         if hf_name is None:
             continue  # as transformers skips it
         target = model.get_parameter(hf_name)
-        raw = torch.from_numpy(tensor.data.copy()).reshape(rows, -1) if native else None
-        if raw is not None:
+        if native:
+            raw = torch.from_numpy(np.asarray(tensor.data).reshape(rows, -1)[perm.numpy()])  # one copy, rows ordered
+            _release(reader, tensor)
             shape = (rows, raw.shape[1] // FORMATS[kind][0] * BLOCK)
             if tuple(target.shape) != shape:
                 return None
             if hf_name in linears:
-                setattr(linears[hf_name], QUANT, quant_pack(raw[perm], kind))
+                setattr(linears[hf_name], QUANT, quant_pack(raw, kind))
                 done.native[kind] += 1
             if hf_name in linears and linears[hf_name] is not model.get_output_embeddings():
                 continue  # no dense copy (the output layer keeps one: MTP heads share it)
             if inputs is not None and target is inputs.weight:
-                tied = (kind, raw[perm])
-            dense = dequantize(raw[perm], kind)
+                tied = (kind, raw)
+            dense = dequantize(raw, kind)
         else:
             if kind != "F32" and len(tensor.shape) == 2:
                 done.dequantized.append(f"{tensor.name} ({kind})")
-            dense = torch.from_numpy(np.array(result.weights, dtype=np.float32))
+            dense = torch.from_numpy(np.array(result.weights, dtype=np.float32))  # a copy: F32 comes as a view
+            _release(reader, tensor)
             if dense.numel() != target.numel():
                 return None
             dense = dense.reshape(target.shape)
@@ -287,3 +289,16 @@ def _tensor_names(model: nn.Module, architecture: str) -> dict[str, str] | None:
             return None
         names[f"{gguf_name}.{suffix}"] = hf_name
     return names
+
+
+def _release(reader: object, tensor: object) -> None:
+    """Drop the pages of ``tensor`` (read already) from this process's mapping of the file: they stay in the page
+    cache, but no longer count towards the memory the load holds at once (a whole file's worth, else)."""
+    import mmap
+
+    mapped = getattr(getattr(reader, "data", None), "_mmap", None)
+    offset, size = getattr(tensor, "data_offset", None), getattr(tensor, "n_bytes", None)
+    if not isinstance(mapped, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or offset is None or size is None:
+        return
+    start = int(offset) // mmap.PAGESIZE * mmap.PAGESIZE
+    mapped.madvise(mmap.MADV_DONTNEED, start, int(offset) + int(size) - start)
