@@ -38,6 +38,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.devices import WEIGHTS
+from lattice_inference.errors import ModelLoadError
 from lattice_inference.targets.packed_linear import QUANT
 from lattice_inference.targets.quant_linear import BLOCK, FORMATS, dequantize, quant_pack
 
@@ -199,7 +200,10 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     except Exception as exc:  # gguf raises many types for a bad file
         raise load_error(path, exc) from exc
     architecture = str(reader.fields["general.architecture"].contents())
-    config, tokenizer = config_and_tokenizer(path)
+    try:
+        config, tokenizer = config_and_tokenizer(path)
+    except ModelLoadError:
+        return None  # the dequantizing load names what is wrong with the file, as it always has
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     if type(processor) not in (TensorProcessor, LlamaTensorProcessor):
         return None
@@ -218,7 +222,10 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
             result = processor.process(weights=index, name=tensor.name, tensor_key_mapping=names, parsed_parameters={})
             perm = torch.from_numpy(np.ascontiguousarray(result.weights).reshape(-1))
         else:
-            values = gguf.dequantize(tensor.data, tensor.tensor_type)
+            try:
+                values = gguf.dequantize(tensor.data, tensor.tensor_type)
+            except NotImplementedError:
+                return None  # a type gguf cannot dequantize: the dequantizing load names it
             result = processor.process(weights=values, name=tensor.name, tensor_key_mapping=names, parsed_parameters={})
         hf_name = names.get(result.name)
         if hf_name is None:
