@@ -42,6 +42,9 @@ inline Vec load(const uint16_t* p) {  // 16 bfloat16 weights, widened exactly
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
 }
 inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
+constexpr bool LANES = false;  // bfloat16 weights in the outputs' own lane order (see the AVX2 build)
+inline Vec load_lanes(const uint16_t* p) { return load(p); }
+inline Vec lanes(Vec a) { return a; }
 inline Vec fma(Vec w, __m512 x, Vec acc) { return {_mm512_fmadd_ps(w.v, x, acc.v)}; }
 inline __m512 broadcast(float x) { return _mm512_set1_ps(x); }
 using Scalar = __m512;
@@ -65,6 +68,16 @@ inline void store(float* p, Vec a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
 }
+// 16 bfloat16 weights widened exactly by interleaving them with zero halves: three instructions where `load` takes
+// six, which bound the 1-row product over bfloat16 weights (each weight is used once per row). The outputs land in the
+// lanes (0-3, 8-11 | 4-7, 12-15): `lanes` moves a block's sums between that order and the outputs' own (it is its own
+// inverse). Each output keeps its one sequence of multiply-adds, so no sum changes, only the lane it runs in.
+constexpr bool LANES = true;
+inline Vec load_lanes(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), zero = _mm256_setzero_si256();
+  return {_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v))};
+}
+inline Vec lanes(Vec a) { return {_mm256_permute2f128_ps(a.lo, a.hi, 0x20), _mm256_permute2f128_ps(a.lo, a.hi, 0x31)}; }
 inline Vec fma(Vec w, __m256 x, Vec acc) { return {_mm256_fmadd_ps(w.lo, x, acc.lo), _mm256_fmadd_ps(w.hi, x, acc.hi)}; }
 inline __m256 broadcast(float x) { return _mm256_set1_ps(x); }
 using Scalar = __m256;
@@ -85,21 +98,28 @@ constexpr int64_t PREFETCH_ROWS = 5;  // from this many rows the next slice is f
 template <int R, int G, typename W>
 inline void rows_chunk(const float* x, int64_t in, const W* w, int64_t block, int64_t k0, int64_t k1,
                        float* sums, const char* const* next = nullptr, int ahead = 0, int64_t lines = 0) {
+  constexpr bool permuted = LANES && std::is_same_v<W, uint16_t>;  // bfloat16 weights in `load_lanes` order
   Vec acc[R][G];
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) acc[r][g] = load(sums + (r * G + g) * 16);
+    for (int g = 0; g < G; ++g) {
+      acc[r][g] = load(sums + (r * G + g) * 16);
+      if constexpr (permuted) acc[r][g] = lanes(acc[r][g]);
+    }
   for (int64_t k = k0; k < k1; ++k) {
     if (k - k0 < lines)
       for (int i = 0; i < ahead; ++i) _mm_prefetch(next[i] + (k - k0) * 16 * sizeof(W), _MM_HINT_T1);
     Vec wv[G];
-    for (int g = 0; g < G; ++g) wv[g] = load(w + g * block + k * 16);
+    for (int g = 0; g < G; ++g) {
+      if constexpr (permuted) wv[g] = load_lanes(w + g * block + k * 16);
+      else wv[g] = load(w + g * block + k * 16);
+    }
     for (int r = 0; r < R; ++r) {
       const Scalar xv = broadcast(x[r * in + k]);
       for (int g = 0; g < G; ++g) acc[r][g] = fma(wv[g], xv, acc[r][g]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) store(sums + (r * G + g) * 16, acc[r][g]);
+    for (int g = 0; g < G; ++g) store(sums + (r * G + g) * 16, permuted ? lanes(acc[r][g]) : acc[r][g]);
 }
 
 template <int R, int G, typename W>
