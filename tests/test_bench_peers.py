@@ -3,20 +3,13 @@ fail (a ``ZeroDivisionError`` there once lost 14 minutes of rows), and mark what
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from .helpers import bench_module
 
 
 def _bench_peers():
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("bench_peers")
-    finally:
-        sys.path.remove(str(BENCH))
+    return bench_module("bench_peers")
 
 
 def _row(prompt: int, rep: int, ids: list[int], seconds: float) -> dict:

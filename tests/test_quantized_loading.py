@@ -6,8 +6,6 @@ same tensors dropped, the same load line. On small random-weight llama files in 
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,21 +19,15 @@ from lattice_inference.quantized import attach, load_as_stored, quantized_weight
 from lattice_inference.targets import native_ops
 from lattice_inference.targets.packed_linear import QUANT
 
-from .helpers import skip_without_real_model
+from .helpers import bench_module, skip_without_real_model
 
 skip_without_real_model()
 if native_ops.quant() is None:
     pytest.skip("our quantized products do not run here", allow_module_level=True)
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
 
 def _writer():
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("bench_quant_sizes")
-    finally:
-        sys.path.remove(str(BENCH))
+    return bench_module("bench_quant_sizes")
 
 
 def _by_content(path: Path):
