@@ -155,17 +155,28 @@ def attach_tensors(model: nn.Module, tensors: Iterable[tuple[str, str, torch.Ten
             break
         else:
             done.dequantized.append(f"{name} ({kind}, unmatched)")
+    _mark(model, done)
+    return done
+
+
+def _mark(model: nn.Module, done: QuantizedWeights) -> None:
+    """Record on ``model`` what was attached (`quantized_weights`) and, where any layer runs as stored, the weights
+    `devices.placement` reports."""
     setattr(model, _ATTACHED, done)
     if done.native:
         setattr(model, WEIGHTS, f"GGUF {done.formats}")
-    return done
+
+
+def _announce(path: str | Path, done: QuantizedWeights) -> None:
+    """Say on stderr which layers of the file ``path`` run as stored."""
+    print(f"lattice: {Path(path).name}: {done.describe()}", file=sys.stderr)
 
 
 def attach(model: nn.Module, path: str | Path) -> QuantizedWeights:
     """`attach_tensors` over the GGUF file ``path`` (``model`` is that file dequantized to float32), saying on
     stderr which layers run as stored."""
     done = attach_tensors(model, file_tensors(path))
-    print(f"lattice: {Path(path).name}: {done.describe()}", file=sys.stderr)
+    _announce(path, done)
     return done
 
 
@@ -177,7 +188,7 @@ def quantized_weights(model: nn.Module) -> QuantizedWeights | None:
 
 def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] | None:
     """The GGUF file ``path`` as a model whose quantized linear layers hold the file's blocks, built without
-    dequantizing the file whole (see the module docstring), its tokenizer, and what was attached (`quantized_weights`
+    dequantizing the file whole (see the module docstring), and its tokenizer (what was attached: `quantized_weights`
     of the model); None where transformers reshapes this architecture's tensors beyond a row permutation, or a
     parameter is not in the file (then load it dequantized and `attach`)."""
     import gguf
@@ -211,7 +222,7 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     names = _tensor_names(model, architecture) or get_gguf_hf_weights_map(model, processor)
     linears = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    inputs = model.get_input_embeddings()
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
     done = QuantizedWeights()
     tied: tuple[str, torch.Tensor] | None = None  # the embedding's blocks, for a tied output layer
     for tensor in reader.tensors:
@@ -240,7 +251,7 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
             if hf_name in linears:
                 setattr(linears[hf_name], QUANT, quant_pack(raw, kind))
                 done.native[kind] += 1
-            if hf_name in linears and linears[hf_name] is not model.get_output_embeddings():
+            if hf_name in linears and linears[hf_name] is not outputs:
                 continue  # no dense copy (the output layer keeps one: MTP heads share it)
             if inputs is not None and target is inputs.weight:
                 tied = (kind, raw)
@@ -256,17 +267,14 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
         _set_parameter(model, hf_name, dense)
     if model.config.tie_word_embeddings:
         model.tie_weights()
-        output = model.get_output_embeddings()
-        if isinstance(output, nn.Linear) and tied is not None and getattr(output, QUANT, None) is None:
-            setattr(output, QUANT, quant_pack(tied[1], tied[0]))
+        if isinstance(outputs, nn.Linear) and tied is not None and getattr(outputs, QUANT, None) is None:
+            setattr(outputs, QUANT, quant_pack(tied[1], tied[0]))
             done.native[tied[0]] += 1
     quantized = {id(m.weight) for m in linears.values() if getattr(m, QUANT, None) is not None}
     if any(p.device.type == "meta" and id(p) not in quantized for p in model.parameters()):
         return None  # a parameter the file does not hold
-    setattr(model, _ATTACHED, done)
-    if done.native:
-        setattr(model, WEIGHTS, f"GGUF {done.formats}")
-    print(f"lattice: {path.name}: {done.describe()}", file=sys.stderr)
+    _mark(model, done)
+    _announce(path, done)
     return model.eval(), tokenizer
 
 
