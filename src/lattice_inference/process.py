@@ -8,7 +8,7 @@ threads per thread that starts parallel work, for as long as that thread lives. 
 threads than the machine has cores, libgomp stops letting any worker spin between parallel regions: each one
 sleeps and is woken again for the next region (its "throttled" spin count). A decode step is hundreds of short
 parallel regions, so it pays a wake-up for each. Measured on a 2-core EPYC (bfloat16 native), SmolLM2's Q4_1 file,
-`ngram`, six requests: 3.0 s on the thread that loaded the model, 5.4-6.1 s on a second thread while the first
+`ngram`, six requests: 3.0-3.3 s on the thread that loaded the model, 5.4-6.1 s on a second thread while the first
 one lived (its pool still counted), 3.0 s on a second thread once the loading thread had exited. ``lattice
 serve`` loaded the model on its main thread and generated on a worker thread: every request ran at the slow
 rate, 82-90 tokens/s for one client where the same requests ran at 165 in a script.
