@@ -15,8 +15,8 @@ from torch import nn
 from lattice_inference.gguf import load_gguf
 from lattice_inference.loading import load_model
 from lattice_inference.model_source import smollm2_gguf
-from lattice_inference.quantized import attach, load_as_stored, quantized_weights
-from lattice_inference.targets import native_ops
+from lattice_inference.quantized import QuantizedEmbedding, attach, dense_embeddings, load_as_stored, quantized_weights
+from lattice_inference.targets import make_target, native_ops
 from lattice_inference.targets.packed_linear import QUANT
 
 from .helpers import bench_module, skip_without_real_model
@@ -45,7 +45,17 @@ def _assert_same(built: nn.Module, reference: nn.Module) -> None:
         if expected is not None:
             assert torch.equal(blocks, expected), f"{name}: other blocks or another row order"
     params = dict(built.named_parameters(remove_duplicate=False))
+    embedding = built.get_input_embeddings()
+    assert isinstance(embedding, QuantizedEmbedding), "the embedding stays in its blocks"
+    dense = reference.get_input_embeddings().weight
+    assert torch.equal(embedding.dense(), dense), "the embedding's blocks dequantize to other values"
+    ids = torch.tensor([[0, 5, dense.shape[0] - 1, 5]])
+    assert torch.equal(embedding(ids), reference.get_input_embeddings()(ids)), "a lookup gives other rows"
+    assert embedding.weight.shape == dense.shape and embedding.weight.device.type == "meta"
     for name, expected in reference.named_parameters(remove_duplicate=False):
+        if expected is dense:  # the embedding, and a tied output layer's weight: only blocks now
+            assert name not in params or params[name].device.type == "meta", name
+            continue
         got = params[name]
         assert got.device.type == expected.device.type, f"{name}: {got.device} against {expected.device}"
         if expected.device.type != "meta":
@@ -68,6 +78,12 @@ def test_a_file_loads_as_stored_as_it_attaches_by_content(fmt, tmp_path, monkeyp
     _assert_same(built, reference)
     assert quantized_weights(built).native[fmt] == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the output
     assert tokenizer.encode("Hello, world") == their_tokenizer.encode("Hello, world")
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    mine, theirs = make_target(built, prefix_cache=False), make_target(reference, prefix_cache=False)
+    assert torch.equal(mine.prefill(ids), theirs.prefill(ids)), "the same model must give the same logits"
+    assert torch.equal(mine.forward(ids[:5]), theirs.forward(ids[:5]))
+    embed, head = dense_embeddings(built)  # what an MTP head shares: dequantized from the blocks
+    assert torch.equal(embed, reference.get_input_embeddings().weight) and head is embed
 
 
 def test_the_default_models_file_loads_as_stored_as_it_attaches_by_content(monkeypatch):

@@ -19,7 +19,7 @@ from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prom
 from lattice_inference.devices import placement
 from lattice_inference.loading import load_model
 from lattice_inference.options import DecodeOptions
-from lattice_inference.quantized import quantized_weights
+from lattice_inference.quantized import QuantizedEmbedding, quantized_weights
 from lattice_inference.targets import native_ops
 
 from .helpers import skip_without_real_model
@@ -43,9 +43,12 @@ def test_auto_keeps_every_linear_layer_of_the_file_quantized(quantized, capfd) -
     assert placement(quantized.model) == {"device": "cpu", "dtype": "float32", "weights": "GGUF Q4_1+Q8_0"}
     layer = quantized.model.model.layers[0]
     assert layer.mlp.down_proj.weight.device.type == "meta"
-    # the tied output layer keeps the embedding's dense weight (the lookup needs it) and computes from Q8_0
-    assert quantized.model.lm_head.weight is quantized.model.model.embed_tokens.weight
-    assert quantized.model.lm_head.weight.device.type == "cpu"
+    # the embedding stays in the file's Q8_0 blocks (looked up row by row) and the tied output layer computes from
+    # them: no dense copy of either
+    embedding = quantized.model.model.embed_tokens
+    assert isinstance(embedding, QuantizedEmbedding) and embedding.kind == "Q8_0"
+    assert quantized.model.lm_head.weight.device.type == "meta" and embedding.weight.device.type == "meta"
+    assert all(p.device.type in ("cpu", "meta") for p in quantized.model.parameters())
     assert load_model("smollm2", dtype="bfloat16").model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
 
 

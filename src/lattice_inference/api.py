@@ -20,12 +20,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypedDict, Unpack, cast
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.batching import Batch
 from lattice_inference.decode import SpeculativeDecoder
-from lattice_inference.devices import placement
+from lattice_inference.devices import first_weight, placement
 from lattice_inference.drafters.build import build_drafter
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
@@ -45,6 +44,7 @@ from lattice_inference.options import (
     needs_mtp_head,
 )
 from lattice_inference.prompt_codec import PromptCodec
+from lattice_inference.quantized import dense_embeddings
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.streaming import TextStream
 from lattice_inference.targets import make_target
@@ -96,8 +96,7 @@ def mtp_head_for(
     """
     check_draft_vocab(draft_vocab)
     lm = loaded.model
-    embed = cast(torch.Tensor, lm.get_input_embeddings().weight)
-    lm_head = cast(torch.Tensor, lm.get_output_embeddings().weight)
+    embed, lm_head = dense_embeddings(lm)  # dequantized where the model keeps only a GGUF file's blocks
     path = head_path if head_path is not None else shipped_head(loaded.source)
     if path is not None:
         head, meta = load_head_file(path, lm.config, embed, lm_head, draft_length=draft_length)
@@ -112,8 +111,8 @@ def mtp_head_for(
     else:
         head = load_mtp_head(
             loaded.source,
-            dtype=next(lm.parameters()).dtype,
-            device=next(lm.parameters()).device,
+            dtype=first_weight(lm).dtype,
+            device=first_weight(lm).device,
             draft_length=draft_length,
             embed_tokens=embed,
             lm_head=lm_head,

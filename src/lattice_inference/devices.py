@@ -109,11 +109,21 @@ WEIGHTS = "lattice_weights"
 set by `lattice_inference.quantized`), which `placement` reports as ``weights``."""
 
 
+def first_weight(model: torch.nn.Module) -> torch.Tensor:
+    """``model``'s first parameter that holds data, whose device and dtype are the model's: a model loaded from a
+    GGUF file as stored (`lattice_inference.quantized`) has placeholders on the meta device where its quantized
+    layers' dense weights would be, and its embedding is no parameter."""
+    for weight in model.parameters():
+        if weight.device.type != "meta":
+            return weight
+    raise ValueError(f"{type(model).__name__} has no parameter holding data")
+
+
 def placement(model: torch.nn.Module) -> dict[str, str]:
     """Where ``model``'s weights are and what they are, as ``--json``, bench reports and server metrics say it:
     ``{"device": "cuda:0 (NVIDIA H200)", "dtype": "bfloat16"}``, and ``"weights": "GGUF Q4_1+Q8_0"`` where its linear
     layers run on a GGUF file's quantized blocks (`WEIGHTS`)."""
-    weight = next(model.parameters())
+    weight = first_weight(model)
     found = {"device": describe_device(weight.device), "dtype": str(weight.dtype).removeprefix("torch.")}
     weights = getattr(model, WEIGHTS, None)
     return found | {"weights": weights} if isinstance(weights, str) else found

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.cpu_features import has_native_bf16
-from lattice_inference.devices import check_fits, device_map, resolve_device
+from lattice_inference.devices import check_fits, device_map, first_weight, resolve_device
 from lattice_inference.errors import ConfigError, ModelLoadError
 from lattice_inference.gguf import load_gguf
 from lattice_inference.model_source import ModelSource, resolve_model
@@ -154,7 +154,7 @@ def load_model(model: str | Path | None, dtype: str = "auto", device: str | torc
         except Exception as exc:  # transformers and safetensors raise many types for a bad checkpoint
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelLoadError(f"cannot load model '{source.location}': {first_line}") from exc
-    if place.type != "cpu" and next(lm.parameters()).device != place:  # made on the CPU: a first GGUF, a hub id
+    if place.type != "cpu" and first_weight(lm).device != place:  # made on the CPU: a first GGUF, a hub id
         check_fits(sum(p.numel() * p.element_size() for p in lm.parameters()), place)
     lm = (lm if stored is not None else lm.to(place)).eval()  # as stored: on the CPU, its dropped copies on meta
     if quantized and stored is None:

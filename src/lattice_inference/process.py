@@ -22,16 +22,25 @@ tokenizer's tables), and each full collection of the cyclic garbage collector wa
 250-token prefill's time in a profile (same machine). `settle_after_load` collects once and then freezes what is
 left (`gc.freeze`), so later collections walk only what the requests allocate. Frozen objects are still freed
 when nothing refers to them; only cycles among them would stay.
+
+**Freed memory.** glibc's allocator keeps what is freed in its heap for reuse and raises its threshold for serving
+large blocks from fresh mappings once one is freed (up to 32 MB), so the per-tensor buffers of a load (each a few
+MB to tens of MB) end as free heap that the process still holds: 0.8 GB of 2.5 GB after loading a Q4_0 file at
+SmolLM2-1.7B's shape. `release_freed_memory` hands it back (``malloc_trim``); loading calls it after each large
+tensor and `settle_after_load` once more.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import gc
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["run_on_passing_thread", "settle_after_load"]
+__all__ = ["release_freed_memory", "run_on_passing_thread", "settle_after_load"]
 
 T = TypeVar("T")
 
@@ -61,3 +70,26 @@ def settle_after_load() -> None:
     (see the module docstring)."""
     gc.collect()
     gc.freeze()
+    release_freed_memory()
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_freed_memory() -> bool:
+    """Return the C heap's free pages to the system (see the module docstring); False where the C library cannot."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

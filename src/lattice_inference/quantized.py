@@ -39,6 +39,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.devices import WEIGHTS
 from lattice_inference.errors import ModelLoadError
+from lattice_inference.process import release_freed_memory
 from lattice_inference.targets.packed_linear import QUANT
 from lattice_inference.targets.quant_linear import BLOCK, FORMATS, dequantize, quant_pack
 
@@ -226,6 +227,7 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     done = QuantizedWeights()
     tied: tuple[str, torch.Tensor] | None = None  # the embedding's blocks, for a tied output layer
     for tensor in reader.tensors:
+        release_freed_memory()  # the last tensor's buffers, before this one's
         kind, rows = tensor.tensor_type.name, int(tensor.shape[-1])
         native = kind in FORMATS and len(tensor.shape) == 2
         if native:  # the row order transformers gives this tensor, from its processor run over the row indices
@@ -255,6 +257,10 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
                 continue  # no dense copy (the output layer keeps one: MTP heads share it)
             if inputs is not None and target is inputs.weight:
                 tied = (kind, raw)
+                embedding = QuantizedEmbedding(raw, kind)  # looked up row by row from the blocks, no dense copy
+                model.set_input_embeddings(embedding)
+                inputs = embedding
+                continue
             dense = dequantize(raw, kind)
         else:
             if kind != "F32" and len(tensor.shape) == 2:
@@ -266,16 +272,60 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
             dense = dense.reshape(target.shape)
         _set_parameter(model, hf_name, dense)
     if model.config.tie_word_embeddings:
-        model.tie_weights()
+        if not isinstance(inputs, QuantizedEmbedding):
+            model.tie_weights()
         if isinstance(outputs, nn.Linear) and tied is not None and getattr(outputs, QUANT, None) is None:
             setattr(outputs, QUANT, quant_pack(tied[1], tied[0]))
             done.native[tied[0]] += 1
     quantized = {id(m.weight) for m in linears.values() if getattr(m, QUANT, None) is not None}
     if any(p.device.type == "meta" and id(p) not in quantized for p in model.parameters()):
         return None  # a parameter the file does not hold
+    release_freed_memory()
     _mark(model, done)
     _announce(path, done)
     return model.eval(), tokenizer
+
+
+class QuantizedEmbedding(nn.Module):
+    """An input embedding kept in the GGUF file's blocks (uint8 ``[vocab, bytes]``, as stored): a lookup
+    dequantizes only the rows it returns, each bit for bit the row the whole tensor dequantized holds
+    (`quant_linear.dequantize` works row by row), so the model computes what it computes over the dense embedding,
+    without its float32 copy (0.4 GB at SmolLM2-1.7B's shape, for a 56 MB Q4_0 tensor).
+
+    ``weight`` (not a parameter) is a placeholder on the meta device (the dense shape and dtype, no data), as for
+    the linear layers whose dense weights were dropped: code that reads the shape works, code that would read values
+    fails at once; `dense_embeddings` gives the values where they are needed (an MTP head's lookup)."""
+
+    def __init__(self, raw: torch.Tensor, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("blocks", raw, persistent=False)
+        # a plain attribute, not a parameter: the model's parameters (whose first one tells its device) stay real
+        self.weight = torch.empty(raw.shape[0], raw.shape[1] // FORMATS[kind][0] * BLOCK, device="meta")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 rows of ``ids`` (any shape), ``[*ids.shape, dim]``."""
+        rows = dequantize(self.blocks[ids.reshape(-1).to(self.blocks.device)], self.kind)
+        return rows.reshape(*ids.shape, rows.shape[-1]).to(ids.device)
+
+    def dense(self) -> torch.Tensor:
+        """The whole embedding dequantized (float32 ``[vocab, dim]``): a new tensor, the full size."""
+        return dequantize(self.blocks, self.kind)
+
+
+def dense_embeddings(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense input embedding and output layer weights of ``model`` (what an MTP head shares with its trunk),
+    dequantized from the blocks where the model holds only those (`QuantizedEmbedding`, and a tied output layer)."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    embed = inputs.dense() if isinstance(inputs, QuantizedEmbedding) else inputs.weight
+    assert isinstance(outputs, nn.Module) and isinstance(embed, torch.Tensor)
+    head = outputs.weight
+    assert isinstance(head, torch.Tensor)
+    if head.device.type == "meta":
+        if not model.config.tie_word_embeddings:
+            raise ModelLoadError("the output layer holds only its quantized blocks: no dense copy to share")
+        head = embed
+    return embed, head
 
 
 def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:

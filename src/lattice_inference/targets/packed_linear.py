@@ -49,6 +49,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from lattice_inference.process import release_freed_memory
 from lattice_inference.targets import native_ops
 from lattice_inference.targets.decode_matched import PRODUCT, Product, linear_key, matched_product, module_product
 from lattice_inference.targets.quant_linear import concat_packed, quant_format
@@ -183,6 +184,12 @@ class _FusedGroup:
             quants = [getattr(m, QUANT, None) for m in members]
             if all(q is not None for q in quants):
                 self.packed = concat_packed([q for q in quants if q is not None])
+                # each member's blocks become its slice of the fused matrix: one copy of the weights, not two
+                sizes = [q.shape[0] for q in quants if q is not None]
+                for member, part in zip(members, self.packed.split(sizes), strict=True):
+                    setattr(member, QUANT, part)
+                del quants
+                release_freed_memory()  # the members' own blocks, freed just now
             else:
                 self.packed = pack_weight(torch.cat([m.weight.detach() for m in members]))
             biases = [m.bias for m in members]

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
+from lattice_inference.devices import first_weight
 from lattice_inference.errors import TokenError, UnsupportedModelError
 from lattice_inference.targets import decode_matched as decode_matched_module
 from lattice_inference.targets.base import Target
@@ -72,7 +73,7 @@ class CausalLMTarget(Target):
             decode_matched_module.match_dense_linears(model)
             decode_matched_module.match_row_wise_modules(model)
             decode_matched_module.match_attention(model)
-        self.device = next(model.parameters()).device
+        self.device = first_weight(model).device
         self._vocab_size = int(cast(torch.Tensor, model.get_input_embeddings().weight).shape[0])
         max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self._max_positions = int(max_pos) if max_pos else None
@@ -287,7 +288,7 @@ class TransformersTarget(CausalLMTarget):
                 f"a draft tree of {len(token_ids)} tokens needs {len(token_ids)} parents, got {len(parents)}"
             )
         depths = tree_depths(parents)
-        dtype = next(self.model.parameters()).dtype
+        dtype = first_weight(self.model).dtype
         mask = tree_mask(parents, self._length, dtype, self.device)
         return self._run(token_ids, logits_to_keep=0, offsets=depths, attention_mask=mask, matched=True)
 
