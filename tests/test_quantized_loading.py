@@ -82,6 +82,10 @@ def test_a_file_loads_as_stored_as_it_attaches_by_content(fmt, tmp_path, monkeyp
     mine, theirs = make_target(built, prefix_cache=False), make_target(reference, prefix_cache=False)
     assert torch.equal(mine.prefill(ids), theirs.prefill(ids)), "the same model must give the same logits"
     assert torch.equal(mine.forward(ids[:5]), theirs.forward(ids[:5]))
+    attention, mlp = built.model.layers[0].self_attn, built.model.layers[0].mlp
+    for members in ((attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        storages = {getattr(m, QUANT).untyped_storage().data_ptr() for m in members}
+        assert len(storages) == 1, "fused members hold views of the fused blocks, not copies of their own"
     embed, head = dense_embeddings(built)  # what an MTP head shares: dequantized from the blocks
     assert torch.equal(embed, reference.get_input_embeddings().weight) and head is embed
 

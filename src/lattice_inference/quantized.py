@@ -21,8 +21,11 @@ changes a tensor by at most a permutation of its rows (llama's q/k; every archit
 identity or llama's), the model is built with its parameters on the meta device, each file tensor is named as
 transformers names it (`get_gguf_hf_weights_map`), a quantized one is attached to its linear layer with that row
 order applied to its blocks (the permutation found by running transformers' processor over the row indices), and only
-the rest (norms, the embedding, types without a kernel) is dequantized, one tensor at a time. Both ways attach the
-same blocks in the same order and leave the same dense tensors (tested); elsewhere the first way runs.
+the rest (norms, types without a kernel) is dequantized, one tensor at a time. The input embedding stays in its
+blocks too (`QuantizedEmbedding`: a lookup dequantizes just its rows, the values the dense embedding holds), and a
+tied output layer computes from those blocks, so no dense copy of the vocabulary is made at all. Both ways attach the
+same blocks in the same order and give the same dense tensors and the same logits (tested); elsewhere the first way
+runs. What the load frees (each tensor's transients) goes back to the system as it goes (`release_freed_memory`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -39,6 +43,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.devices import WEIGHTS
 from lattice_inference.errors import ModelLoadError
+from lattice_inference.gguf_index import GGUFIndex, StoredTensor, read_index
 from lattice_inference.process import release_freed_memory
 from lattice_inference.targets.packed_linear import QUANT
 from lattice_inference.targets.quant_linear import BLOCK, FORMATS, dequantize, quant_pack
@@ -107,9 +112,7 @@ def _candidates(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
 def file_tensors(path: str | Path) -> Iterator[tuple[str, str, torch.Tensor | None]]:
     """Every 2-d tensor of the GGUF file ``path``: its name, its type (``"Q4_1"``, ``"F16"``, ...) and, where our
     products compute that type (`FORMATS`), its data (uint8 ``[out, bytes]``), else None."""
-    import gguf
-
-    for tensor in gguf.GGUFReader(str(path)).tensors:
+    for tensor in read_index(path).tensors:
         if len(tensor.shape) == 2:
             kind = tensor.tensor_type.name
             raw = torch.from_numpy(tensor.data.copy()).reshape(int(tensor.shape[1]), -1) if kind in FORMATS else None
@@ -208,10 +211,10 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     path = Path(path)
     check_gguf_file(path)
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = read_index(path)
     except Exception as exc:  # gguf raises many types for a bad file
         raise load_error(path, exc) from exc
-    architecture = str(reader.fields["general.architecture"].contents())
+    architecture = reader.architecture
     try:
         config, tokenizer = config_and_tokenizer(path)
     except ModelLoadError:
@@ -305,12 +308,13 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows of ``ids`` (any shape), ``[*ids.shape, dim]``."""
-        rows = dequantize(self.blocks[ids.reshape(-1).to(self.blocks.device)], self.kind)
+        blocks = cast(torch.Tensor, self.blocks)
+        rows = dequantize(blocks[ids.reshape(-1).to(blocks.device)], self.kind)
         return rows.reshape(*ids.shape, rows.shape[-1]).to(ids.device)
 
     def dense(self) -> torch.Tensor:
         """The whole embedding dequantized (float32 ``[vocab, dim]``): a new tensor, the full size."""
-        return dequantize(self.blocks, self.kind)
+        return dequantize(cast(torch.Tensor, self.blocks), self.kind)
 
 
 def dense_embeddings(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,14 +360,13 @@ def _tensor_names(model: nn.Module, architecture: str) -> dict[str, str] | None:
     return names
 
 
-def _release(reader: object, tensor: object) -> None:
+def _release(reader: GGUFIndex, tensor: StoredTensor) -> None:
     """Drop the pages of ``tensor`` (read already) from this process's mapping of the file: they stay in the page
     cache, but no longer count towards the memory the load holds at once (a whole file's worth, else)."""
     import mmap
 
-    mapped = getattr(getattr(reader, "data", None), "_mmap", None)
-    offset, size = getattr(tensor, "data_offset", None), getattr(tensor, "n_bytes", None)
-    if not isinstance(mapped, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or offset is None or size is None:
+    mapped = getattr(reader.data, "_mmap", None)
+    if not isinstance(mapped, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    start = int(offset) // mmap.PAGESIZE * mmap.PAGESIZE
-    mapped.madvise(mmap.MADV_DONTNEED, start, int(offset) + int(size) - start)
+    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    mapped.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
