@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lattice_inference import devices
-from lattice_inference.devices import check_fits, placement, resolve_device
+from lattice_inference.devices import check_fits, first_weight, placement, resolve_device
 from lattice_inference.errors import ConfigError, ModelLoadError
 from lattice_inference.loading import _check_local_dir, load_model, torch_dtype
 from lattice_inference.model_source import resolve_model
@@ -95,3 +95,11 @@ def test_placement_names_device_and_dtype(monkeypatch):
     assert placement(model) == {"device": "cpu", "dtype": "bfloat16"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: f"GPU {index}")
     assert devices.describe_device(torch.device("cuda", 1)) == "cuda:1 (GPU 1)"
+
+
+def test_first_weight_skips_the_placeholders_a_gguf_load_as_stored_leaves():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, device="meta"), torch.nn.Linear(4, 4, dtype=torch.float64))
+    assert first_weight(model) is model[1].weight  # the first parameter is a dropped dense weight (meta)
+    assert placement(model)["dtype"] == "float64"
+    with pytest.raises(ValueError, match="no parameter holding data"):
+        first_weight(torch.nn.Linear(2, 2, device="meta"))

@@ -88,6 +88,7 @@ def test_a_file_loads_as_stored_as_it_attaches_by_content(fmt, tmp_path, monkeyp
         assert len(storages) == 1, "fused members hold views of the fused blocks, not copies of their own"
     embed, head = dense_embeddings(built)  # what an MTP head shares: dequantized from the blocks
     assert torch.equal(embed, reference.get_input_embeddings().weight) and head is embed
+    assert dense_embeddings(built)[0] is embed, "every head shares the one dequantized copy"
 
 
 def test_the_default_models_file_loads_as_stored_as_it_attaches_by_content(monkeypatch):

@@ -313,8 +313,12 @@ class QuantizedEmbedding(nn.Module):
         return rows.reshape(*ids.shape, rows.shape[-1]).to(ids.device)
 
     def dense(self) -> torch.Tensor:
-        """The whole embedding dequantized (float32 ``[vocab, dim]``): a new tensor, the full size."""
-        return dequantize(cast(torch.Tensor, self.blocks), self.kind)
+        """The whole embedding dequantized (float32 ``[vocab, dim]``, the full size), made on the first call and kept:
+        every MTP head of the model (one per draft length in a server) shares the one copy."""
+        kept = self.__dict__.get("_dense")
+        if kept is None:
+            kept = self.__dict__["_dense"] = dequantize(cast(torch.Tensor, self.blocks), self.kind)
+        return kept
 
 
 def dense_embeddings(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
