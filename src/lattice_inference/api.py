@@ -109,10 +109,11 @@ def mtp_head_for(
             "with `lattice train-mtp` (--mtp-head PATH)"
         )
     else:
+        weight = first_weight(lm)
         head = load_mtp_head(
             loaded.source,
-            dtype=first_weight(lm).dtype,
-            device=first_weight(lm).device,
+            dtype=weight.dtype,
+            device=weight.device,
             draft_length=draft_length,
             embed_tokens=embed,
             lm_head=lm_head,

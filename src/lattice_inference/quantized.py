@@ -305,6 +305,7 @@ class QuantizedEmbedding(nn.Module):
         self.register_buffer("blocks", raw, persistent=False)
         # a plain attribute, not a parameter: the model's parameters (whose first one tells its device) stay real
         self.weight = torch.empty(raw.shape[0], raw.shape[1] // FORMATS[kind][0] * BLOCK, device="meta")
+        self._dense: torch.Tensor | None = None  # `dense`, once made
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows of ``ids`` (any shape), ``[*ids.shape, dim]``."""
@@ -315,10 +316,9 @@ class QuantizedEmbedding(nn.Module):
     def dense(self) -> torch.Tensor:
         """The whole embedding dequantized (float32 ``[vocab, dim]``, the full size), made on the first call and kept:
         every MTP head of the model (one per draft length in a server) shares the one copy."""
-        kept = self.__dict__.get("_dense")
-        if kept is None:
-            kept = self.__dict__["_dense"] = dequantize(cast(torch.Tensor, self.blocks), self.kind)
-        return kept
+        if self._dense is None:
+            self._dense = dequantize(cast(torch.Tensor, self.blocks), self.kind)
+        return self._dense
 
 
 def dense_embeddings(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:

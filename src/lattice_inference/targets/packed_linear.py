@@ -188,8 +188,6 @@ class _FusedGroup:
                 sizes = [q.shape[0] for q in quants if q is not None]
                 for member, part in zip(members, self.packed.split(sizes), strict=True):
                     setattr(member, QUANT, part)
-                del quants
-                release_freed_memory()  # the members' own blocks, freed just now
             else:
                 self.packed = pack_weight(torch.cat([m.weight.detach() for m in members]))
             biases = [m.bias for m in members]
@@ -265,6 +263,7 @@ def _pack_groups(model: nn.Module) -> None:
             for index, member in enumerate(group.members):
                 setattr(member, _PACKED, group)
                 member.forward = functools.partial(group.output, index)  # type: ignore[method-assign]
+            release_freed_memory()  # quantized members' own blocks (now views of the fused matrix) were just freed
 
 
 def pack_linears(model: nn.Module) -> int:

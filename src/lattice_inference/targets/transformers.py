@@ -288,8 +288,7 @@ class TransformersTarget(CausalLMTarget):
                 f"a draft tree of {len(token_ids)} tokens needs {len(token_ids)} parents, got {len(parents)}"
             )
         depths = tree_depths(parents)
-        dtype = first_weight(self.model).dtype
-        mask = tree_mask(parents, self._length, dtype, self.device)
+        mask = tree_mask(parents, self._length, self.model.dtype, self.device)
         return self._run(token_ids, logits_to_keep=0, offsets=depths, attention_mask=mask, matched=True)
 
     def keep_rows(self, start: int, rows: Sequence[int]) -> None:
