@@ -7,6 +7,7 @@ shapes after ``--context`` tokens of cache per sequence (median of ``--reps`` fo
 each), and checks that each sequence's batched logits equal its own forward's.
 
     .venv/bin/python bench/bench_batched_step.py --threads 2 [--model smollm2] [--dtype auto] [--context 600]
+        [--kv-cache auto|model|float16]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from bench_serve_concurrency import cpu_line
 
 from lattice_inference.loading import load_model
+from lattice_inference.options import KV_CACHES
 from lattice_inference.targets import make_target
 from lattice_inference.targets.base import Segment
 
@@ -45,15 +47,19 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--kv-cache", default="auto", choices=KV_CACHES, help="the target's kv_cache (default auto)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"command: {' '.join(sys.argv)}\nCPU: {cpu_line()}")
     loaded = load_model(args.model, dtype=args.dtype)
-    target = make_target(loaded.model)
+    target = make_target(loaded.model, kv_cache=args.kv_cache)
     if not target.batches_sequences:
         raise SystemExit("this target does not batch sequences here (the native layer loop does not run)")
-    print(f"model {loaded.source} ({loaded.model.dtype}), context {args.context} per sequence, {args.reps} reps")
+    print(
+        f"model {loaded.source} ({loaded.model.dtype}, cache {target.kv_dtype}), context {args.context} per "
+        f"sequence, {args.reps} reps"
+    )
     most = max(s for s, _ in SHAPES)
     sequences = [target.new_sequence(None) for _ in range(most)]
     for i, sequence in enumerate(sequences):

@@ -175,6 +175,7 @@ class Generator:
                 forward=options.forward,
                 prefix_cache=options.prefix_cache,
                 prefix_budget=options.prefix_budget,
+                kv_cache=options.kv_cache,
             )
         self.decoder = SpeculativeDecoder(
             target,

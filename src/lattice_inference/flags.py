@@ -16,7 +16,7 @@ from typing import Any
 from lattice_inference.devices import DEVICE_HELP
 from lattice_inference.errors import ConfigError
 from lattice_inference.mtp.config import MAX_DRAFT_LENGTH, MIN_DRAFT_LENGTH
-from lattice_inference.options import DTYPE_NAMES, FORWARDS, MATCH_POLICIES, DecodeOptions
+from lattice_inference.options import DTYPE_NAMES, FORWARDS, KV_CACHES, MATCH_POLICIES, DecodeOptions
 from lattice_inference.sampling import SamplingOptions
 
 
@@ -97,6 +97,13 @@ DRAFT_FLAGS: dict[str, DraftFlag] = {
         f"transformers: the model's forward; auto (default: {D.forward}): lean where it applies",
         str,
         FORWARDS,
+    ),
+    "kv_cache": DraftFlag(
+        "how the lean forward stores keys and values: float16 (half the bytes each step reads; float32 activations "
+        "only), model (its dtype), auto (default: float16 for a GGUF file run as stored, as llama.cpp does, else "
+        "model); plain decoding uses the same cache, so speculation still equals it token for token",
+        str,
+        KV_CACHES,
     ),
     "draft_length": DraftFlag(
         f"mtp: tokens per round counting the target's ({MIN_DRAFT_LENGTH}..{MAX_DRAFT_LENGTH}, default "

@@ -54,6 +54,15 @@ SUFFIX_SCOPES = ("tenant", "shared", "request")
 #: ``auto`` (lean where it applies; see `lattice_inference.targets.lean`).
 FORWARDS = ("auto", "lean", "transformers")
 
+#: ``kv_cache``/``--kv-cache``: how the lean forward stores keys and values. ``model``: in the model's dtype.
+#: ``float16``: IEEE half precision, each value rounded to nearest once as it is written and widened exactly as it is
+#: read, attention computed in float32 as before; half the bytes each step reads, which at a few hundred tokens of
+#: context is a third of a batched step's time. Only for float32 activations where the native ops run. ``auto``
+#: (default): ``float16`` for a GGUF file run as stored (its quantized products take float32 activations), as
+#: llama.cpp stores its cache for such files by default, else ``model``. Every forward of a target, plain decoding
+#: included, uses the same cache, so speculation stays token for token plain decoding's.
+KV_CACHES = ("auto", "model", "float16")
+
 #: ``--dtype``/``dtype=``: the weights' dtype. ``auto`` is bfloat16 on a GPU and on a CPU the checkpoint's own (a
 #: GGUF file's Q8_0/Q4_0/Q4_1 weights as stored, the rest float32, where our quantized products run; else
 #: bfloat16 where bfloat16 products run without emulation, else float32); see `loading.torch_dtype` and
@@ -153,6 +162,12 @@ def check_forward(forward: str) -> None:
         raise ConfigError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
 
 
+def check_kv_cache(kv_cache: str) -> None:
+    """``kv_cache`` must be one of `KV_CACHES`."""
+    if kv_cache not in KV_CACHES:
+        raise ConfigError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
+
+
 def check_shutdown_timeout(seconds: float) -> None:
     """``--shutdown-timeout`` must be a finite number of seconds >= 0 (0: end running generations at once)."""
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < float("inf"):
@@ -199,7 +214,8 @@ class DecodeOptions:
     up to 4096 tokens; `lattice_inference.targets.prefix_reuse`); elsewhere it computes every row as before.
     Beside the live cache, earlier sequences' caches are kept for it, least recently used dropped first, up to
     ``prefix_budget`` tokens in all (default 8192; each token's keys and values of every layer; 0: the live one
-    only).
+    only). ``kv_cache``: one of `KV_CACHES` (default ``auto``: float16 keys and values for a GGUF file run as
+    stored, else the model's dtype).
     """
 
     method: str = "ngram"
@@ -217,6 +233,7 @@ class DecodeOptions:
     forward: str = "auto"
     prefix_cache: bool = True
     prefix_budget: int = PREFIX_BUDGET
+    kv_cache: str = "auto"
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
 
     def __post_init__(self) -> None:
@@ -231,6 +248,7 @@ class DecodeOptions:
         check_forward(self.forward)
         check_budget(self.suffix_budget)
         check_prefix_budget(self.prefix_budget)
+        check_kv_cache(self.kv_cache)
         if not isinstance(self.sampling, SamplingOptions):
             raise ConfigError(f"sampling must be a SamplingOptions, got {type(self.sampling).__name__}")
 

@@ -159,7 +159,7 @@ class Engine:
         self.name = name or Path(loaded.source).name
         self.cache_size = cache_size
         self._generators: OrderedDict[DecodeOptions, Generator] = OrderedDict()
-        self._targets: dict[tuple[bool, str, bool, int], Target] = {}
+        self._targets: dict[tuple[bool, str, bool, int, str], Target] = {}
         self._heads: dict[int, MtpHead] = {}
         self.mtp_error: str | None = None
         try:
@@ -263,7 +263,13 @@ class Engine:
         """The target for ``settings``, one per kind of verification (``batched_verify``, ``forward``), shared
         by every generator: one cache, reused by each generation (they run one at a time), and one packing of the
         weights, self-check and cost measurement, rather than one per speculation setting."""
-        key = (settings.batched_verify, settings.forward, settings.prefix_cache, settings.prefix_budget)
+        key = (
+            settings.batched_verify,
+            settings.forward,
+            settings.prefix_cache,
+            settings.prefix_budget,
+            settings.kv_cache,
+        )
         if key not in self._targets:
             self._targets[key] = make_target(
                 self.loaded.model,
@@ -271,6 +277,7 @@ class Engine:
                 forward=settings.forward,
                 prefix_cache=settings.prefix_cache,
                 prefix_budget=settings.prefix_budget,
+                kv_cache=settings.kv_cache,
             )
         return self._targets[key]
 

@@ -37,12 +37,12 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from lattice_inference.errors import ConfigError
-from lattice_inference.options import PREFIX_BUDGET
+from lattice_inference.options import PREFIX_BUDGET, check_kv_cache
 from lattice_inference.targets import decode_matched, native_ops
 from lattice_inference.targets.base import Segment, SegmentOutput, TargetSequence
 from lattice_inference.targets.block_attention import Block, block_attention, plan_blocks
 from lattice_inference.targets.decode_matched import Product, RowPlan
-from lattice_inference.targets.packed_linear import packed_operands, products
+from lattice_inference.targets.packed_linear import packed_operands, products, quant_packed
 from lattice_inference.targets.prefix_reuse import CachedRows, KeptSequences, RowKey
 from lattice_inference.targets.transformers import TransformersTarget, tree_depths, tree_mask
 
@@ -98,7 +98,9 @@ class LeanTarget(TransformersTarget):
         native: bool = True,
         prefix_cache: bool = True,
         prefix_budget: int = PREFIX_BUDGET,
+        kv_cache: str = "auto",
     ) -> None:
+        check_kv_cache(kv_cache)
         reason = lean_supported(model)
         if reason is not None:
             raise ConfigError(f"the lean forward cannot run this model: {reason}")
@@ -111,6 +113,9 @@ class LeanTarget(TransformersTarget):
         self._heads, self._kv_heads = text.num_attention_heads, text.num_key_value_heads
         self._native = native_ops.ops() if native and self._native_fits(model) else None
         self._loop = _LayerLoop.of(self._layers, self.facts.row_plans) if self._native is not None else None
+        self.kv_dtype = self._kv_dtype(kv_cache, model)
+        """The dtype the cache stores keys and values in (`options.KV_CACHES`): the model's, or float16 under
+        float32 activations where the native ops run."""
         self.prefix_cache = prefix_cache
         """Whether a `prefill` may keep the cached rows of the prompt's longest prefix already in the cache, where
         they are bit for bit what it would compute (`prefix_reuse`): from the live cache or from the caches of the
@@ -118,6 +123,23 @@ class LeanTarget(TransformersTarget):
         self._rows = CachedRows()
         self._kept: KeptSequences[DynamicCache | None] = KeptSequences(prefix_budget if prefix_cache else 0)
         self._extending = False
+
+    def _kv_dtype(self, kv_cache: str, model: PreTrainedModel) -> torch.dtype:
+        """The cache's dtype for ``kv_cache`` (`options.KV_CACHES`): ``auto`` is float16 where the layer loop runs
+        GGUF-quantized products (float32 activations), as llama.cpp caches such files; ``float16`` is refused where
+        the native ops do not run or the activations are not float32."""
+        fits = self._native is not None and model.dtype == torch.float32
+        if kv_cache == "float16":
+            if not fits:
+                why = "the native ops do not run here" if self._native is None else f"this model runs in {model.dtype}"
+                raise ConfigError(f"kv_cache float16 needs float32 activations and the native ops; {why}")
+            return torch.float16
+        if kv_cache == "auto" and fits and self._loop is not None:
+            packed = self._loop.operands[0]
+            assert isinstance(packed, list)
+            if any(quant_packed(p) for p in packed):
+                return torch.float16
+        return model.dtype
 
     def _logits(
         self, ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: int
@@ -204,7 +226,7 @@ class LeanTarget(TransformersTarget):
         ids: list[int] = []
         positions: list[int] = []
         keys, spans, starts, rows, buffers = [], [], [], [], []
-        like = torch.empty(1, self._kv_heads, 0, self._head_dim, dtype=self.model.dtype, device=self.device)
+        like = torch.empty(1, self._kv_heads, 0, self._head_dim, dtype=self.kv_dtype, device=self.device)
         fed: list[tuple[TargetSequence, int]] = []
         try:
             for segment in segments:
@@ -285,7 +307,7 @@ class LeanTarget(TransformersTarget):
         probe = torch.empty(0, dtype=self.model.dtype)
         if prompt_length > NATIVE_PREFILL_MAX or not self._loop.runs(probe):
             return None
-        return (probe.dtype, torch.get_num_threads(), self.prefix_owner)
+        return (probe.dtype, self.kv_dtype, torch.get_num_threads(), self.prefix_owner)
 
     def _new_cache(self) -> None:
         self._kept.keep(self._rows, self._cache)
@@ -333,7 +355,7 @@ class LeanTarget(TransformersTarget):
         cos, sin = decoder.rotary_emb(x, positions)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         keys, offsets = visible
-        like = x.new_empty(1, self._kv_heads, 0, self._head_dim)
+        like = x.new_empty(1, self._kv_heads, 0, self._head_dim, dtype=self.kv_dtype)
         if self._loop is not None and self._loop.runs(x):
             buffers = [cache.append_in_place(n, like) for cache in self._cache.layers]
             x = ops.decode_layers(
@@ -362,8 +384,8 @@ class LeanTarget(TransformersTarget):
         self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, blocks: list[Block] | None
     ) -> torch.Tensor:
         """The decoder's hidden states after its final norm, ``[1, n, hidden]``, writing each layer's keys and
-        values at the cache's current length; attention by ``blocks`` (`block_attention`) where given, else
-        transformers' ``sdpa`` call under ``mask``."""
+        values at the cache's current length (rounded to `kv_dtype`); attention by ``blocks`` (`block_attention`)
+        where given, else transformers' ``sdpa`` call under ``mask``, over the cached keys and values widened back."""
         decoder = self.model.model
         x = decoder.embed_tokens(ids)
         cos, sin = decoder.rotary_emb(x, positions)
@@ -378,10 +400,11 @@ class LeanTarget(TransformersTarget):
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q, k = self._rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            keys, values = cache.update(k, v.transpose(1, 2))
+            keys, values = cache.update(k.to(self.kv_dtype), v.transpose(1, 2).to(self.kv_dtype))
             if blocks is not None:
-                out = block_attention(q, *cache.buffers(span), blocks, attn.scaling)
+                out = block_attention(q, *(b.to(q.dtype) for b in cache.buffers(span)), blocks, attn.scaling)
             else:
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
                 out, _ = sdpa_attention_forward(
                     attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling, sliding_window=None
                 )

@@ -8,9 +8,9 @@ is bit for bit what a fresh prefill would compute: a row's keys and values depen
 the rows before it, so they match exactly when every row, prompt and generated alike, was computed by one
 instruction sequence that does not depend on how many rows a forward holds or where it starts (`LeanTarget`'s
 native layer loop, the same code a fresh prefill runs). A target records here the ids of its cache rows as it
-feeds, rolls back and keeps them, and under which settings they were computed (`RowKey`: dtype, thread count and
-the owner, e.g. a server's tenant); a prefill under other settings, or of a prompt a fresh prefill would compute
-another way, reuses nothing.
+feeds, rolls back and keeps them, and under which settings they were computed (`RowKey`: dtype, the cache's dtype,
+thread count and the owner, e.g. a server's tenant); a prefill under other settings, or of a prompt a fresh prefill
+would compute another way, reuses nothing.
 
 Beside its live cache a target keeps the caches of its earlier sequences (`KeptSequences`, LRU, under a token
 budget), so that work that alternates between contexts (two conversations, an agent returning to a file after a

@@ -9,6 +9,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -40,8 +42,18 @@ inline f8 splat(float v) { return f8{v, v, v, v, v, v, v, v}; }
 inline f8 vmin(f8 a, f8 b) { return a < b ? a : b; }
 inline f8 vmax(f8 a, f8 b) { return a > b ? a : b; }
 
-// 8 numbers of type T (float or bfloat16) as floats.
+// 8 numbers of type T (float, bfloat16, or float16: a KV cache's storage) as floats, exactly.
 inline f8 widen8(const float* p) { return load8(p); }
+inline f8 widen8(const c10::Half* p) {
+#ifdef __F16C__
+  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  f8 out; std::memcpy(&out, &v, sizeof out); return out;
+#else
+  float lanes[L];
+  for (int i = 0; i < L; ++i) lanes[i] = static_cast<float>(p[i]);
+  return load8(lanes);
+#endif
+}
 inline f8 widen8(const c10::BFloat16* p) {
   h8v h; std::memcpy(&h, p, sizeof h);
   u8v u = __builtin_convertvector(h, u8v) << 16;
@@ -151,9 +163,10 @@ inline void rotate(float* v, const T* cos, const T* sin, int64_t d) {
 }
 
 // qkv: [n, (H + 2K) * D] (the fused projection's output); norms: per-head q/k RMSNorm weights [D] or undefined;
-// cos/sin: [n, D]; caches: [K, capacity, D] written at rows start..start+n-1. Returns q as float [H, n, D].
+// cos/sin: [n, D]; caches: [K, capacity, D] of C (T, or float16 under float32 activations) written at rows
+// start..start+n-1, each value rounded to C (to nearest even). Returns q as float [H, n, D].
 // Rows in parallel from 4 rows up (each row writes only its own q and cache rows).
-template <typename T>
+template <typename T, typename C>
 torch::Tensor rope_impl(const torch::Tensor& qkv, const c10::optional<torch::Tensor>& q_norm,
                         const c10::optional<torch::Tensor>& k_norm, double eps, const torch::Tensor& cos,
                         const torch::Tensor& sin, torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t start,
@@ -167,8 +180,8 @@ torch::Tensor rope_impl(const torch::Tensor& qkv, const c10::optional<torch::Ten
   const T* src = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  C* kc = k_cache.data_ptr<C>();
+  C* vc = v_cache.data_ptr<C>();
   float* qp = q.data_ptr<float>();
   const T* qn = q_norm.has_value() ? q_norm->data_ptr<T>() : nullptr;
   const T* kn = k_norm.has_value() ? k_norm->data_ptr<T>() : nullptr;
@@ -192,12 +205,17 @@ torch::Tensor rope_impl(const torch::Tensor& qkv, const c10::optional<torch::Ten
         if (is_q) {
           std::memcpy(qp + (head * n + r) * d, h, d * sizeof(float));
         } else {
-          T* dst = kc + ((head - heads) * cap + start + r) * d;
-          for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(h[i]);
+          C* dst = kc + ((head - heads) * cap + start + r) * d;
+          for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<C>(h[i]);
         }
       }
       for (int64_t kv = 0; kv < kv_heads; ++kv) {
-        std::memcpy(vc + (kv * cap + start + r) * d, row + (heads + kv_heads + kv) * d, d * sizeof(T));
+        const T* value = row + (heads + kv_heads + kv) * d;
+        C* dst = vc + (kv * cap + start + r) * d;
+        if constexpr (std::is_same_v<T, C>)
+          std::memcpy(dst, value, d * sizeof(T));
+        else
+          for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<C>(wide(value[i]));
       }
     }
   });
@@ -248,11 +266,12 @@ inline f8 exp_scores(float* sc, int64_t count, int64_t padded) {
 // query heads over its keys, 8 at a time (a row's last 8 may hold keys past its own, whose scores are dropped),
 // the softmax, and the value sums. Each block of 8 keys and values is widened to float once for all the rows.
 // Every score is one dot product accumulated chunk by chunk and reduced by `sum8x8`'s tree; every output lane sums
-// its keys in order: the same sequence for a row at any width, whichever rows come with it.
-template <typename T, int DV>
-void attend(const float* qs, int64_t q_stride, int64_t groups, const T* kc, const T* vc, int64_t dv_runtime,
+// its keys in order: the same sequence for a row at any width, whichever rows come with it. Keys and values are
+// stored as C (the cache's type, widened exactly), the output written as O (the activations' type).
+template <typename C, typename O, int DV>
+void attend(const float* qs, int64_t q_stride, int64_t groups, const C* kc, const C* vc, int64_t dv_runtime,
             const int64_t* keys, const int64_t* counts, int64_t rows, float scale, std::vector<float>& scores,
-            std::vector<float>& accs, T* dst, int64_t dst_row_stride, int64_t dst_stride) {
+            std::vector<float>& accs, O* dst, int64_t dst_row_stride, int64_t dst_stride) {
   const int64_t dv = DV > 0 ? DV : dv_runtime, d = dv * L;
   int64_t widest = 0;
   for (int64_t r = 0; r < rows; ++r) widest = std::max(widest, counts[r]);
@@ -263,7 +282,7 @@ void attend(const float* qs, int64_t q_stride, int64_t groups, const T* kc, cons
   for (int64_t j0 = 0; j0 < span; j0 += L) {
     for (int64_t j = 0; j < L; ++j) {
       const int64_t key = j0 + j < widest ? keys[j0 + j] : keys[0];
-      const T* k = kc + key * d;
+      const C* k = kc + key * d;
       for (int64_t c = 0; c < dv; ++c) store8(kbuf + j * d + c * L, widen8(k + c * L));
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -292,7 +311,7 @@ void attend(const float* qs, int64_t q_stride, int64_t groups, const T* kc, cons
   for (int64_t j0 = 0; j0 < widest; j0 += L) {
     const int64_t m = std::min<int64_t>(L, widest - j0);
     for (int64_t j = 0; j < m; ++j) {
-      const T* v = vc + keys[j0 + j] * d;
+      const C* v = vc + keys[j0 + j] * d;
       for (int64_t c = 0; c < dv; ++c) store8(kbuf + j * d + c * L, widen8(v + c * L));
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -313,8 +332,8 @@ void attend(const float* qs, int64_t q_stride, int64_t groups, const T* kc, cons
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
       const float* sums = accs.data() + (r * groups + g) * d;
-      T* out = dst + r * dst_row_stride + g * dst_stride;
-      for (int64_t i = 0; i < d; ++i) out[i] = static_cast<T>(sums[i]);
+      O* out = dst + r * dst_row_stride + g * dst_stride;
+      for (int64_t i = 0; i < d; ++i) out[i] = static_cast<O>(sums[i]);
     }
 }
 
@@ -477,7 +496,7 @@ bool bf16_attention_dots = true;  // `attention_bf16_dots`
 constexpr int64_t RUN_ROWS = 32;
 
 // One attention call's inputs (`attention_impl` takes several: the sequences of a batched step): q [H, n, D] float,
-// caches [K, capacity, D] of T; row r sees the cache rows keys[spans[r][0] .. spans[r][1]) in that order.
+// caches [K, capacity, D] of C; row r sees the cache rows keys[spans[r][0] .. spans[r][1]) in that order.
 struct AttentionCall {
   torch::Tensor q, k_cache, v_cache, keys, spans, out;
   std::vector<int64_t> counts;  // keys per row
@@ -490,7 +509,8 @@ struct AttentionCall {
 // list), runs of rows share each head's widened keys and values (`attend`); a tree's rows run one by one. The
 // units (call, run of rows, key-value head) of all calls share one parallel loop, so a batched step of many
 // one-row sequences keeps every thread busy; which rows share a run, and which thread runs it, changes no row.
-template <typename T>
+// C: the caches' type; O: the output's, the activations' (see `attention_calls`).
+template <typename C, typename O>
 std::vector<torch::Tensor> attention_impl(std::vector<AttentionCall>& calls, double scaling) {
   const int64_t threads = at::get_num_threads();
   std::vector<int64_t> first_unit(calls.size() + 1, 0);
@@ -517,7 +537,7 @@ std::vector<torch::Tensor> attention_impl(std::vector<AttentionCall>& calls, dou
       call.counts[r] = op[2 * r + 1] - op[2 * r];
       shared = shared && op[2 * r] == op[0];
     }
-    call.out = torch::empty({n, heads * d}, q.options().dtype(call.k_cache.scalar_type()));
+    call.out = torch::empty({n, heads * d}, q.options().dtype(c10::CppTypeToScalarType<O>::value));
     // Units of (run of rows, key-value head): runs as long as keeps every thread busy, and at most `RUN_ROWS` rows
     // (a long prefill's runs keep their scores in cache).
     const int64_t want = std::max<int64_t>((2 * threads + kv_heads - 1) / kv_heads, (n + RUN_ROWS - 1) / RUN_ROWS);
@@ -541,14 +561,14 @@ std::vector<torch::Tensor> attention_impl(std::vector<AttentionCall>& calls, dou
       const int64_t slot = local / kv_heads, which = slot % 2 == 0 ? slot / 2 : runs - 1 - slot / 2;
       const int64_t r0 = which * run, rows = std::min(n, r0 + run) - r0, kv = local % kv_heads;
       const float* qs = call.q.data_ptr<float>() + (kv * groups * n + r0) * d;
-      const T* kc_h = call.k_cache.data_ptr<T>() + kv * cap * d;
-      const T* vc_h = call.v_cache.data_ptr<T>() + kv * cap * d;
-      T* dst = call.out.data_ptr<T>() + r0 * heads * d + kv * groups * d;
+      const C* kc_h = call.k_cache.data_ptr<C>() + kv * cap * d;
+      const C* vc_h = call.v_cache.data_ptr<C>() + kv * cap * d;
+      O* dst = call.out.data_ptr<O>() + r0 * heads * d + kv * groups * d;
       const int64_t* ks = call.keys.data_ptr<int64_t>() + call.spans.data_ptr<int64_t>()[2 * r0];
       const int64_t* cs = call.counts.data() + r0;
       const int64_t dv = d / L;
 #ifdef LATTICE_BF16_ATTENTION
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (std::is_same_v<C, c10::BFloat16> && std::is_same_v<O, c10::BFloat16>) {
         if (bf16_attention_dots && (d == 64 || d == 128)) {
           if (d == 64)
             attend_bf16<2>(qs, n * d, groups, kc_h, vc_h, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
@@ -559,11 +579,11 @@ std::vector<torch::Tensor> attention_impl(std::vector<AttentionCall>& calls, dou
       }
 #endif
       if (dv == 8)
-        attend<T, 8>(qs, n * d, groups, kc_h, vc_h, dv, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
+        attend<C, O, 8>(qs, n * d, groups, kc_h, vc_h, dv, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
       else if (dv == 16)
-        attend<T, 16>(qs, n * d, groups, kc_h, vc_h, dv, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
+        attend<C, O, 16>(qs, n * d, groups, kc_h, vc_h, dv, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
       else
-        attend<T, 0>(qs, n * d, groups, kc_h, vc_h, dv, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
+        attend<C, O, 0>(qs, n * d, groups, kc_h, vc_h, dv, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
     }
   });
   std::vector<torch::Tensor> outs;
@@ -651,8 +671,12 @@ torch::Tensor rope_qk_cache(const torch::Tensor& qkv, const c10::optional<torch:
   check_tensor(sin, "rope_qk_cache", "sin", 2, dtype);
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == qkv.size(0), "rope_qk_cache: cos and sin must be [",
               qkv.size(0), " rows, head_dim], got ", cos.sizes(), " and ", sin.sizes());
-  check_tensor(k_cache, "rope_qk_cache", "k_cache", 3, dtype);
-  check_tensor(v_cache, "rope_qk_cache", "v_cache", 3, dtype);
+  const auto cache_dtype = k_cache.scalar_type();
+  TORCH_CHECK(cache_dtype == dtype || (cache_dtype == torch::kFloat16 && dtype == torch::kFloat32),
+              "rope_qk_cache: the caches must be ", dtype, (dtype == torch::kFloat32 ? " or float16" : ""), ", got ",
+              cache_dtype);
+  check_tensor(k_cache, "rope_qk_cache", "k_cache", 3, cache_dtype);
+  check_tensor(v_cache, "rope_qk_cache", "v_cache", 3, cache_dtype);
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == kv_heads && k_cache.size(2) == cos.size(1),
               "rope_qk_cache: the caches must be [", kv_heads, " kv heads, capacity, ", cos.size(1),
               "], got ", k_cache.sizes(), " and ", v_cache.sizes());
@@ -660,16 +684,19 @@ torch::Tensor rope_qk_cache(const torch::Tensor& qkv, const c10::optional<torch:
               ", kv heads ", kv_heads);
   check_vector(q_norm, "rope_qk_cache", "q_norm", cos.size(1), dtype);
   check_vector(k_norm, "rope_qk_cache", "k_norm", cos.size(1), dtype);
+  if (cache_dtype == torch::kFloat16)
+    return rope_impl<float, c10::Half>(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, start, heads, kv_heads);
   DISPATCH(qkv.scalar_type(),
-           return rope_impl<T>(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, start, heads, kv_heads));
+           return rope_impl<T, T>(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, start, heads, kv_heads));
 }
 
 // The checks of one attention call's inputs, and the call (see `attention_impl`).
 AttentionCall attention_call(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                              const torch::Tensor& keys, const torch::Tensor& spans) {
   check_tensor(q, "attention", "q", 3, torch::kFloat32);
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16,
-              "attention: k_cache must be float32 or bfloat16, got ", k_cache.scalar_type());
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16 ||
+                  k_cache.scalar_type() == torch::kFloat16,
+              "attention: k_cache must be float32, bfloat16 or float16, got ", k_cache.scalar_type());
   check_tensor(k_cache, "attention", "k_cache", 3, k_cache.scalar_type());
   check_tensor(v_cache, "attention", "v_cache", 3, k_cache.scalar_type());
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == q.size(2) && k_cache.size(0) > 0,
@@ -680,11 +707,14 @@ AttentionCall attention_call(const torch::Tensor& q, const torch::Tensor& k_cach
   return AttentionCall{q, k_cache, v_cache, keys, spans, torch::Tensor(), {}};
 }
 
+// Attention of every call (their caches of one dtype), each output [n, H * D] in the activations' dtype: the
+// caches' own, or float32 for float16 caches (which serve float32 activations only; see `rope_qk_cache`).
 std::vector<torch::Tensor> attention_calls(std::vector<AttentionCall>& calls, double scaling) {
   const auto dtype = calls.at(0).k_cache.scalar_type();
   for (const AttentionCall& call : calls)
     TORCH_CHECK(call.k_cache.scalar_type() == dtype, "attention: every call's caches must share one dtype");
-  DISPATCH(dtype, return attention_impl<T>(calls, scaling));
+  if (dtype == torch::kFloat16) return attention_impl<c10::Half, float>(calls, scaling);  // float32 activations
+  DISPATCH(dtype, return attention_impl<T, T>(calls, scaling));
 }
 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
