@@ -44,11 +44,16 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(rng.randint(2, 40))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+CACHES = [(torch.float32, "model"), (torch.bfloat16, "model"), (torch.float32, "float16")]
+"""(activations, ``kv_cache``): the model's dtype in its cache, and float32 activations over a float16 cache."""
+
+
+@pytest.mark.parametrize(("dtype", "kv_cache"), CACHES)
 @pytest.mark.parametrize("arch", ARCHES)
-def test_batched_rows_equal_each_sequence_alone(arch, dtype):
-    target = LeanTarget(_model(arch, dtype))
+def test_batched_rows_equal_each_sequence_alone(arch, dtype, kv_cache):
+    target = LeanTarget(_model(arch, dtype), kv_cache=kv_cache)
     assert target.batches_sequences
+    assert target.kv_dtype == (torch.float16 if kv_cache == "float16" else dtype)
     rng = random.Random(arch)
     contexts = _prompts(4, seed=len(arch))
     steps = [[rng.randrange(256) for _ in range(w)] for w in (1, 5, 2, 4)]
@@ -70,6 +75,7 @@ def test_batched_rows_equal_each_sequence_alone(arch, dtype):
         for sequence, context, tokens in zip(sequences, contexts, steps, strict=True):
             target.use(sequence)
             assert target.length == len(context) + len(tokens)
+            assert target._cache.layers[0].keys.dtype == target.kv_dtype
             target.keep_rows(len(context), [0])  # keep the first row: the next step continues from it
             context.append(tokens[0])
     for sequence in sequences:
@@ -96,10 +102,12 @@ def test_a_failed_batched_forward_leaves_every_sequence_as_it_was():
         target.use(first)
 
 
-def test_the_self_check_covers_batched_rows():
-    exactness = check_exactness(LeanTarget(_model("qwen3")), 6)
+@pytest.mark.parametrize("kv_cache", ["model", "float16"])
+def test_the_self_check_covers_batched_rows(kv_cache):
+    exactness = check_exactness(LeanTarget(_model("qwen3"), kv_cache=kv_cache), 6)
     assert exactness.exact and exactness.batched == 3
     assert "3 sequences in one forward" in exactness.line()
+    assert ("float16 KV cache" in exactness.line()) == (kv_cache == "float16")
 
 
 def _run_batch(decoders, prompts, budgets, samplings, *, joins, max_batch, cancel=None):
@@ -132,12 +140,12 @@ SAMPLINGS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "kv_cache"), CACHES)
 @pytest.mark.parametrize("arch", ARCHES)
-def test_a_batch_emits_for_each_generation_what_plain_decoding_of_it_alone_emits(arch, dtype):
+def test_a_batch_emits_for_each_generation_what_plain_decoding_of_it_alone_emits(arch, dtype, kv_cache):
     """Corrupted-oracle drafts (fully accepted, partly, rejected at once), EOS, budgets of 1, greedy and seeded."""
     model = _model(arch, dtype)
-    target = LeanTarget(model)
+    target = LeanTarget(model, kv_cache=kv_cache)
     plain = SpeculativeDecoder(target, None, eos_token_ids=[EOS])
     prompts = _prompts(7, seed=len(arch))
     samplings = [SAMPLINGS[i % 3] for i in range(len(prompts))]

@@ -81,6 +81,58 @@ def test_long_prompts_prefill_through_the_pytorch_path(monkeypatch):
     assert _close(torch.bfloat16)(lean.prefill(context), plain.prefill(context))
 
 
+@pytest.mark.parametrize("path", ["native loop", "native ops", "unmatched", "long prompt"])
+def test_a_float16_cache_on_every_path(path, monkeypatch):
+    """``kv_cache="float16"``: every path writes float16 rows (the native layer loop, the native ops layer by layer,
+    transformers' ``sdpa`` call for rows without decode matching and for prompts past the native prefill) and reads
+    them widened; the logits stay within float16 rounding of the float32 cache's, and matched k-token rows equal
+    1-token steps bitwise."""
+    from lattice_inference.targets import lean as lean_module
+
+    model = _model("qwen3")
+    matched = path != "unmatched"
+    half = LeanTarget(model, kv_cache="float16", decode_matched=matched)
+    wide = LeanTarget(model, decode_matched=matched)
+    assert (half.kv_dtype, wide.kv_dtype, half.kv_cache, wide.kv_cache) == (torch.float16, torch.float32, "float16", "")
+    if path == "native ops":
+        half._loop = wide._loop = None
+    if path == "long prompt":
+        monkeypatch.setattr(lean_module, "NATIVE_PREFILL_MAX", 10)
+
+    def near(a: torch.Tensor, b: torch.Tensor) -> bool:  # float16 keys and values: about 3 decimal digits
+        return 0 < float((a - b).abs().max()) <= 2e-2 * float(b.abs().max())
+
+    rng = random.Random(path)
+    context = [rng.randrange(256) for _ in range(40)]
+    assert near(half.prefill(context), wide.prefill(context))
+    assert half._cache.layers[0].keys.dtype == torch.float16
+    for tokens in ([5], [6, 7, 8], [9] * 5):
+        start = half.length
+        rows = half.forward(tokens)
+        assert near(rows, wide.forward(tokens))
+        if matched:
+            half.rollback(start)
+            for i, token in enumerate(tokens):
+                assert torch.equal(half.forward([token])[0], rows[i]), (tokens, i)
+
+
+def test_kv_cache_float16_is_refused_where_it_cannot_run():
+    model = _model("llama")
+    assert LeanTarget(model).kv_dtype == torch.float32  # auto: a dense float32 model keeps its dtype
+    with pytest.raises(
+        ConfigError, match=r"float32 activations and the native ops; this model runs in torch\.bfloat16"
+    ):
+        LeanTarget(_model("llama", torch.bfloat16), kv_cache="float16")
+    with pytest.raises(ConfigError, match="the native ops do not run here"):
+        LeanTarget(model, native=False, kv_cache="float16")
+    with pytest.raises(ConfigError, match="kv_cache float16 needs the lean forward's native ops; this model runs on"):
+        make_target(model, forward="transformers", kv_cache="float16")
+    with pytest.raises(ConfigError, match="kv_cache must be one of auto, model, float16, got 'int8'"):
+        DecodeOptions(kv_cache="int8")
+    generator = Generator(model, byte_tokenizer(), DecodeOptions(kv_cache="float16"))
+    assert generator.decoder.target.kv_cache == "float16"
+
+
 def _close(dtype: torch.dtype):
     """Agreement to the rounding of a different attention kernel: relative to the largest logit."""
     tolerance = 1e-4 if dtype == torch.float32 else 6e-2

@@ -124,6 +124,32 @@ def test_attention_rows_see_their_keys_and_equal_one_row_calls(ops, dtype):
         ops.attention(q[:, :1].contiguous(), k_cache, v_cache, chain, torch.tensor([[0, 17]]), 0.2)
 
 
+def test_a_float16_cache_holds_the_float32_rows_rounded_once_and_attention_reads_them_exactly(ops):
+    """Under float32 activations the caches may be float16 (``kv_cache``): the cache write stores each key and value
+    rounded to nearest float16 (the float32 cache's values, ``.half()``), and attention over a float16 cache is
+    attention over the same values widened to float32, bit for bit, with float32 output; row-exact as ever."""
+    heads, kv_heads, dim, n, start = 6, 2, 64, 5, 7
+    qkv = _rand(n, (heads + 2 * kv_heads) * dim, dtype=torch.float32) * 3
+    angles = torch.arange(start, start + n)[:, None] * torch.linspace(0.01, 1, dim // 2)[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    caches = {dt: (torch.zeros(kv_heads, 16, dim, dtype=dt), torch.zeros(kv_heads, 16, dim, dtype=dt))
+              for dt in (torch.float32, torch.float16)}  # fmt: skip
+    queries = {dt: ops.rope_qk_cache(qkv, None, None, 1e-6, cos, sin, *kv, start, heads, kv_heads)
+               for dt, kv in caches.items()}  # fmt: skip
+    assert torch.equal(queries[torch.float16], queries[torch.float32])
+    for wide, half in zip(caches[torch.float32], caches[torch.float16], strict=True):
+        assert half.dtype == torch.float16 and torch.equal(half, wide.half())
+        assert not torch.equal(half.float(), wide)  # the rounding is real: the test could fail
+    q, (k16, v16) = queries[torch.float16], caches[torch.float16]
+    visible = [list(range(start + 1 + r)) for r in range(n)]
+    out = ops.attention(q, k16, v16, *_keys(visible), 0.125)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, ops.attention(q, k16.float(), v16.float(), *_keys(visible), 0.125))
+    for r, keys in enumerate(visible):
+        alone = ops.attention(q[:, r : r + 1].contiguous(), k16, v16, *_keys([keys]), 0.125)
+        assert torch.equal(alone[0], out[r]), r
+
+
 @pytest.mark.parametrize("dots", [True, False])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_bfloat16_attention_at_model_head_sizes_is_row_exact_and_rounds_as_bfloat16_attention(ops, dim, dots):
@@ -208,6 +234,7 @@ def _bad_calls(ops) -> list[tuple[str, object]]:
     q = _rand(heads, 1, dim, dtype=torch.float32)
     keys, spans = _keys([[0, 1]])
     rope = ops.rope_qk_cache
+    bf16_angles = (cos.bfloat16(), sin.bfloat16())
     packed = ops.rows_pack(_rand(16, 64, dtype=torch.float32))
     return [
         ("x must be a CPU tensor, got one on meta", lambda: ops.rms_norm(x.to("meta"), w, 1e-6)),
@@ -222,8 +249,16 @@ def _bad_calls(ops) -> list[tuple[str, object]]:
             lambda: rope(qkv, None, None, 1e-6, cos[:2], sin, cache, cache, 0, heads, kv_heads),
         ),
         (
-            "rope_qk_cache: k_cache must be Float",
+            "rope_qk_cache: the caches must be Float or float16, got BFloat16",
             lambda: rope(qkv, None, None, 1e-6, cos, sin, cache.bfloat16(), cache, 0, heads, kv_heads),
+        ),
+        (
+            "rope_qk_cache: v_cache must be Half",
+            lambda: rope(qkv, None, None, 1e-6, cos, sin, cache.half(), cache, 0, heads, kv_heads),
+        ),
+        (
+            "rope_qk_cache: the caches must be BFloat16, got Half",
+            lambda: rope(qkv.bfloat16(), None, None, 1e-6, *bf16_angles, cache.half(), cache.half(), 0, heads, 1),
         ),
         (
             "rope_qk_cache: the caches must be [1 kv heads",

@@ -78,13 +78,15 @@ def test_kept_sequences_give_the_longest_prefix_least_recently_used_dropped_firs
     assert len(kept) == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("dtype", "kv_cache"), [(torch.bfloat16, "model"), (torch.float32, "model"),
+                                                 (torch.float32, "float16")])  # fmt: skip
 @pytest.mark.parametrize("arch", LEAN_ARCHES)
-def test_a_reused_prefix_gives_a_fresh_prefills_logits_and_steps(arch, dtype):
+def test_a_reused_prefix_gives_a_fresh_prefills_logits_and_steps(arch, dtype, kv_cache):
     """Rows cached by a prefill, 1-token steps, a chain, a draft tree's kept path and a rollback, then reused by the
-    next prompt: its logits and the steps after it equal a fresh target's bit for bit."""
+    next prompt: its logits and the steps after it equal a fresh target's bit for bit (float16 caches too)."""
     model = _model(arch, dtype)
-    lean, fresh = LeanTarget(model, prefix_budget=0), LeanTarget(model, prefix_cache=False)  # the live cache
+    lean = LeanTarget(model, prefix_budget=0, kv_cache=kv_cache)  # the live cache
+    fresh = LeanTarget(model, prefix_cache=False, kv_cache=kv_cache)
     rng = random.Random(arch)
     context = [rng.randrange(256) for _ in range(70)]
     lean.prefill(context)

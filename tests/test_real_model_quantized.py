@@ -58,6 +58,7 @@ def test_speculation_equals_plain_decoding_of_the_quantized_model_which_stays_cl
     plain = Generator(quantized.model, quantized.tokenizer, method="greedy", eos_token_ids=eos)
     reference = Generator(dense.model, dense.tokenizer, method="greedy", eos_token_ids=eos)
     ngram = Generator(quantized.model, quantized.tokenizer, method="ngram", adaptive=False, eos_token_ids=eos)
+    assert plain.decoder.target.kv_cache == "float16"  # auto: a GGUF file as stored caches float16, as llama.cpp
     prompts = [p for p in load_prompts(GROUNDED_TASKS) if p.set == "grounded"][1::7][:5]
     ids = [encode_prompt(plain, p) for p in prompts]
     accepted = agreed = 0

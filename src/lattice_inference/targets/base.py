@@ -171,6 +171,12 @@ class Target(Protocol):
         raise NotImplementedError(f"{type(self).__name__} does not batch sequences")
 
     @property
+    def kv_cache(self) -> str:
+        """How the cache stores keys and values where not in the model's dtype (``"float16"``: `options.KV_CACHES`),
+        else empty (the default)."""
+        return ""
+
+    @property
     def facts(self) -> TargetFacts:
         """This target's `TargetFacts`, made on first use (so subclasses need not call an ``__init__`` for it)."""
         facts = self.__dict__.get("_facts")

@@ -33,6 +33,8 @@ class Exactness:
     failures: tuple[str, ...] = field(default_factory=tuple)
     kernels: tuple[str, ...] = ()
     """The product kernels the checked forwards ran (``rows``, ``tiles``, ``quant-Q4_1``, ...: the row plans' kinds)."""
+    cache: str = ""
+    """The KV cache's dtype where it is not the model's (``float16``: `options.KV_CACHES`), else empty."""
 
     def line(self) -> str:
         """One line for a report."""
@@ -42,6 +44,8 @@ class Exactness:
             checked += f", {self.batched} sequences in one forward"
         if self.kernels:
             checked += f"; products: {', '.join(self.kernels)}"
+        if self.cache:
+            checked += f"; {self.cache} KV cache"
         if self.exact:
             return f"decode-matched verification: exact (k-token rows equal 1-token steps bitwise, {checked})"
         failures = "; ".join(self.failures)
@@ -56,6 +60,7 @@ class Exactness:
             "batched": self.batched,
             "failures": list(self.failures),
             "kernels": list(self.kernels),
+            "cache": self.cache,
         }
 
 
@@ -98,7 +103,7 @@ def check_exactness(target: Target, max_width: int) -> Exactness:
     if batched:
         failures += _check_batch(target, context, sequence, alone)
     kernels = tuple(sorted({str(key[0]) for key in target.facts.row_plans}))
-    return Exactness(not failures, widths, trees, batched, tuple(failures), kernels)
+    return Exactness(not failures, widths, trees, batched, tuple(failures), kernels, target.kv_cache)
 
 
 BATCH_SEQUENCES = 3

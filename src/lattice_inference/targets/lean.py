@@ -124,6 +124,10 @@ class LeanTarget(TransformersTarget):
         self._kept: KeptSequences[DynamicCache | None] = KeptSequences(prefix_budget if prefix_cache else 0)
         self._extending = False
 
+    @property
+    def kv_cache(self) -> str:
+        return "float16" if self.kv_dtype != self.model.dtype else ""
+
     def _kv_dtype(self, kv_cache: str, model: PreTrainedModel) -> torch.dtype:
         """The cache's dtype for ``kv_cache`` (`options.KV_CACHES`): ``auto`` is float16 where the layer loop runs
         GGUF-quantized products (float32 activations), as llama.cpp caches such files; ``float16`` is refused where
