@@ -7,7 +7,7 @@ shapes after ``--context`` tokens of cache per sequence (median of ``--reps`` fo
 each), and checks that each sequence's batched logits equal its own forward's.
 
     .venv/bin/python bench/bench_batched_step.py --threads 2 [--model smollm2] [--dtype auto] [--context 600]
-        [--kv-cache auto|model|float16]
+        [--kv-cache model,float16]   (several caches: timed in turns, one process)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from bench_serve_concurrency import cpu_line
 
 from lattice_inference.loading import load_model
-from lattice_inference.options import KV_CACHES
+from lattice_inference.options import KV_CACHES, check_kv_cache
 from lattice_inference.targets import make_target
 from lattice_inference.targets.base import Segment
 
@@ -30,14 +30,60 @@ SHAPES = ((2, 1), (4, 1), (8, 1), (16, 1), (8, 2), (8, 4))
 """(sequences, rows each) of the batched steps timed."""
 
 
-def _median_ms(run: Callable[[], None], reps: int) -> float:
-    run()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+def _medians_ms(runs: list[Callable[[], None]], reps: int) -> list[float]:
+    """The median time of each of ``runs``, taking turns rep by rep (so that drift hits them alike)."""
+    for run in runs:
         run()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(reps):
+        for run, spent in zip(runs, times, strict=True):
+            start = time.perf_counter()
+            run()
+            spent.append(time.perf_counter() - start)
+    return [1000 * statistics.median(spent) for spent in times]
+
+
+class Setup:
+    """One target (``kv_cache``) over the loaded model with ``count`` sequences of ``context`` tokens each."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: str, count: int, context: int) -> None:
+        self.target = make_target(model, kv_cache=kv_cache)
+        if not self.target.batches_sequences:
+            raise SystemExit("this target does not batch sequences here (the native layer loop does not run)")
+        self.context = context
+        self.sequences = [self.target.new_sequence(None) for _ in range(count)]
+        for i, sequence in enumerate(self.sequences):
+            self.target.use(sequence)
+            self.target.prefill([(7 * j + 13 * i) % 40000 + 100 for j in range(context)])
+
+    def single(self, rows: int) -> Callable[[], None]:
+        def run() -> None:
+            self.target.use(self.sequences[0])
+            self.target.forward([5] * rows)
+            self.target.rollback(self.context)
+
+        return run
+
+    def batched(self, count: int, rows: int) -> Callable[[], None]:
+        def run() -> None:
+            self.target.forward_batch([Segment(s, [5] * rows) for s in self.sequences[:count]])
+            for s in self.sequences[:count]:
+                self.target.use(s)
+                self.target.rollback(self.context)
+
+        return run
+
+    def same_as_alone(self) -> int:
+        """How many of 4 sequences' batched logits equal their own forward's."""
+        target = self.target
+        outputs = target.forward_batch([Segment(s, [5, 6]) for s in self.sequences[:4]])
+        same = 0
+        for sequence, output in zip(self.sequences[:4], outputs, strict=True):
+            target.use(sequence)
+            target.rollback(self.context)
+            same += torch.equal(target.forward([5, 6]), output.logits)
+            target.rollback(self.context)
+        return same
 
 
 def main() -> None:
@@ -47,57 +93,36 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int)
-    parser.add_argument("--kv-cache", default="auto", choices=KV_CACHES, help="the target's kv_cache (default auto)")
+    parser.add_argument(
+        "--kv-cache",
+        default="auto",
+        help=f"the targets' kv_cache, comma-separated ({', '.join(KV_CACHES)}): several are timed in turns",
+    )
     args = parser.parse_args()
+    caches = args.kv_cache.split(",")
+    for kv in caches:
+        check_kv_cache(kv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"command: {' '.join(sys.argv)}\nCPU: {cpu_line()}")
     loaded = load_model(args.model, dtype=args.dtype)
-    target = make_target(loaded.model, kv_cache=args.kv_cache)
-    if not target.batches_sequences:
-        raise SystemExit("this target does not batch sequences here (the native layer loop does not run)")
-    print(
-        f"model {loaded.source} ({loaded.model.dtype}, cache {target.kv_dtype}), context {args.context} per "
-        f"sequence, {args.reps} reps"
-    )
     most = max(s for s, _ in SHAPES)
-    sequences = [target.new_sequence(None) for _ in range(most)]
-    for i, sequence in enumerate(sequences):
-        target.use(sequence)
-        target.prefill([(7 * j + 13 * i) % 40000 + 100 for j in range(args.context)])
-
-    def single(rows: int) -> Callable[[], None]:
-        def run() -> None:
-            target.use(sequences[0])
-            target.forward([5] * rows)
-            target.rollback(args.context)
-
-        return run
-
-    def batched(count: int, rows: int) -> Callable[[], None]:
-        def run() -> None:
-            target.forward_batch([Segment(s, [5] * rows) for s in sequences[:count]])
-            for s in sequences[:count]:
-                target.use(s)
-                target.rollback(args.context)
-
-        return run
-
-    step = _median_ms(single(1), args.reps)
-    print(f"\n| forward | ms | in 1-token steps |\n|---|---|---|\n| 1 sequence, 1 row | {step:.2f} | 1.00 |")
+    setups = [Setup(loaded.model, kv, most, args.context) for kv in caches]
+    names = [f"{kv} ({str(s.target.kv_dtype).removeprefix('torch.')}) ms" for kv, s in zip(caches, setups, strict=True)]
+    print(f"model {loaded.source} ({loaded.model.dtype}), context {args.context} per sequence, {args.reps} reps")
+    step = _medians_ms([s.single(1) for s in setups], args.reps)
+    print(f"\n| forward | {' | '.join(names)} | in 1-token steps (first) |\n|---|{'---|' * len(names)}---|")
+    print(f"| 1 sequence, 1 row | {' | '.join(f'{t:.2f}' for t in step)} | 1.00 |")
     for count, rows in SHAPES:
-        alone = _median_ms(single(count * rows), args.reps)
-        both = _median_ms(batched(count, rows), args.reps)
-        print(f"| 1 sequence, {count * rows} rows | {alone:.2f} | {alone / step:.2f} |")
-        print(f"| {count} sequences x {rows} row(s) | {both:.2f} | {both / step:.2f} |")
-    outputs = target.forward_batch([Segment(s, [5, 6]) for s in sequences[:4]])
-    same = 0
-    for sequence, output in zip(sequences[:4], outputs, strict=True):
-        target.use(sequence)
-        target.rollback(args.context)
-        same += torch.equal(target.forward([5, 6]), output.logits)
-        target.rollback(args.context)
-    print(f"\nbatched logits equal to each sequence's own forward: {same}/4")
+        for label, runs in (
+            (f"1 sequence, {count * rows} rows", [s.single(count * rows) for s in setups]),
+            (f"{count} sequences x {rows} row(s)", [s.batched(count, rows) for s in setups]),
+        ):
+            times = _medians_ms(runs, args.reps)
+            print(f"| {label} | {' | '.join(f'{t:.2f}' for t in times)} | {times[0] / step[0]:.2f} |")
+    for name, setup in zip(names, setups, strict=True):
+        same = setup.same_as_alone()
+        print(f"\n{name.removesuffix(' ms')}: batched logits equal to each sequence's own forward: {same}/4")
 
 
 if __name__ == "__main__":
