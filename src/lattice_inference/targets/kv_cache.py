@@ -23,6 +23,7 @@ class GrowableLayer(DynamicLayer):
         self._filled = 0
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # batch entry 0 of the buffers (`append_in_place`)
         super().__init__()
 
     # ``keys``/``values``: views of the filled part of the buffers, made when read (a batched step grows every
@@ -57,6 +58,7 @@ class GrowableLayer(DynamicLayer):
             new_k[..., : self._filled, :] = self._k[..., : self._filled, :]
             new_v[..., : self._filled, :] = self._v[..., : self._filled, :]
         self._k, self._v = new_k, new_v
+        self._rows = (new_k[0], new_v[0])
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
@@ -81,16 +83,17 @@ class GrowableLayer(DynamicLayer):
         return self._k[..., :length, :], self._v[..., :length, :]
 
     def append_in_place(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Grow the length by ``rows`` (the buffers first, as needed) and return the whole key and value buffers,
-        ``[batch, kv_heads, capacity, dim]``, for a caller that writes those rows itself (the native lean step).
-        ``like`` (``[batch, kv_heads, 0, dim]``, the cache's dtype and device) sets up an empty layer (a prefill)."""
+        """Grow the length by ``rows`` (the buffers first, as needed) and return the whole key and value buffers of
+        batch entry 0, ``[kv_heads, capacity, dim]`` (views made once per buffer: a batched step asks every layer of
+        every sequence), for a caller that writes those rows itself (the native lean step). ``like`` (``[1,
+        kv_heads, 0, dim]``, the cache's dtype and device) sets up an empty layer (a prefill)."""
         if self._k is None:
             self.update(like, like)
         assert self._k is not None and self._v is not None
         self._reserve(self._filled + rows, self._k, self._v)
         self._filled += rows
-        assert self._k is not None and self._v is not None
-        return self._k, self._v
+        assert self._rows is not None
+        return self._rows
 
     def get_seq_length(self) -> int:
         return self._filled
@@ -122,6 +125,7 @@ class GrowableLayer(DynamicLayer):
         super().reset()
         self._filled = 0
         self._k = self._v = None
+        self._rows = None
 
 
 def use_growable_layers(cache: DynamicCache) -> DynamicCache:

@@ -283,8 +283,8 @@ class LeanTarget(TransformersTarget):
         layer loop, each sequence's keys and values written to its own ``buffers`` (per layer)."""
         ops, loop, decoder = self._native, self._loop, self.model.model
         assert ops is not None and loop is not None
-        k_bufs = [seq[layer][0][0] for layer in range(len(self._layers)) for seq in buffers]
-        v_bufs = [seq[layer][1][0] for layer in range(len(self._layers)) for seq in buffers]
+        k_bufs = [seq[layer][0] for layer in range(len(self._layers)) for seq in buffers]
+        v_bufs = [seq[layer][1] for layer in range(len(self._layers)) for seq in buffers]
         with torch.inference_mode(), decode_matched.matching(self.facts.row_plans):
             x = decoder.embed_tokens(torch.tensor([ids], dtype=torch.long, device=self.device))[0]
             cos, sin = decoder.rotary_emb(x, torch.tensor([positions], dtype=torch.long, device=self.device))
@@ -363,7 +363,7 @@ class LeanTarget(TransformersTarget):
         if self._loop is not None and self._loop.runs(x):
             buffers = [cache.append_in_place(n, like) for cache in self._cache.layers]
             x = ops.decode_layers(
-                x, *self._loop.operands, [k[0] for k, _ in buffers], [v[0] for _, v in buffers], cos, sin,
+                x, *self._loop.operands, [k for k, _ in buffers], [v for _, v in buffers], cos, sin,
                 [keys], [offsets], [start], [n], self._heads, self._kv_heads, self._layers[0].attn.scaling,
             )  # fmt: skip
             return decoder.norm(x[None])
@@ -373,9 +373,9 @@ class LeanTarget(TransformersTarget):
             k_buf, v_buf = cache.append_in_place(n, like)
             q = ops.rope_qk_cache(
                 _product(layer.qkv, h), layer.q_weight, layer.k_weight, layer.qk_eps, cos, sin,
-                k_buf[0], v_buf[0], start, self._heads, self._kv_heads,
+                k_buf, v_buf, start, self._heads, self._kv_heads,
             )  # fmt: skip
-            out = ops.attention(q, k_buf[0], v_buf[0], keys, offsets, layer.attn.scaling)
+            out = ops.attention(q, k_buf, v_buf, keys, offsets, layer.attn.scaling)
             h = ops.add_rms_norm(x, _product(layer.o, out), *layer.post_weight)
             down = _product(layer.down, ops.silu_mul(_product(layer.gate_up, h)))
             if index == last:
