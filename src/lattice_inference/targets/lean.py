@@ -21,6 +21,9 @@ equal the 1-token steps bitwise (`check_exactness` confirms it at load), and the
 forward's to float32 rounding of the attention (plain greedy decoding in float32 equals transformers' on the real
 model and the toys). Cache, rollback, draft trees and hidden states for MTP are `TransformersTarget`'s.
 
+The cache holds keys and values in the model's dtype, or in float16 (`options.KV_CACHES`: by default for a GGUF file
+run as stored, whose products take float32 activations), rounded once as written and widened exactly as read.
+
 Because the native layer loop computes every row the same way at any width and start, a prefill may keep the
 cached rows of its prompt's longest prefix (from the live cache or a kept earlier sequence's) and compute only the
 rest, bit for bit what a fresh prefill gives (`prefix_reuse`; where the loop does not run, nothing is reused).
@@ -138,11 +141,8 @@ class LeanTarget(TransformersTarget):
                 why = "the native ops do not run here" if self._native is None else f"this model runs in {model.dtype}"
                 raise ConfigError(f"kv_cache float16 needs float32 activations and the native ops; {why}")
             return torch.float16
-        if kv_cache == "auto" and fits and self._loop is not None:
-            packed = self._loop.operands[0]
-            assert isinstance(packed, list)
-            if any(quant_packed(p) for p in packed):
-                return torch.float16
+        if kv_cache == "auto" and fits and self._loop is not None and self._loop.quantized:
+            return torch.float16
         return model.dtype
 
     def _logits(
@@ -495,6 +495,13 @@ class _LayerLoop:
         if len(eps) != 1 or len({layer.qk_eps for layer in layers}) != 1:
             return None
         return cls((packed, biases, norms, eps.pop(), qk_norms, layers[0].qk_eps), list(products.values()), plans)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any product runs over GGUF-quantized blocks (`packed_linear.quant_packed`)."""
+        packed = self.operands[0]
+        assert isinstance(packed, list)
+        return any(quant_packed(p) for p in packed)
 
     def runs(self, x: torch.Tensor) -> bool:
         """Whether every product computes its rows at any width as alone (row plan 1) at ``x``'s dtype and the
