@@ -8,8 +8,6 @@ own cache), so the `Scheduler` can run several at once, their rounds sharing eac
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +24,7 @@ from lattice_inference.loading import LoadedModel
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.mtp import MtpHead
 from lattice_inference.options import DecodeOptions
+from lattice_inference.process import release_freed_memory
 from lattice_inference.prompt_codec import PromptCodec
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.serve.errors import bad_request
@@ -95,28 +94,6 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     metrics: dict[str, Any]
-
-
-def _load_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_MALLOC_TRIM = _load_trim()
-
-
-def return_free_memory() -> None:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
-
-    A generation's forwards allocate and free tensors of many sizes (the cache, activations of every draft
-    width); glibc keeps what was freed in its arenas, so without this the server's RSS creeps up with each
-    new mix of settings and lengths even though no tensor outlives its generation (measured by
-    ``bench/bench_serve_memory.py``). It costs well under a millisecond, once per generation.
-    """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 def cap_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
@@ -402,4 +379,7 @@ class Reply:
         self._ended = True
         if self.on_done is not None:
             self.on_done(self.job.settings.method, self.state.metrics, reason)
-        return_free_memory()
+        # a generation's forwards allocate and free tensors of many sizes (the cache, activations of every draft
+        # width); without handing glibc's freed pages back the server's RSS creeps up with each new mix of settings
+        # and lengths (`bench/bench_serve_memory.py`); well under a millisecond, once per generation
+        release_freed_memory()
