@@ -46,7 +46,7 @@ from lattice_inference.errors import ModelLoadError
 from lattice_inference.gguf_index import GGUFIndex, StoredTensor, read_index
 from lattice_inference.process import release_freed_memory
 from lattice_inference.targets.packed_linear import QUANT
-from lattice_inference.targets.quant_linear import BLOCK, FORMATS, dequantize, quant_pack
+from lattice_inference.targets.quant_linear import FORMATS, columns, dequantize, quant_pack
 
 _HASH_SEED = 0x5EED
 _ATTACHED = "_lattice_quantized"
@@ -141,7 +141,7 @@ def attach_tensors(model: nn.Module, tensors: Iterable[tuple[str, str, torch.Ten
             if kind != "F32":
                 done.dequantized.append(f"{name} ({kind})")
             continue
-        shape = (raw.shape[0], raw.shape[1] // FORMATS[kind][0] * BLOCK)
+        shape = (raw.shape[0], columns(raw.shape[1], kind))
         values = dequantize(raw, kind)
         hashes = _row_hashes(values)
         for module in candidates.get(shape, []):
@@ -250,7 +250,7 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
         if native:
             raw = torch.from_numpy(np.asarray(tensor.data).reshape(rows, -1)[perm.numpy()])  # one copy, rows ordered
             _release(reader, tensor)
-            shape = (rows, raw.shape[1] // FORMATS[kind][0] * BLOCK)
+            shape = (rows, columns(raw.shape[1], kind))
             if tuple(target.shape) != shape:
                 return None
             if hf_name in linears:
@@ -304,7 +304,7 @@ class QuantizedEmbedding(nn.Module):
         self.kind = kind
         self.register_buffer("blocks", raw, persistent=False)
         # a plain attribute, not a parameter: the model's parameters (whose first one tells its device) stay real
-        self.weight = torch.empty(raw.shape[0], raw.shape[1] // FORMATS[kind][0] * BLOCK, device="meta")
+        self.weight = torch.empty(raw.shape[0], columns(raw.shape[1], kind), device="meta")
         self._dense: torch.Tensor | None = None  # `dense`, once made
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

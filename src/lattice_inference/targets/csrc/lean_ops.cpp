@@ -733,8 +733,12 @@ namespace {
 
 // The product `packed_linear` computes from Python: over a `tile_pack`ed weight `tile_linear`, over a `rows_pack`ed
 // one `rows_linear`, over a `quant_pack`ed one `quant_linear`, else oneDNN's linear over its packed weight, through
-// the dispatcher.
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+// the dispatcher; over several quantized parts (one fused product of mixed formats) `quant_linear_parts`.
+torch::Tensor packed_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                            const c10::optional<torch::Tensor>& b) {
+  TORCH_CHECK(!parts.empty(), "decode_layers: a product without a weight");
+  if (parts.size() > 1) return quant_linear_parts(x, parts, b);  // a fused group of several quantized formats
+  const torch::Tensor& w = parts[0];
   if (tile_packed(w)) return tile_linear(x, w, b);
   if (rows_packed(w)) return rows_linear(x, w, b);
   if (quant_packed(w)) return quant_linear(x, w, b);
@@ -765,7 +769,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w, cons
 // ``starts[s]``, attending to its own key rows (``keys[s]``, ``spans[s]``). The products and the row-wise ops see
 // all rows at once; rotary embedding, the cache write and attention run per sequence, each exactly the call that
 // sequence's forward alone makes. So every row is bit for bit what it is alone, whoever shares the forward.
-torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& packed,
+torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& packed,
                             const std::vector<c10::optional<torch::Tensor>>& biases,
                             const std::vector<torch::Tensor>& norms, double eps,
                             const std::vector<c10::optional<torch::Tensor>>& qk_norms, double qk_eps,
@@ -835,4 +839,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear", &rows_linear);
   m.def("quant_linear_kernel", &quant_linear_kernel);
   m.def("quant_linear", &quant_linear);
+  m.def("quant_linear_parts", &quant_linear_parts);
 }

@@ -87,6 +87,18 @@ inline VI dot4_signed(VI acc, const Signed& w, VI x) {
 inline VI q8_correct(VI dot, VI) { return dot; }
 #endif
 inline VI minus(VI a, int32_t b) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(b))}; }
+inline VI add(VI a, VI b) { return {_mm512_add_epi32(a.v, b.v)}; }
+inline VI mul(VI a, VI b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
+inline VI mul(VI a, int32_t b) { return {_mm512_mullo_epi32(a.v, _mm512_set1_epi32(b))}; }
+// 16 outputs' unsigned (signed) bytes widened to int32 lanes
+inline VI widen_u8(const uint8_t* p) { return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+inline VI widen_i8(const uint8_t* p) { return {_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+// q | ((h >> shift) & mask) << 4, per byte: the high bits of 5- and 6-bit quants over their low nibbles
+inline VI high_bits(VI q, VI h, int shift, int mask) {
+  const __m512i bits = _mm512_and_si512(_mm512_srl_epi16(h.v, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8(mask));
+  return {_mm512_or_si512(q.v, _mm512_slli_epi16(bits, 4))};
+}
+inline VF fnma_int(VF a, VI b, VF acc) { return {_mm512_fnmadd_ps(a.v, _mm512_cvtepi32_ps(b.v), acc.v)}; }
 inline VF half16(const uint8_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 inline VF scaled(VF d, float dx) { return {_mm512_mul_ps(d.v, _mm512_set1_ps(dx))}; }
 inline VF fma_int(VF a, VI b, VF acc) { return {_mm512_fmadd_ps(a.v, _mm512_cvtepi32_ps(b.v), acc.v)}; }
@@ -147,6 +159,30 @@ inline VI minus(VI a, int32_t b) {
   const __m256i v = _mm256_set1_epi32(b);
   return {_mm256_sub_epi32(a.lo, v), _mm256_sub_epi32(a.hi, v)};
 }
+inline VI add(VI a, VI b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+inline VI mul(VI a, VI b) { return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)}; }
+inline VI mul(VI a, int32_t b) {
+  const __m256i v = _mm256_set1_epi32(b);
+  return {_mm256_mullo_epi32(a.lo, v), _mm256_mullo_epi32(a.hi, v)};
+}
+inline VI widen_u8(const uint8_t* p) {
+  return {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline VI widen_i8(const uint8_t* p) {
+  return {_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline __m256i high_bits_half(__m256i q, __m256i h, int shift, int mask) {
+  const __m256i bits = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(mask));
+  return _mm256_or_si256(q, _mm256_slli_epi16(bits, 4));
+}
+inline VI high_bits(VI q, VI h, int shift, int mask) {
+  return {high_bits_half(q.lo, h.lo, shift, mask), high_bits_half(q.hi, h.hi, shift, mask)};
+}
+inline VF fnma_int(VF a, VI b, VF acc) {
+  return {_mm256_fnmadd_ps(a.lo, _mm256_cvtepi32_ps(b.lo), acc.lo), _mm256_fnmadd_ps(a.hi, _mm256_cvtepi32_ps(b.hi), acc.hi)};
+}
 inline VF half16(const uint8_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
@@ -176,29 +212,53 @@ namespace {
 constexpr int GROUP = 2;      // blocks of 16 outputs per pass (weight streams per thread)
 constexpr int64_t AHEAD = 4;  // superblocks fetched ahead of the one being read
 
-enum class Quant { Q8_0, Q4_0, Q4_1 };
+enum class Quant { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K };
+// Per format: INPUTS per superblock (and per scale of the inputs: 32, or 256 for the K-quants, whose inputs are
+// quantized as llama.cpp's Q8_K), the HEAD of scales before the quants, and the superblock's BYTES (16 outputs).
 template <Quant F>
 struct Format;
 template <>
 struct Format<Quant::Q8_0> {
-  static constexpr int64_t HEAD = 32, BYTES = HEAD + 512;
+  static constexpr int64_t INPUTS = 32, HEAD = 32, BYTES = HEAD + 512;
 };
 template <>
 struct Format<Quant::Q4_0> {
-  static constexpr int64_t HEAD = 32, BYTES = HEAD + 256;
+  static constexpr int64_t INPUTS = 32, HEAD = 32, BYTES = HEAD + 256;
 };
 template <>
 struct Format<Quant::Q4_1> {
-  static constexpr int64_t HEAD = 64, BYTES = HEAD + 256;
+  static constexpr int64_t INPUTS = 32, HEAD = 64, BYTES = HEAD + 256;
 };
+template <>
+struct Format<Quant::Q5_0> {  // then 64 bytes of fifth bits: byte i, bit g = the high bit of group g's byte i
+  static constexpr int64_t INPUTS = 32, HEAD = 32, BYTES = HEAD + 256 + 64;
+};
+template <>
+struct Format<Quant::Q5_1> {
+  static constexpr int64_t INPUTS = 32, HEAD = 64, BYTES = HEAD + 256 + 64;
+};
+template <>
+struct Format<Quant::Q4_K> {  // d, dmin, scales [8][16], mins [8][16], then 8 sub-blocks' nibbles (Q4_0's layout)
+  static constexpr int64_t INPUTS = 256, HEAD = 64 + 256, BYTES = HEAD + 8 * 256;
+};
+template <>
+struct Format<Quant::Q5_K> {  // Q4_K's, then 8 sub-blocks' fifth bits (Q5_0's layout)
+  static constexpr int64_t INPUTS = 256, HEAD = 64 + 256, BYTES = HEAD + 8 * 256 + 8 * 64;
+};
+template <>
+struct Format<Quant::Q6_K> {  // d, scales [16][16] (int8), 8 parts' nibbles, 8 parts' high bit pairs (2 x 64 bytes)
+  static constexpr int64_t INPUTS = 256, HEAD = 32 + 256, BYTES = HEAD + 8 * 256 + 8 * 128;
+};
+template <Quant F>
+constexpr bool K_QUANT = Format<F>::INPUTS == 256;
 
-// Rows quantized per block of 32 inputs (step 1 of the file comment).
+// Rows quantized per block of inputs (step 1 of the file comment): 32 (Q8_0's activations) or 256 (Q8_K's).
 struct QuantRows {
-  int64_t in = 0, blocks = 0;
+  int64_t in = 0, blocks = 0, sums = 0;  // blocks and sums per row
   std::vector<int8_t> q;   // [n][in]
   std::vector<float> d;    // [n][blocks]
-  std::vector<int32_t> s;  // [n][blocks]
-  std::vector<float> ds;   // d * s
+  std::vector<int32_t> s;  // [n][sums]: per block of 32 (Q8_0), per 16 inputs (Q8_K)
+  std::vector<float> ds;   // Q8_0: d * s
 };
 
 // One block of 32 inputs quantized (step 1 of the file comment), 8 lanes at a time (both builds have AVX2): the
@@ -236,21 +296,99 @@ inline void quantize_block(const float* v, int8_t* q, float& d, int32_t& s) {
   for (int32_t part : parts) s += part;
 }
 
-QuantRows quantize_rows(const float* x, int64_t n, int64_t in) {
+// One block of 256 inputs quantized as llama.cpp's Q8_K (`quantize_row_q8_K_ref`): ``top`` = the first input of the
+// largest |v| (NaNs never win), iscale = -127 / top, q = min(127, iscale * v rounded to nearest even), 0 where that is
+// NaN; d = 1 / iscale; ``s`` the sums of each 16 q. All zero where every input is 0.
+inline void quantize_block_k(const float* v, int8_t* q, float& d, int32_t* s) {
+  float amax = 0.0f, top = 0.0f;
+  for (int j = 0; j < 256; ++j) {
+    const float a = std::fabs(v[j]);
+    if (a > amax) {
+      amax = a;
+      top = v[j];
+    }
+  }
+  if (amax == 0.0f) {
+    std::memset(q, 0, 256);
+    std::fill(s, s + 16, 0);
+    d = 0.0f;
+    return;
+  }
+  const float iscale = -127.0f / top;
+  const __m256 scale = _mm256_set1_ps(iscale), most = _mm256_set1_ps(127.0f);
+  for (int k = 0; k < 32; ++k) {
+    const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(v + 8 * k), scale);
+    const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(t, t, _CMP_ORD_Q));
+    const __m256i qi = _mm256_min_epi32(_mm256_and_si256(_mm256_cvtps_epi32(t), ordered), _mm256_cvtps_epi32(most));
+    int32_t lanes[8];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), qi);
+    for (int j = 0; j < 8; ++j) q[8 * k + j] = static_cast<int8_t>(lanes[j]);
+  }
+  for (int g = 0; g < 16; ++g) {
+    int32_t sum = 0;
+    for (int j = 0; j < 16; ++j) sum += q[16 * g + j];
+    s[g] = sum;
+  }
+  d = 1.0f / iscale;
+}
+
+QuantRows quantize_rows(const float* x, int64_t n, int64_t in, bool k_quant) {
   QuantRows rows;
   rows.in = in;
-  rows.blocks = in / 32;
+  rows.blocks = in / (k_quant ? 256 : 32);
+  rows.sums = k_quant ? in / 16 : rows.blocks;
   rows.q.resize(n * in);
   rows.d.resize(n * rows.blocks);
-  rows.s.resize(n * rows.blocks);
-  rows.ds.resize(n * rows.blocks);
-  at::parallel_for(0, n * rows.blocks, 64, [&](int64_t i0, int64_t i1) {
+  rows.s.resize(n * rows.sums);
+  if (!k_quant) rows.ds.resize(n * rows.blocks);
+  at::parallel_for(0, n * rows.blocks, k_quant ? 8 : 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      quantize_block(x + i * 32, rows.q.data() + i * 32, rows.d[i], rows.s[i]);
-      rows.ds[i] = rows.d[i] * static_cast<float>(rows.s[i]);
+      if (k_quant) {
+        quantize_block_k(x + i * 256, rows.q.data() + i * 256, rows.d[i], rows.s.data() + i * 16);
+      } else {
+        quantize_block(x + i * 32, rows.q.data() + i * 32, rows.d[i], rows.s[i]);
+        rows.ds[i] = rows.d[i] * static_cast<float>(rows.s[i]);
+      }
     }
   });
   return rows;
+}
+
+inline void prefetch_ahead(const uint8_t* sb, int64_t bytes, int64_t b, int64_t nb) {
+  if (b + AHEAD < nb)
+    for (int64_t line = 0; line < bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(sb + AHEAD * bytes + line), _MM_HINT_T0);
+}
+
+// R rows' exact integer dots with the 32 inputs of one block of 4-bit quants (Q4_0's layout at ``quants``; with
+// ``highs``, Q5's fifth bits over them): ``lo`` over inputs 0..15 and ``hi`` over 16..31 (added together but for
+// Q6_K's halves, which ``split`` keeps apart); ``pairs`` are Q6_K's two high bits (two vectors of 64 bytes).
+template <int R, bool FIFTH, bool PAIRS>
+inline void nibble_dots(const uint8_t* quants, const uint8_t* highs, const int8_t* const* xb, int64_t in, VI* lo_dot,
+                        VI* hi_dot) {
+  VI h0, h1;
+  if constexpr (FIFTH) h0 = load64(highs);
+  if constexpr (PAIRS) {
+    h0 = load64(highs);
+    h1 = load64(highs + 64);
+  }
+  for (int c = 0; c < 4; ++c) {
+    VI lo, hi;
+    nibbles(quants + 64 * c, lo, hi);
+    if constexpr (FIFTH) {
+      lo = high_bits(lo, h0, c, 1);
+      hi = high_bits(hi, h0, c + 4, 1);
+    }
+    if constexpr (PAIRS) {
+      lo = high_bits(lo, h0, 2 * c, 3);
+      hi = high_bits(hi, h1, 2 * c, 3);
+    }
+    for (int r = 0; r < R; ++r) {
+      lo_dot[r] = dot4(lo_dot[r], lo, bcast4(xb[r] + 4 * c));
+      hi_dot[r] = dot4(hi_dot[r], hi, bcast4(xb[r] + 16 + 4 * c));
+    }
+  }
+  (void)in;
 }
 
 // R rows (from ``r0``) times G blocks of weights (``block`` bytes apart) into ``out`` [R][stride] from column
@@ -258,7 +396,7 @@ QuantRows quantize_rows(const float* x, int64_t n, int64_t in) {
 template <Quant F, int R, int G>
 void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block, const float* bias, float* out,
                 int64_t stride, int64_t col) {
-  constexpr int64_t head = Format<F>::HEAD, bytes = Format<F>::BYTES;
+  constexpr int64_t head = Format<F>::HEAD, bytes = Format<F>::BYTES, inputs = Format<F>::INPUTS;
   const int64_t in = xq.in, nb = xq.blocks;
   VF acc[R][G];
   for (int r = 0; r < R; ++r)
@@ -267,11 +405,10 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
     const uint8_t* sb[G];
     for (int g = 0; g < G; ++g) {
       sb[g] = w + g * block + b * bytes;
-      if (b + AHEAD < nb)
-        for (int64_t line = 0; line < bytes; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(sb[g] + AHEAD * bytes + line), _MM_HINT_T0);
+      prefetch_ahead(sb[g], bytes, b, nb);
     }
-    const int8_t* xb = xq.q.data() + r0 * in + b * 32;
+    const int8_t* xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = xq.q.data() + (r0 + r) * in + b * inputs;
     VI dot[R][G];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g) dot[r][g] = izero();
@@ -280,7 +417,7 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
       for (int g = 0; g < G; ++g) sums[g] = izero();
       for (int j = 0; j < 8; ++j) {
         VI x4[R];
-        for (int r = 0; r < R; ++r) x4[r] = q8_input(bcast4(xb + r * in + 4 * j));
+        for (int r = 0; r < R; ++r) x4[r] = q8_input(bcast4(xb[r] + 4 * j));
         for (int g = 0; g < G; ++g) {
           const Signed wv = signed_weights(load64(sb[g] + head + 64 * j));
           sums[g] = q8_weight_sum(sums[g], wv);
@@ -289,27 +426,64 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
       }
       for (int g = 0; g < G; ++g)
         for (int r = 0; r < R; ++r) dot[r][g] = q8_correct(dot[r][g], sums[g]);
-    } else {
-      for (int c = 0; c < 4; ++c) {
-        VI xlo[R], xhi[R];
-        for (int r = 0; r < R; ++r) {
-          xlo[r] = bcast4(xb + r * in + 4 * c);
-          xhi[r] = bcast4(xb + r * in + 16 + 4 * c);
+    } else if constexpr (!K_QUANT<F>) {  // Q4_0, Q4_1, Q5_0, Q5_1: quants 0..15 (0..31), offsets below
+      constexpr bool fifth = F == Quant::Q5_0 || F == Quant::Q5_1;
+      for (int g = 0; g < G; ++g) {
+        VI lo[R], hi[R];
+        for (int r = 0; r < R; ++r) lo[r] = hi[r] = izero();
+        nibble_dots<R, fifth, false>(sb[g] + head, sb[g] + head + 256, xb, in, lo, hi);
+        for (int r = 0; r < R; ++r) dot[r][g] = add(lo[r], hi[r]);
+      }
+    } else if constexpr (F == Quant::Q4_K || F == Quant::Q5_K) {
+      // per sub-block j of 32: sumi += scale_j * dot_j, exact; then the mins' part from the rows' block sums
+      constexpr bool fifth = F == Quant::Q5_K;
+      for (int g = 0; g < G; ++g) {
+        for (int j = 0; j < 8; ++j) {
+          const int8_t* xj[R];
+          VI lo[R], hi[R];
+          for (int r = 0; r < R; ++r) {
+            xj[r] = xb[r] + 32 * j;
+            lo[r] = hi[r] = izero();
+          }
+          nibble_dots<R, fifth, false>(sb[g] + head + 256 * j, sb[g] + head + 2048 + 64 * j, xj, in, lo, hi);
+          const VI scale = widen_u8(sb[g] + 64 + 16 * j);
+          for (int r = 0; r < R; ++r) dot[r][g] = add(dot[r][g], mul(scale, add(lo[r], hi[r])));
         }
-        for (int g = 0; g < G; ++g) {
-          VI lo, hi;
-          nibbles(sb[g] + head + 64 * c, lo, hi);
-          for (int r = 0; r < R; ++r) dot[r][g] = dot4(dot4(dot[r][g], lo, xlo[r]), hi, xhi[r]);
+      }
+    } else {  // Q6_K: per sub-block of 16, scale (int8) times (dot - 32 * the rows' sum), exact
+      for (int g = 0; g < G; ++g) {
+        for (int j = 0; j < 8; ++j) {
+          const int8_t* xj[R];
+          VI lo[R], hi[R];
+          for (int r = 0; r < R; ++r) {
+            xj[r] = xb[r] + 32 * j;
+            lo[r] = hi[r] = izero();
+          }
+          nibble_dots<R, false, true>(sb[g] + head + 256 * j, sb[g] + head + 2048 + 128 * j, xj, in, lo, hi);
+          const VI scale_lo = widen_i8(sb[g] + 32 + 32 * j), scale_hi = widen_i8(sb[g] + 32 + 32 * j + 16);
+          for (int r = 0; r < R; ++r) {
+            const int32_t* s = xq.s.data() + (r0 + r) * xq.sums + b * 16 + 2 * j;
+            dot[r][g] = add(dot[r][g], add(mul(scale_lo, minus(lo[r], 32 * s[0])), mul(scale_hi, minus(hi[r], 32 * s[1]))));
+          }
         }
       }
     }
     for (int g = 0; g < G; ++g) {
-      const VF dw = half16(sb[g]), mw = F == Quant::Q4_1 ? half16(sb[g] + 32) : dw;
+      constexpr bool has_min = F == Quant::Q4_1 || F == Quant::Q5_1 || F == Quant::Q4_K || F == Quant::Q5_K;
+      const VF dw = half16(sb[g]), mw = has_min ? half16(sb[g] + 32) : dw;
       for (int r = 0; r < R; ++r) {
         const int64_t i = (r0 + r) * nb + b;
-        const VI sum = F == Quant::Q4_0 ? minus(dot[r][g], 8 * xq.s[i]) : dot[r][g];  // quants minus 8
+        VI sum = dot[r][g];
+        if constexpr (F == Quant::Q4_0) sum = minus(sum, 8 * xq.s[i]);  // quants minus 8
+        if constexpr (F == Quant::Q5_0) sum = minus(sum, 16 * xq.s[i]);  // quants minus 16
         acc[r][g] = fma_int(scaled(dw, xq.d[i]), sum, acc[r][g]);
-        if constexpr (F == Quant::Q4_1) acc[r][g] = fma_scalar(mw, xq.ds[i], acc[r][g]);
+        if constexpr (F == Quant::Q4_1 || F == Quant::Q5_1) acc[r][g] = fma_scalar(mw, xq.ds[i], acc[r][g]);
+        if constexpr (F == Quant::Q4_K || F == Quant::Q5_K) {  // minus dmin * d_x * sum_j min_j * (the rows' sum j)
+          const int32_t* s = xq.s.data() + (r0 + r) * xq.sums + b * 16;
+          VI mins = izero();
+          for (int j = 0; j < 8; ++j) mins = add(mins, mul(widen_u8(sb[g] + 192 + 16 * j), s[2 * j] + s[2 * j + 1]));
+          acc[r][g] = fnma_int(scaled(mw, xq.d[i]), mins, acc[r][g]);
+        }
       }
     }
   }
@@ -341,13 +515,15 @@ void quant_group(const QuantRows& xq, int64_t n, const uint8_t* w, int64_t block
   if (r < n) quant_tail<F, ROWS - 1, G>(xq, r, n - r, w, block, bias, out + r * stride, stride, col);
 }
 
+// ``n`` rows times every block of 16 outputs into ``out`` [n][stride] from column ``col``.
 template <Quant F>
-void quant_all(const QuantRows& xq, int64_t n, const uint8_t* wp, int64_t blocks, const float* bias, float* out) {
-  const int64_t block = xq.blocks * Format<F>::BYTES, stride = blocks * 16;
+void quant_all(const QuantRows& xq, int64_t n, const uint8_t* wp, int64_t blocks, const float* bias, float* out,
+               int64_t stride, int64_t col) {
+  const int64_t block = xq.blocks * Format<F>::BYTES;
   at::parallel_for(0, blocks, GROUP, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b += GROUP) {
-      if (b + GROUP <= b1) quant_group<F, GROUP>(xq, n, wp + b * block, block, bias, out, stride, b * 16);
-      else quant_group<F, 1>(xq, n, wp + b * block, block, bias, out, stride, b * 16);
+      if (b + GROUP <= b1) quant_group<F, GROUP>(xq, n, wp + b * block, block, bias, out, stride, col + b * 16);
+      else quant_group<F, 1>(xq, n, wp + b * block, block, bias, out, stride, col + b * 16);
     }
   });
 }
@@ -363,13 +539,49 @@ std::string quant_linear_kernel() {
 #endif
 }
 
-torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(!quant_linear_kernel().empty(), "quant_linear: this build has neither AVX512BW nor AVX2 with FMA");
+namespace {
+
+// The shape checks of one part: its outputs and inputs.
+std::pair<int64_t, int64_t> checked_part(const torch::Tensor& packed) {
   check_cpu(packed, "quant_linear", "packed");
   TORCH_CHECK(quant_packed(packed),
-              "quant_linear: the weight must be quant_pack's layout (uint8 [out/16, in/32, 544 | 288 | 320])");
+              "quant_linear: the weight must be quant_pack's layout (uint8 [out/16, in/32 or in/256, superblock bytes "
+              "of Q8_0 544, Q4_0 288, Q4_1 320, Q5_0 352, Q5_1 384, Q4_K 2368, Q5_K 2880, Q6_K 3360])");
+  return {packed.size(0) * 16, packed.size(1) * quant_inputs(packed.size(2))};
+}
+
+#ifdef LATTICE_QUANT
+void quant_part(const QuantRows& xq, int64_t n, const torch::Tensor& packed, const float* bias, float* out,
+                int64_t stride, int64_t col) {
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int64_t blocks = packed.size(0);
+  switch (packed.size(2)) {
+    case Format<Quant::Q8_0>::BYTES: return quant_all<Quant::Q8_0>(xq, n, wp, blocks, bias, out, stride, col);
+    case Format<Quant::Q4_0>::BYTES: return quant_all<Quant::Q4_0>(xq, n, wp, blocks, bias, out, stride, col);
+    case Format<Quant::Q4_1>::BYTES: return quant_all<Quant::Q4_1>(xq, n, wp, blocks, bias, out, stride, col);
+    case Format<Quant::Q5_0>::BYTES: return quant_all<Quant::Q5_0>(xq, n, wp, blocks, bias, out, stride, col);
+    case Format<Quant::Q5_1>::BYTES: return quant_all<Quant::Q5_1>(xq, n, wp, blocks, bias, out, stride, col);
+    case Format<Quant::Q4_K>::BYTES: return quant_all<Quant::Q4_K>(xq, n, wp, blocks, bias, out, stride, col);
+    case Format<Quant::Q5_K>::BYTES: return quant_all<Quant::Q5_K>(xq, n, wp, blocks, bias, out, stride, col);
+    default: return quant_all<Quant::Q6_K>(xq, n, wp, blocks, bias, out, stride, col);
+  }
+}
+#endif
+
+}  // namespace
+
+torch::Tensor quant_linear_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                                 const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(!quant_linear_kernel().empty(), "quant_linear: this build has neither AVX512BW nor AVX2 with FMA");
+  TORCH_CHECK(!parts.empty(), "quant_linear: no weight given");
+  int64_t in = -1, out = 0;
+  for (const torch::Tensor& part : parts) {
+    const auto [rows, inputs] = checked_part(part);
+    TORCH_CHECK(in < 0 || inputs == in, "quant_linear: fused weights take ", in, " and ", inputs, " inputs");
+    in = inputs;
+    out += rows;
+  }
   TORCH_CHECK(x.defined() && x.device().is_cpu(), "quant_linear: x must be a CPU tensor");
-  const int64_t blocks = packed.size(0), in = packed.size(1) * 32, out = blocks * 16;
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "quant_linear: float32 input expected, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, "quant_linear: input of ", x.size(-1), " features, the weight takes ",
               in);
@@ -385,14 +597,20 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   if (n == 0) return result;
   const torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const float* bp = bias.has_value() ? bc.data_ptr<float>() : nullptr;
-  const QuantRows xq = quantize_rows(rows_in.data_ptr<float>(), n, in);
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* op = result.data_ptr<float>();
-  switch (packed.size(2)) {
-    case Format<Quant::Q8_0>::BYTES: quant_all<Quant::Q8_0>(xq, n, wp, blocks, bp, op); break;
-    case Format<Quant::Q4_0>::BYTES: quant_all<Quant::Q4_0>(xq, n, wp, blocks, bp, op); break;
-    default: quant_all<Quant::Q4_1>(xq, n, wp, blocks, bp, op);
+  // the rows quantized once per kind of activation the parts take (Q8_0's blocks of 32, Q8_K's of 256)
+  c10::optional<QuantRows> rows32, rows256;
+  int64_t col = 0;
+  for (const torch::Tensor& part : parts) {
+    const bool k_quant = quant_inputs(part.size(2)) == 256;
+    c10::optional<QuantRows>& rows = k_quant ? rows256 : rows32;
+    if (!rows.has_value()) rows = quantize_rows(rows_in.data_ptr<float>(), n, in, k_quant);
+    quant_part(*rows, n, part, bp, result.data_ptr<float>(), out, col);
+    col += part.size(0) * 16;
   }
 #endif
   return result;
+}
+
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  return quant_linear_parts(x, {packed}, bias);
 }

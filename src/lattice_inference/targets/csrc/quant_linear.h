@@ -7,12 +7,24 @@
 // quantized weights are dequantized at load instead).
 std::string quant_linear_kernel();
 // x [..., in] (float32) @ weight.T + bias over a GGUF-quantized weight in `quant_pack`'s layout (uint8 [out / 16,
-// in / 32, superblock]: Q8_0 544, Q4_0 288, Q4_1 320 bytes). Each row's inputs are quantized to 8 bits per block of
+// in / 32 or in / 256, superblock]: bytes by format as `quant_inputs` lists). Each row's inputs are quantized to 8 bits per block of
 // 32 (as llama.cpp's Q8_0 activations), each block's integer dot products are exact, and each output sums its
 // blocks' scaled dots in input order: every row the same at any width, and the same in every build.
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
+// Several `quant_pack`ed weights of one input size side by side (a fused q/k/v or gate/up whose members have
+// different formats): the inputs quantized once per kind of activation, each part's outputs after the last's.
+torch::Tensor quant_linear_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                                 const c10::optional<torch::Tensor>& bias);
+// Inputs per superblock of a `quant_pack`ed format, by its superblock's bytes (its last size): 32 for Q8_0 (544),
+// Q4_0 (288), Q4_1 (320), Q5_0 (352), Q5_1 (384); 256 for Q4_K (2368), Q5_K (2880), Q6_K (3360); else 0.
+inline int64_t quant_inputs(int64_t bytes) {
+  switch (bytes) {
+    case 544: case 288: case 320: case 352: case 384: return 32;
+    case 2368: case 2880: case 3360: return 256;
+    default: return 0;
+  }
+}
 // Whether ``packed`` is in `quant_pack`'s layout (its last size names the format).
 inline bool quant_packed(const torch::Tensor& packed) {
-  return packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 &&
-         (packed.size(2) == 544 || packed.size(2) == 288 || packed.size(2) == 320);
+  return packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && quant_inputs(packed.size(2)) != 0;
 }
