@@ -36,7 +36,7 @@ from lattice_inference.devices import placement
 from lattice_inference.loading import LoadedModel, load_model
 from lattice_inference.targets import LeanTarget, TransformersTarget, native_ops
 from lattice_inference.targets.exactness import check_exactness
-from lattice_inference.targets.packed_linear import packed_linear, packed_operands
+from lattice_inference.targets.packed_linear import packed_linear, packed_operands, quant_inputs, quant_packed
 
 WIDTHS = tuple(range(1, 17))
 
@@ -108,8 +108,12 @@ PART_WIDTHS = (1, 4, 8, 16)
 """Forward widths (tokens) whose parts `lean_parts` times."""
 
 
-def _in_features(packed: torch.Tensor) -> int:
-    """Inputs of a `pack_weight` result: ``[out, in]`` from oneDNN, ``[out/16, in/2, 16, 2]`` for our kernels."""
+def _in_features(parts: list[torch.Tensor]) -> int:
+    """Inputs of a product's packed parts: ``[out, in]`` from oneDNN, ``[out/16, in/2, 16, 2]`` for our kernels,
+    a quantized layout's own (`packed_linear.quant_inputs`)."""
+    packed = parts[0]
+    if quant_packed(packed):
+        return quant_inputs(packed)
     return packed.shape[1] * (2 if packed.dim() == 4 else 1)
 
 

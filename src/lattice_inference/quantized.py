@@ -201,6 +201,7 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
+        Gemma2TensorProcessor,
         LlamaTensorProcessor,
         TensorProcessor,
         get_gguf_hf_weights_map,
@@ -220,7 +221,7 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     except ModelLoadError:
         return None  # the dequantizing load names what is wrong with the file, as it always has
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-    if type(processor) not in (TensorProcessor, LlamaTensorProcessor):
+    if type(processor) not in (TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor):  # rows permuted at most
         return None
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -256,11 +257,12 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
             if hf_name in linears:
                 setattr(linears[hf_name], QUANT, quant_pack(raw, kind))
                 done.native[kind] += 1
-            if hf_name in linears and linears[hf_name] is not outputs:
-                continue  # no dense copy (the output layer keeps one: MTP heads share it)
+            if hf_name in linears:
+                continue  # no dense copy (`dense_embeddings` names an untied output layer held only as blocks)
             if inputs is not None and target is inputs.weight:
                 tied = (kind, raw)
-                embedding = QuantizedEmbedding(raw, kind)  # looked up row by row from the blocks, no dense copy
+                scale = getattr(inputs, "embed_scale", None)  # Gemma's embeddings scale their rows
+                embedding = QuantizedEmbedding(raw, kind, scale)  # looked up row by row from the blocks, no dense copy
                 model.set_input_embeddings(embedding)
                 inputs = embedding
                 continue
@@ -299,9 +301,11 @@ class QuantizedEmbedding(nn.Module):
     the linear layers whose dense weights were dropped: code that reads the shape works, code that would read values
     fails at once; `dense_embeddings` gives the values where they are needed (an MTP head's lookup)."""
 
-    def __init__(self, raw: torch.Tensor, kind: str) -> None:
+    def __init__(self, raw: torch.Tensor, kind: str, scale: torch.Tensor | None = None) -> None:
         super().__init__()
         self.kind = kind
+        self.scale = scale
+        """The factor every row is multiplied by (Gemma's ``embed_scale``), or None."""
         self.register_buffer("blocks", raw, persistent=False)
         # a plain attribute, not a parameter: the model's parameters (whose first one tells its device) stay real
         self.weight = torch.empty(raw.shape[0], columns(raw.shape[1], kind), device="meta")
@@ -311,6 +315,8 @@ class QuantizedEmbedding(nn.Module):
         """The float32 rows of ``ids`` (any shape), ``[*ids.shape, dim]``."""
         blocks = cast(torch.Tensor, self.blocks)
         rows = dequantize(blocks[ids.reshape(-1).to(blocks.device)], self.kind)
+        if self.scale is not None:  # as the model's own embedding: the rows times its scale in their dtype
+            rows = rows * self.scale.to(rows.dtype)
         return rows.reshape(*ids.shape, rows.shape[-1]).to(ids.device)
 
     def dense(self) -> torch.Tensor:

@@ -52,7 +52,7 @@ from torch import nn
 from lattice_inference.process import release_freed_memory
 from lattice_inference.targets import native_ops
 from lattice_inference.targets.decode_matched import PRODUCT, Product, linear_key, matched_product, module_product
-from lattice_inference.targets.quant_linear import concat_packed, quant_format
+from lattice_inference.targets.quant_linear import FORMATS, concat_packed, quant_format
 
 _PACKED = "_lattice_packed_weight"
 QUANT = "_lattice_quant_weight"
@@ -125,28 +125,51 @@ def rows_packed(packed: torch.Tensor) -> bool:
     return packed.dim() == 3 and packed.shape[2] == 16 and packed.dtype in (torch.float32, torch.bfloat16)
 
 
-def quant_packed(packed: torch.Tensor) -> bool:
-    """Whether ``packed`` is a GGUF-quantized weight laid out for the quantized products (`QUANT`)."""
-    return quant_format(packed) is not None
+Packed = torch.Tensor | list[torch.Tensor]
+"""A packed weight: one matrix, or (quantized members of a fused group in several formats) its parts side by side."""
 
 
-def compute_dtype(packed: torch.Tensor) -> torch.dtype:
+def _parts(packed: Packed) -> list[torch.Tensor]:
+    return packed if isinstance(packed, list) else [packed]
+
+
+def quant_packed(packed: Packed) -> bool:
+    """Whether ``packed`` is a GGUF-quantized weight laid out for the quantized products (`QUANT`), or parts of such
+    weights side by side."""
+    return all(quant_format(p) is not None for p in _parts(packed))
+
+
+def quant_inputs(packed: torch.Tensor) -> int:
+    """The inputs a `quant_pack`ed weight takes."""
+    fmt = quant_format(packed)
+    assert fmt is not None
+    return int(packed.shape[1]) * FORMATS[fmt].inputs
+
+
+def compute_dtype(packed: Packed) -> torch.dtype:
     """The dtype of the inputs and outputs of products over ``packed``: float32 for quantized weights, else the
     packed weight's own."""
-    return torch.float32 if quant_packed(packed) else packed.dtype
+    return torch.float32 if quant_packed(packed) else _parts(packed)[0].dtype
 
 
-def packed_kind(packed: torch.Tensor) -> str:
+def packed_kind(packed: Packed) -> str:
     """The plan-key kind (`decode_matched.linear_key`) of products over ``packed``: ``"tiles"``, ``"rows"`` or
     ``"quant-<format>"`` for our kernels, ``"packed"`` for oneDNN's. They round differently, so each is calibrated
     on its own."""
     if quant_packed(packed):
-        return f"quant-{quant_format(packed)}"
+        return "quant-" + "+".join(str(quant_format(p)) for p in _parts(packed))
+    assert isinstance(packed, torch.Tensor)
     return "tiles" if tile_packed(packed) else "rows" if rows_packed(packed) else "packed"
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` over ``packed = pack_weight(weight)`` (``x`` on the CPU, in its dtype)."""
+def packed_linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` over ``packed = pack_weight(weight)`` (``x`` on the CPU, in its dtype); over
+    quantized parts, their outputs side by side."""
+    if isinstance(packed, list) and len(packed) > 1:
+        module = native_ops.ops()
+        assert module is not None
+        return module.quant_linear_parts(x, packed, bias)
+    packed = _parts(packed)[0]
     if tile_packed(packed) or rows_packed(packed) or quant_packed(packed):  # only where ours run: no check per call
         module = native_ops.ops()
         assert module is not None
@@ -156,7 +179,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _off_packed(x: torch.Tensor, packed: torch.Tensor) -> bool:
+def _off_packed(x: torch.Tensor, packed: Packed) -> bool:
     """Whether ``x`` must bypass the packed weight (another dtype or device); an error where there is no dense
     weight to fall back on (quantized weights)."""
     if x.dtype == compute_dtype(packed) and x.device.type == "cpu":
@@ -182,10 +205,14 @@ class _FusedGroup:
         self.splits = [m.out_features for m in members]
         with torch.no_grad():
             quants = [getattr(m, QUANT, None) for m in members]
-            if all(q is not None for q in quants):
-                self.packed = concat_packed([q for q in quants if q is not None])
+            self.packed: Packed
+            held = [q for q in quants if q is not None]
+            if len(held) == len(quants) and len({quant_format(q) for q in held}) > 1:
+                self.packed = held  # several formats: the parts side by side, the inputs quantized once per kind
+            elif len(held) == len(quants):
+                self.packed = concat_packed(held)
                 # each member's blocks become its slice of the fused matrix: one copy of the weights, not two
-                sizes = [q.shape[0] for q in quants if q is not None]
+                sizes = [q.shape[0] for q in held]
                 for member, part in zip(members, self.packed.split(sizes), strict=True):
                     setattr(member, QUANT, part)
             else:
@@ -224,12 +251,13 @@ def products(members: Sequence[nn.Linear]) -> list[Product]:
     return [module_product(m) for m in members]
 
 
-def packed_operands(product: Product) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The packed weight and bias a `Product` runs `packed_linear` over (one matrix, maybe fused), else None: what
-    a caller outside Python (the native layer loop) needs to make the same call."""
+def packed_operands(product: Product) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
+    """The packed weight (its parts: one matrix, maybe fused, or quantized parts side by side) and bias a `Product`
+    runs `packed_linear` over, else None: what a caller outside Python (the native layer loop) needs to make the
+    same call."""
     _, kernel, _ = product
     if isinstance(kernel, functools.partial) and kernel.func is packed_linear:
-        return kernel.keywords["packed"], kernel.keywords["bias"]
+        return _parts(kernel.keywords["packed"]), kernel.keywords["bias"]
     return None
 
 
@@ -239,9 +267,9 @@ def _fusable(members: list[object]) -> bool:
     linears = [m for m in members if isinstance(m, nn.Linear)]
     first = linears[0]
     quants = [getattr(m, QUANT, None) for m in linears]
-    if any(q is not None for q in quants):  # quantized: all of one format and input size
-        formats = {None if q is None else (quant_format(q), q.shape[1]) for q in quants}
-        return len(formats) == 1 and None not in formats and len({m.bias is None for m in linears}) == 1
+    if any(q is not None for q in quants):  # quantized: all of one input size (their formats may differ)
+        sizes = {None if q is None else quant_inputs(q) for q in quants}
+        return len(sizes) == 1 and None not in sizes and len({m.bias is None for m in linears}) == 1
     fused = torch.empty(
         sum(m.out_features for m in linears), first.in_features, dtype=first.weight.dtype, device="meta"
     )
