@@ -21,7 +21,8 @@ import torch
 from lattice_inference.quantized import attach_tensors, quantized_weights
 from lattice_inference.targets import native_ops
 from lattice_inference.targets.packed_linear import QUANT, pack_linears, packed_kind, quant_packed
-from lattice_inference.targets.quant_linear import FORMATS, concat_packed, dequantize, quant_format, quant_pack
+from lattice_inference.targets.quant_linear import FORMATS, concat_packed, dequantize, quant_format, quant_pack, unpack
+from lattice_inference.testing.gguf_blocks import quantize
 
 gguf = pytest.importorskip("gguf")
 
@@ -39,14 +40,18 @@ def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
 
 
 def quantized(weight: torch.Tensor, kind: str) -> torch.Tensor:
-    """GGUF's own quantization of a float32 ``[out, in]`` weight: uint8 ``[out, bytes]``."""
-    qtype = getattr(gguf.GGMLQuantizationType, kind)
-    return torch.from_numpy(gguf.quants.quantize(weight.numpy(), qtype))
+    """GGUF blocks of a float32 ``[out, in]`` weight (gguf-py's quantizers where it has one): uint8 ``[out, bytes]``."""
+    return quantize(weight, kind)
+
+
+def _inputs(inp: int, kind: str) -> int:
+    """``inp``, times 8 where the format's blocks (256 for the K-quants) do not divide it."""
+    return inp if inp % FORMATS[kind].inputs == 0 else inp * 8
 
 
 @pytest.mark.parametrize("kind", list(FORMATS))
 def test_dequantize_is_ggufs_reference_bit_for_bit(kind):
-    weight = _rand(48, 160, seed=1) * torch.logspace(-3, 1, 160)  # scales across magnitudes
+    weight = _rand(48, 512, seed=1) * torch.logspace(-3, 1, 512)  # scales across magnitudes
     weight[3, :32] = 0.0  # an all-zero block
     raw = quantized(weight, kind)
     want = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), getattr(gguf.GGMLQuantizationType, kind)))
@@ -55,30 +60,54 @@ def test_dequantize_is_ggufs_reference_bit_for_bit(kind):
     assert torch.equal(ours.view(torch.int32), want.view(torch.int32))
 
 
-def rounded_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [n, in] rounded to 8 bits per block of 32 as the product rounds it (float32 steps: the scale
-    ``max|x| / 127``, its inverse, the rounding to nearest even), as float64; and each block's scale."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127.0
-    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(blocks * inverse)
-    return (q.double() * d.double()).reshape(x.shape), d.double().expand(blocks.shape).reshape(x.shape)
+def rounded_inputs(x: torch.Tensor, kind: str = "Q8_0") -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [n, in] rounded to 8 bits as the product rounds it for ``kind``'s weights, as float64, and each
+    block's scale: per block of 32 (llama.cpp's Q8_0: the scale ``max|x| / 127``, its inverse, the rounding to
+    nearest even, float32 steps), or for the K-quants per block of 256 (Q8_K: ``iscale = -127 / v`` of the first
+    input ``v`` of largest magnitude, ``q = min(127, round(iscale * x))``, the scale ``1 / iscale``)."""
+    if FORMATS[kind].inputs == 256:
+        blocks = x.reshape(x.shape[0], -1, 256)
+        top = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # argmax: the first of equal ones
+        iscale = torch.where(top != 0, -127.0 / top, torch.zeros_like(top))
+        q = torch.round(blocks * iscale).clamp(max=127)
+        d = torch.where(top != 0, 1.0 / iscale, torch.zeros_like(top))
+    else:
+        blocks = x.reshape(x.shape[0], -1, 32)
+        d = blocks.abs().amax(-1, keepdim=True) / 127.0
+        inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        q = torch.round(blocks * inverse)
+    return (q.double() * d.double()).reshape(x.shape), d.double().abs().expand(blocks.shape).reshape(x.shape)
+
+
+def _magnitudes(raw: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per weight the magnitude the product's float steps round against: ``|w|``, and for the K-quants with mins
+    ``|d * scale * q| + |dmin * min|`` (the two parts are summed apart)."""
+    weight = dequantize(raw, kind).double()
+    u = unpack(raw, kind)
+    if u.mins is None or u.m is None or u.scales is None:
+        return weight.abs()
+    low = (u.m.double().unsqueeze(-1) * u.mins.double()).repeat_interleave(32, dim=-1).reshape(weight.shape)
+    return (weight + low).abs() + low.abs()
 
 
 @pytest.mark.parametrize("kind", list(FORMATS))
 @pytest.mark.parametrize(("out", "inp"), [(48, 64), (96, 1536), (32, 96), (16, 2080), (208, 160)])
 def test_products_are_the_float64_product_of_the_rounded_inputs_to_float32_rounding(ops, kind, out, inp):
+    inp = _inputs(inp, kind)
     raw, bias, x = quantized(_rand(out, inp, seed=2), kind), _rand(out, seed=3), _rand(21, inp, seed=4)
     packed = quant_pack(raw, kind)
-    assert quant_format(packed) == kind and packed.shape == (out // 16, inp // 32, FORMATS[kind][1])
+    fmt = FORMATS[kind]
+    assert quant_format(packed) == kind and packed.shape == (out // 16, inp // fmt.inputs, fmt.packed_bytes)
     weight = dequantize(raw, kind).double()
     y = ops.quant_linear(x, packed, bias)
     assert y.shape == (21, out) and y.dtype == torch.float32
-    xq, scale = rounded_inputs(x)
+    xq, scale = rounded_inputs(x, kind)
     want = xq @ weight.T + bias.double()
-    # float32 roundings: a scale product and a fused multiply-add per block (two for Q4_1), the bias
-    steps = 2 * (inp // 32) + 2
-    assert bool(((y.double() - want).abs() <= (xq.abs() @ weight.abs().T + bias.abs()) * steps * 2**-23).all())
+    # float32 roundings per block: a scale product and a fused multiply-add (two for a minimum; the K-quants' integer
+    # sums converted to float too); the bias
+    steps = 3 * (inp // 32) + 2
+    bound = (xq.abs() @ _magnitudes(raw, kind).T + bias.abs()) * steps * 2**-23
+    assert bool(((y.double() - want).abs() <= bound).all())
     # and the inputs' rounding (half a step of each block's scale) from the exact product
     exact = x.double() @ weight.T + bias.double()
     assert bool(((y.double() - exact).abs() <= (scale / 2) @ weight.abs().T * 1.01 + 1e-5).all())
@@ -86,12 +115,13 @@ def test_products_are_the_float64_product_of_the_rounded_inputs_to_float32_round
 
 @pytest.mark.parametrize("kind", list(FORMATS))
 def test_rows_equal_one_row_products_at_every_width(ops, kind):
-    packed = quant_pack(quantized(_rand(80, 224, seed=5), kind), kind)  # 224 inputs: slices of 64 and of 32
-    x = _rand(20, 224, seed=6)
+    inp = 224 if FORMATS[kind].inputs == 32 else 768  # 224: slices of 64 and of 32; 768: three super-blocks
+    packed = quant_pack(quantized(_rand(80, inp, seed=5), kind), kind)
+    x = _rand(20, inp, seed=6)
     alone = torch.cat([ops.quant_linear(x[i : i + 1], packed, None) for i in range(20)])
     for width in range(1, 21):
         assert torch.equal(ops.quant_linear(x[:width], packed, None), alone[:width]), width
-    assert torch.equal(ops.quant_linear(x[3:9].reshape(2, 3, 224), packed, None).reshape(6, 80), alone[3:9])
+    assert torch.equal(ops.quant_linear(x[3:9].reshape(2, 3, inp), packed, None).reshape(6, 80), alone[3:9])
 
 
 def test_bad_input_gets_a_clear_error(ops):
@@ -107,8 +137,8 @@ def test_bad_input_gets_a_clear_error(ops):
         ops.quant_linear(_rand(2, 64), packed[..., :-1].contiguous(), None)
     with pytest.raises(RuntimeError, match="must be contiguous"):
         ops.quant_linear(_rand(2, 64), packed.transpose(0, 1), None)
-    with pytest.raises(ValueError, match="unsupported GGUF quantization 'Q4_K'; natively computed: Q8_0, Q4_0, Q4_1"):
-        quant_pack(raw, "Q4_K")
+    with pytest.raises(ValueError, match="unsupported GGUF quantization 'Q3_K'; natively computed: Q8_0, Q4_0, Q4_1, Q5_0"):
+        quant_pack(raw, "Q3_K")
     with pytest.raises(ValueError, match="a Q8_0 tensor is uint8 \\[out, blocks \\* 34\\]"):
         quant_pack(raw, "Q8_0")
     with pytest.raises(ValueError, match="outputs must be a multiple of 16, got 8"):
@@ -132,7 +162,7 @@ def _quantize_model(model: torch.nn.Module, kinds: list[str]) -> list[tuple[str,
         if name.endswith(("q_proj", "k_proj")):
             raw = raw.flip(0)
         tensors.append((f"{name}.weight", kind, raw))
-    tensors.append(("output_extra.weight", "Q6_K", None))  # a type without a kernel: named, left dense
+    tensors.append(("output_extra.weight", "Q3_K", None))  # a type without a kernel: named, left dense
     return tensors
 
 
@@ -159,8 +189,8 @@ def test_a_quantized_toy_model_decodes_speculatively_as_it_decodes_plainly(ops, 
 
     model, dense, done = _quantized_toy(arch, kinds)
     assert quantized_weights(model) is done and sum(done.native.values()) == 14  # 2 layers x 7 projections
-    assert set(done.native) == set(kinds) and done.dequantized == ["output_extra.weight (Q6_K)"]
-    assert "Q6_K" in done.describe()
+    assert set(done.native) == set(kinds) and done.dequantized == ["output_extra.weight (Q3_K)"]
+    assert "Q3_K" in done.describe()
     layer = model.model.layers[0]
     assert layer.self_attn.q_proj.weight.device.type == "meta"  # the dense copy is gone
     lean = LeanTarget(model)
@@ -249,7 +279,7 @@ def test_every_build_computes_the_same_bits(ops, flags):
             build_directory=directory,
         )
         assert other.quant_linear_kernel() == ("avx2" if flags == ("-mno-avx512f",) else "avx512")
-        weight, bias, x = _rand(96, 576, seed=10), _rand(96, seed=11), _rand(23, 576, seed=12) * 3
+        weight, bias, x = _rand(96, 768, seed=10), _rand(96, seed=11), _rand(23, 768, seed=12) * 3
         x[0, :32] = 0.0  # an all-zero block of inputs
         for kind in FORMATS:
             packed = quant_pack(quantized(weight, kind), kind)

@@ -85,6 +85,7 @@ def toy_config(arch: str = "qwen3", vocab_size: int = TOY_VOCAB, **overrides: ob
         "mistral": dict(head_dim=16, sliding_window=24),
         "gemma": dict(head_dim=16),
         "gemma2": dict(head_dim=16, sliding_window=24, query_pre_attn_scalar=16),
+        "gemma3_text": dict(head_dim=16, sliding_window=24, query_pre_attn_scalar=16, sliding_window_pattern=2),
         "phi3": dict(),
     }
     if arch not in per_arch:
