@@ -60,11 +60,21 @@ SHAPES = {  # SmolLM2 configurations (hidden, intermediate, layers, heads, kv he
     "360m": (960, 2560, 32, 15, 5),
     "1.7b": (2048, 8192, 24, 32, 32),
     "tiny": (128, 256, 2, 2, 1),  # the tests' files (tests/test_quantized_loading.py)
+    "tiny256": (256, 512, 2, 4, 2),  # the same with rows of 256: K-quant files
 }
-SIZE_LABELS = {"135m": "135M", "360m": "360M", "1.7b": "1.7B", "tiny": "tiny"}
+SIZE_LABELS = {"135m": "135M", "360m": "360M", "1.7b": "1.7B", "tiny": "tiny", "tiny256": "tiny"}
+MIXES: dict[str, dict[str, str]] = {
+    "Q4_K_M": {
+        "token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
+        "ffn_gate": "Q5_0", "ffn_up": "Q5_1", "ffn_down": "F16",
+    },
+}  # fmt: skip
+"""Files of several types: per tensor kind (its name without ``blk.N.`` and ``.weight``) its type; the types our
+products compute (the output layer tied to the Q4_K embedding), and F16 ``ffn_down`` (a type without a kernel:
+dequantized and named at load)."""
 FORMATS = ("F32", "BF16", "Q8_0", "Q4_0")
 OUR_DTYPE = {"F32": "float32", "BF16": "bfloat16", "Q8_0": "auto", "Q4_0": "auto"}
-FILE_TYPE = {"F32": 0, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3}  # general.file_type (llama_ftype)
+FILE_TYPE = {"F32": 0, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K_M": 15}  # general.file_type (llama_ftype)
 VOCAB, HEAD_DIM, SEED, STD = 49152, 64, 1234, 0.02
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 ROW_PREFIX = "ROW "  # a worker's stdout line carrying one measurement
@@ -148,7 +158,14 @@ def write_gguf(path: Path, shape: str, fmt: str, template: Path) -> None:
         "llama.rope.dimension_count": HEAD_DIM, "general.file_type": FILE_TYPE[fmt],
         "general.size_label": SIZE_LABELS[shape], "general.name": f"SmolLM2 {SIZE_LABELS[shape]} shape random",
     }  # fmt: skip
-    qtype = Q[fmt]
+    import torch
+
+    from lattice_inference.testing.gguf_blocks import quantize
+
+    def qtype_of(name: str) -> Any:
+        kind = name.removesuffix(".weight").split(".")[-1]
+        return Q[MIXES[fmt].get(kind, "Q8_0")] if fmt in MIXES else Q[fmt]
+
     tmp = path.with_suffix(".partial")
     writer = gguf.GGUFWriter(str(tmp), "llama")  # writes general.architecture itself
     for key, field in reader.fields.items():
@@ -162,21 +179,28 @@ def write_gguf(path: Path, shape: str, fmt: str, template: Path) -> None:
     plan = tensor_plan([t.name for t in reader.tensors], shape)
     del reader
     for name, shp in plan:
+        qtype = qtype_of(name)
         if len(shp) == 1 or qtype == Q.F32:
             writer.add_tensor_info(name, shp, np.dtype(np.float32), 4 * int(np.prod(shp)))
+        elif qtype == Q.F16:
+            writer.add_tensor_info(name, shp, np.dtype(np.float16), 2 * int(np.prod(shp)))
         else:
             raw = gguf.quants.quant_shape_to_byte_shape(shp, qtype)
             writer.add_tensor_info(name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for index, (_name, shp) in enumerate(plan):
+    for index, (name, shp) in enumerate(plan):
         if len(shp) == 1:
             writer.write_tensor_data(np.ones(shp, dtype=np.float32))
             continue
         values = np.random.default_rng([SEED, index]).standard_normal(shp, dtype=np.float32)
         values *= np.float32(STD)
-        writer.write_tensor_data(values if qtype == Q.F32 else gguf.quants.quantize(values, qtype))
+        qtype = qtype_of(name)
+        if qtype in (Q.F32, Q.F16):
+            writer.write_tensor_data(values.astype(np.float16) if qtype == Q.F16 else values)
+        else:
+            writer.write_tensor_data(quantize(torch.from_numpy(values), qtype.name).numpy())
         del values
     writer.close()
     tmp.rename(path)

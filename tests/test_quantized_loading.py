@@ -91,6 +91,30 @@ def test_a_file_loads_as_stored_as_it_attaches_by_content(fmt, tmp_path, monkeyp
     assert dense_embeddings(built)[0] is embed, "every head shares the one dequantized copy"
 
 
+def test_a_q4_k_m_file_loads_as_stored_and_names_what_it_dequantizes(tmp_path, monkeypatch):
+    """A file of the types our products compute (K-quants, Q5_0/Q5_1, the embedding and the tied output in Q4_K) and
+    F16 down projections: loaded as stored as by content, the F16 tensors named with what they cost, the same
+    logits."""
+    monkeypatch.setenv("LATTICE_GGUF_CACHE", "0")
+    path = tmp_path / "tiny-Q4_K_M.gguf"
+    _writer().write_gguf(path, "tiny256", "Q4_K_M", Path(smollm2_gguf()))
+    stored = load_as_stored(path)
+    assert stored is not None
+    built, tokenizer = stored
+    reference, _ = _by_content(path)
+    _assert_same(built, reference)
+    done = quantized_weights(built)
+    assert dict(done.native) == {"Q4_K": 5, "Q6_K": 2, "Q5_K": 2, "Q5_0": 2, "Q5_1": 2}
+    assert built.get_input_embeddings().kind == "Q4_K"
+    assert done.dequantized == ["blk.0.ffn_down.weight (F16)", "blk.1.ffn_down.weight (F16)"]
+    assert done.describe().endswith("(F16), blk.1.ffn_down.weight (F16) (0.5 MiB in the file, 1.0 MiB as float32)")
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    mine, theirs = make_target(built, prefix_cache=False), make_target(reference, prefix_cache=False)
+    assert mine.native and mine._loop is not None  # q/k/v fused over Q4_K and Q6_K: the native loop runs
+    assert torch.equal(mine.prefill(ids), theirs.prefill(ids))
+    assert torch.equal(mine.forward(ids[:5]), theirs.forward(ids[:5]))
+
+
 def test_the_default_models_file_loads_as_stored_as_it_attaches_by_content(monkeypatch):
     monkeypatch.setenv("LATTICE_GGUF_CACHE", "0")
     path = Path(smollm2_gguf())

@@ -60,14 +60,22 @@ class QuantizedWeights:
     """GGUF format -> linear layers computed from its blocks."""
     dequantized: list[str] = field(default_factory=list)
     """``name (type)`` of the file's 2-d tensors left dequantized to float32."""
+    dequantized_bytes: int = 0
+    """What those take as float32, against their blocks' bytes in the file: the cost of a type without a kernel."""
+    stored_bytes: int = 0
 
     def describe(self) -> str:
-        """One line: ``"linear layers computed as stored: 210 Q4_1, 1 Q8_0; dequantized to float32: none"``."""
+        """One line: ``"linear layers computed as stored: 210 Q4_1, 1 Q8_0; dequantized to float32: none"`` (with
+        what the dequantized tensors cost where any: ``"... (3.2 MiB in the file, 12.0 MiB as float32)"``)."""
         native = ", ".join(f"{n} {kind}" for kind, n in sorted(self.native.items())) or "none"
         dense = ", ".join(self.dequantized[:6]) + (
             f" and {len(self.dequantized) - 6} more" if len(self.dequantized) > 6 else ""
         )
-        return f"linear layers computed as stored: {native}; dequantized to float32: {dense or 'none'}"
+        cost = ""
+        if self.dequantized_bytes:
+            mib = 1 << 20
+            cost = f" ({self.stored_bytes / mib:.1f} MiB in the file, {self.dequantized_bytes / mib:.1f} MiB as float32)"
+        return f"linear layers computed as stored: {native}; dequantized to float32: {dense or 'none'}{cost}"
 
     @property
     def formats(self) -> str:
@@ -163,6 +171,18 @@ def attach_tensors(model: nn.Module, tensors: Iterable[tuple[str, str, torch.Ten
     return done
 
 
+def _count_costs(done: QuantizedWeights, index: GGUFIndex) -> None:
+    """Add up what the tensors ``done`` left dequantized take in the file and as float32."""
+    names = {entry.split(" (", 1)[0] for entry in done.dequantized}
+    for tensor in index.tensors:
+        if tensor.name in names:
+            done.stored_bytes += int(tensor.n_bytes)
+            elements = 1
+            for n in tensor.shape:
+                elements *= int(n)
+            done.dequantized_bytes += 4 * elements
+
+
 def _mark(model: nn.Module, done: QuantizedWeights) -> None:
     """Record on ``model`` what was attached (`quantized_weights`) and, where any layer runs as stored, the weights
     `devices.placement` reports."""
@@ -180,6 +200,7 @@ def attach(model: nn.Module, path: str | Path) -> QuantizedWeights:
     """`attach_tensors` over the GGUF file ``path`` (``model`` is that file dequantized to float32), saying on
     stderr which layers run as stored."""
     done = attach_tensors(model, file_tensors(path))
+    _count_costs(done, read_index(path))
     _announce(path, done)
     return done
 
@@ -286,6 +307,7 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     if any(p.device.type == "meta" and id(p) not in quantized for p in model.parameters()):
         return None  # a parameter the file does not hold
     release_freed_memory()
+    _count_costs(done, reader)
     _mark(model, done)
     _announce(path, done)
     return model.eval(), tokenizer

@@ -112,9 +112,9 @@ def unpack(raw: torch.Tensor, kind: str) -> Unpacked:
         nibbles = blocks[..., -16:]  # byte j holds input j (low nibble) and input j + 16 (high nibble)
         q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)
         if kind.startswith("Q5"):
-            high = blocks[..., head : head + 4].contiguous().view(torch.int32)  # bit i: input i's fifth bit
-            fifth = (high >> torch.arange(32, dtype=torch.int32)) & 1
-            q = q | (fifth.to(torch.uint8) << 4)
+            high = blocks[..., head : head + 4].unsqueeze(-1)  # bit i of byte j: input 8j + i's fifth bit
+            fifth = (high >> torch.arange(8, dtype=torch.uint8)) & 1
+            q = q | (fifth.reshape(q.shape) << 4)
         return Unpacked(q, _halves(blocks, 0), m)
     if kind in ("Q4_K", "Q5_K"):
         scales, mins = _k_scales(blocks[..., 4:16])
@@ -181,12 +181,17 @@ def _high_planes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """The bits above the nibble of each quant (`_lanes` order): one bit (Q5) as 64 bytes, bit g of byte i the fifth
     bit of group g's byte i; two bits (Q6_K) as two vectors of 64 bytes, bits 2c..2c+1 of byte i the high bits of group
     c (first vector) or c + 4 (second)."""
-    high = _lanes(q >> 4).to(torch.int32)  # [groups, parts, 8, 16, 4]
+    high = _lanes(q >> 4)  # [groups, parts, 8, 16, 4], uint8 throughout
+
+    def planes(groups: range, width: int) -> torch.Tensor:
+        out = high[:, :, groups[0]].clone()
+        for step, g in enumerate(groups[1:], 1):
+            out |= high[:, :, g] << (width * step)
+        return out
+
     if bits == 1:
-        return sum((high[:, :, g] << g) for g in range(8)).to(torch.uint8)  # type: ignore[return-value]
-    first = sum((high[:, :, c] << (2 * c)) for c in range(4))
-    second = sum((high[:, :, c + 4] << (2 * c)) for c in range(4))
-    return torch.stack([first, second], dim=2).to(torch.uint8)  # type: ignore[arg-type]
+        return planes(range(8), 1)
+    return torch.stack([planes(range(4), 2), planes(range(4, 8), 2)], dim=2)
 
 
 def quant_pack(raw: torch.Tensor, kind: str) -> torch.Tensor:
