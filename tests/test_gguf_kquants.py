@@ -112,7 +112,10 @@ def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(ops, arch):
             assert chain.token_ids == want and chain.metrics.exact is True
             if target.verifies_trees:
                 tree = TreeOracleDrafter(p + want, TOY_VOCAB, seed=i)
-                assert SpeculativeDecoder(target, tree, max_draft=4, costs=FLAT_COSTS).generate(p, 20, sampling).token_ids == want
+                assert (
+                    SpeculativeDecoder(target, tree, max_draft=4, costs=FLAT_COSTS).generate(p, 20, sampling).token_ids
+                    == want
+                )
     generator = Generator(model, byte_tokenizer(), method="ngram", costs=FLAT_COSTS, target=target)
     repeats = [[(3 * i + j) % 200 for j in range(8 + 2 * i)] * 3 for i in range(4)]
     alone = [generator.generate(p, 16, temperature=0.8, seed=3).token_ids for p in repeats]

@@ -74,7 +74,9 @@ class QuantizedWeights:
         cost = ""
         if self.dequantized_bytes:
             mib = 1 << 20
-            cost = f" ({self.stored_bytes / mib:.1f} MiB in the file, {self.dequantized_bytes / mib:.1f} MiB as float32)"
+            cost = (
+                f" ({self.stored_bytes / mib:.1f} MiB in the file, {self.dequantized_bytes / mib:.1f} MiB as float32)"
+            )
         return f"linear layers computed as stored: {native}; dequantized to float32: {dense or 'none'}{cost}"
 
     @property

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+
 class QuantFormat(NamedTuple):
     """One GGUF quantization as our products take it."""
 
