@@ -86,6 +86,7 @@ def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(ops, arch):
     from lattice_inference.decode import SpeculativeDecoder
     from lattice_inference.sampling import SamplingOptions
     from lattice_inference.targets import make_target
+    from lattice_inference.targets.lean import LeanTarget
     from lattice_inference.testing.toy import TOY_VOCAB, byte_tokenizer
 
     from .helpers import FLAT_COSTS, OracleDrafter, TreeOracleDrafter
@@ -93,9 +94,12 @@ def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(ops, arch):
     model, dense = _quantized_toy(arch)
     target = make_target(model)
     layer = model.model.layers[0]
-    if arch != "gemma3_text":  # the lean layer loop runs, q/k/v fused over two formats
-        assert target.native and target._loop is not None and target._loop.quantized
-        assert packed_kind(layer.self_attn.q_proj._lattice_packed_weight.packed) == "quant-Q4_K+Q4_K+Q6_K"
+    assert isinstance(target, LeanTarget) and target.native
+    assert packed_kind(layer.self_attn.q_proj._lattice_packed_weight.packed) == "quant-Q4_K+Q4_K+Q6_K"
+    if arch != "gemma3_text":  # the native layer loop runs, q/k/v fused over two formats
+        assert target._loop is not None and target.quantized
+    else:  # the lean forward's per-layer native calls: a sliding and a global layer, their norms, GELU
+        assert target._loop is None and [layer.window for layer in target._layers] == [24, None]
     # close to the dense model (its inputs rounded to 8 bits), not equal to it
     prompt = [(7 * j + 3) % 250 for j in range(20)]
     with torch.no_grad():

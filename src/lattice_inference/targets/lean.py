@@ -45,12 +45,17 @@ from lattice_inference.targets import decode_matched, native_ops
 from lattice_inference.targets.base import Segment, SegmentOutput, TargetSequence
 from lattice_inference.targets.block_attention import Block, block_attention, plan_blocks
 from lattice_inference.targets.decode_matched import Product, RowPlan
+from lattice_inference.targets.kv_cache import GrowableLayer
 from lattice_inference.targets.packed_linear import packed_operands, products, quant_packed
 from lattice_inference.targets.prefix_reuse import CachedRows, KeptSequences, RowKey
 from lattice_inference.targets.transformers import TransformersTarget, tree_depths, tree_mask
 
-LEAN_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
-"""``model_type`` values whose decoder `LeanTarget` runs (full attention only, rotary positions, RMSNorm)."""
+LEAN_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "gemma3_text"})
+"""``model_type`` values whose decoder `LeanTarget` runs (rotary positions, RMSNorm; full attention, and Gemma 3's
+sliding-window layers where the native ops run)."""
+WINDOWED_TYPES = frozenset({"gemma3_text"})
+"""Model types whose sliding-window layers the lean forward runs (on the native ops: each row's visible keys cut to
+the window, every layer's cache kept whole)."""
 
 
 def lean_supported(model: PreTrainedModel) -> str | None:
@@ -60,8 +65,13 @@ def lean_supported(model: PreTrainedModel) -> str | None:
         return f"model type {config.model_type!r} is not one of {sorted(LEAN_MODEL_TYPES)}"
     if getattr(config, "_attn_implementation", None) not in ("sdpa", decode_matched.ATTENTION):
         return f"attention implementation {config._attn_implementation!r} is not sdpa"
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+    windowed = any(t != "full_attention" for t in getattr(config, "layer_types", None) or ())
+    if windowed and config.model_type not in WINDOWED_TYPES:
         return "it has sliding-window layers"
+    if windowed and native_ops.ops() is None:
+        return f"its sliding-window layers run on the native ops only ({native_ops.unavailable() or 'off'})"
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
+        return "it caps its logits"
     if getattr(config, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1"
     decoder = getattr(model, "model", None)
@@ -115,6 +125,9 @@ class LeanTarget(TransformersTarget):
         self._groups = text.num_attention_heads // text.num_key_value_heads
         self._heads, self._kv_heads = text.num_attention_heads, text.num_key_value_heads
         self._native = native_ops.ops() if native and self._native_fits(model) else None
+        self._windowed = any(layer.window is not None for layer in self._layers)
+        if self._windowed and self._native is None:
+            raise ConfigError("the lean forward runs sliding-window layers on the native ops only, which are off here")
         self._loop = _LayerLoop.of(self._layers, self.facts.row_plans) if self._native is not None else None
         self.kv_dtype = self._kv_dtype(kv_cache, model)
         """The dtype the cache stores keys and values in (`options.KV_CACHES`): the model's, or float16 under
@@ -141,7 +154,7 @@ class LeanTarget(TransformersTarget):
                 why = "the native ops do not run here" if self._native is None else f"this model runs in {model.dtype}"
                 raise ConfigError(f"kv_cache float16 needs float32 activations and the native ops; {why}")
             return torch.float16
-        if kv_cache == "auto" and fits and self._loop is not None and self._loop.quantized:
+        if kv_cache == "auto" and fits and self.quantized:
             return torch.float16
         return model.dtype
 
@@ -316,6 +329,9 @@ class LeanTarget(TransformersTarget):
     def _new_cache(self) -> None:
         self._kept.keep(self._rows, self._cache)
         super()._new_cache()
+        if getattr(self, "_windowed", False):  # every layer's cache kept whole: a window cuts what a row sees
+            assert self._cache is not None
+            self._cache.layers = [GrowableLayer() for _ in self._cache.layers]
         self._rows = CachedRows()
 
     def _fed(self, token_ids: Sequence[int]) -> None:
@@ -330,6 +346,13 @@ class LeanTarget(TransformersTarget):
         self._rows.keep(start, rows)
 
     @property
+    def quantized(self) -> bool:
+        """Whether any layer's product runs over GGUF-quantized blocks (`packed_linear.quant_packed`)."""
+        groups = (group for layer in self._layers for group in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        operands = (packed_operands(group[0]) for group in groups)
+        return any(found is not None and quant_packed(found[0]) for found in operands)
+
+    @property
     def native(self) -> bool:
         """Whether matched forwards run the native row-wise ops (`native_ops`) rather than the PyTorch path."""
         return self._native is not None
@@ -339,7 +362,7 @@ class LeanTarget(TransformersTarget):
         bfloat16 weights, a head dimension that is a multiple of 8."""
         layer = model.model.layers[0]
         return (
-            getattr(model.config, "hidden_act", None) == "silu"
+            _activation(model.config) in ACTIVATIONS
             and type(layer.input_layernorm).__name__.endswith("RMSNorm")
             and model.dtype in (torch.float32, torch.bfloat16)
             and self._head_dim % 8 == 0
@@ -356,28 +379,37 @@ class LeanTarget(TransformersTarget):
         assert ops is not None and self._cache is not None
         n, start = ids.shape[1], self._length
         x = decoder.embed_tokens(ids)[0]
-        cos, sin = decoder.rotary_emb(x, positions)
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        ropes = {}  # per layer's rotary kind (Gemma 3: local and global tables), cos and sin
+        for kind in {layer.rope for layer in self._layers}:
+            cos, sin = decoder.rotary_emb(x, positions) if kind is None else decoder.rotary_emb(x, positions, kind)
+            ropes[kind] = (cos[0].contiguous(), sin[0].contiguous())
         keys, offsets = visible
         like = x.new_empty(1, self._kv_heads, 0, self._head_dim, dtype=self.kv_dtype)
         if self._loop is not None and self._loop.runs(x):
             buffers = [cache.append_in_place(n, like) for cache in self._cache.layers]
             x = ops.decode_layers(
-                x, *self._loop.operands, [k for k, _ in buffers], [v for _, v in buffers], cos, sin,
+                x, *self._loop.operands, [k for k, _ in buffers], [v for _, v in buffers], *ropes[None],
                 [keys], [offsets], [start], [n], self._heads, self._kv_heads, self._layers[0].attn.scaling,
             )  # fmt: skip
             return decoder.norm(x[None])
+        windowed = {w: _windowed_spans(offsets, w) for w in {layer.window for layer in self._layers} if w is not None}
         h = ops.rms_norm(x, *self._layers[0].input_weight)
         last = len(self._layers) - 1
         for index, (layer, cache) in enumerate(zip(self._layers, self._cache.layers, strict=True)):
             k_buf, v_buf = cache.append_in_place(n, like)
             q = ops.rope_qk_cache(
-                _product(layer.qkv, h), layer.q_weight, layer.k_weight, layer.qk_eps, cos, sin,
+                _product(layer.qkv, h), layer.q_weight, layer.k_weight, layer.qk_eps, *ropes[layer.rope],
                 k_buf, v_buf, start, self._heads, self._kv_heads,
             )  # fmt: skip
-            out = ops.attention(q, k_buf, v_buf, keys, offsets, layer.attn.scaling)
-            h = ops.add_rms_norm(x, _product(layer.o, out), *layer.post_weight)
-            down = _product(layer.down, ops.silu_mul(_product(layer.gate_up, h)))
+            spans = offsets if layer.window is None else windowed[layer.window]
+            out = _product(layer.o, ops.attention(q, k_buf, v_buf, keys, spans, layer.attn.scaling))
+            if layer.attn_out_weight is not None:
+                out = ops.rms_norm(out, *layer.attn_out_weight)
+            h = ops.add_rms_norm(x, out, *layer.post_weight)
+            gate_up = _product(layer.gate_up, h)
+            down = _product(layer.down, ops.gelu_tanh_mul(gate_up) if layer.gelu else ops.silu_mul(gate_up))
+            if layer.mlp_out_weight is not None:
+                down = ops.rms_norm(down, *layer.mlp_out_weight)
             if index == last:
                 x = x + down
             else:
@@ -392,8 +424,10 @@ class LeanTarget(TransformersTarget):
         where given, else transformers' ``sdpa`` call under ``mask``, over the cached keys and values widened back."""
         decoder = self.model.model
         x = decoder.embed_tokens(ids)
-        cos, sin = decoder.rotary_emb(x, positions)
-        n, head_dim = ids.shape[1], self._head_dim
+        ropes = {}
+        for kind in {layer.rope for layer in self._layers}:
+            ropes[kind] = decoder.rotary_emb(x, positions) if kind is None else decoder.rotary_emb(x, positions, kind)
+        n, head_dim, start = ids.shape[1], self._head_dim, self._length
         span = 0 if blocks is None else max(block.reach for block in blocks)
         assert self._cache is not None
         for layer, cache in zip(self._layers, self._cache.layers, strict=True):
@@ -403,29 +437,63 @@ class LeanTarget(TransformersTarget):
             q, k, v = q.view(1, n, -1, head_dim), k.view(1, n, -1, head_dim), v.view(1, n, -1, head_dim)
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k = self._rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k = self._rotary(q.transpose(1, 2), k.transpose(1, 2), *ropes[layer.rope])
             keys, values = cache.update(k.to(self.kv_dtype), v.transpose(1, 2).to(self.kv_dtype))
             if blocks is not None:
                 out = block_attention(q, *(b.to(q.dtype) for b in cache.buffers(span)), blocks, attn.scaling)
             else:
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
+                seen = mask if layer.window is None else _window_mask(mask, start, n, layer.window, self.device)
                 out, _ = sdpa_attention_forward(
-                    attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling, sliding_window=None
+                    attn, q, keys, values, seen, dropout=0.0, scaling=attn.scaling, sliding_window=None
                 )
-            x = x + _run_products(layer.o, out.reshape(1, n, -1).contiguous())[0]
+            out = _run_products(layer.o, out.reshape(1, n, -1).contiguous())[0]
+            x = x + (out if layer.attn_out_norm is None else layer.attn_out_norm(out))
             gate, up = _run_products(layer.gate_up, layer.post_norm(x))
-            x = x + _run_products(layer.down, layer.act(gate) * up)[0]
+            down = _run_products(layer.down, layer.act(gate) * up)[0]
+            x = x + (down if layer.mlp_out_norm is None else layer.mlp_out_norm(down))
         return decoder.norm(x)
+
+
+def _window_mask(mask: torch.Tensor | None, start: int, n: int, window: int, device: torch.device) -> torch.Tensor:
+    """The boolean mask ``[1, 1, n, start + n]`` of rows ``start..`` over a sliding window of ``window`` keys (each
+    row sees itself and the ``window - 1`` keys before it, as transformers' sliding masks do), within ``mask`` (a
+    boolean causal mask, or None for plain causal rows)."""
+    if mask is not None and mask.dtype != torch.bool:
+        raise ValueError("the lean forward's sliding-window layers take chains of rows, not draft trees")
+    rows = torch.arange(start, start + n, device=device)[:, None]
+    cols = torch.arange(start + n, device=device)[None, :]
+    seen = (cols <= rows) & (cols > rows - window)
+    return (seen if mask is None else seen & mask[0, 0])[None, None]
+
+
+def _windowed_spans(spans: torch.Tensor, window: int) -> torch.Tensor:
+    """A chain's key spans (`_visible_keys`: row ``i`` sees key rows ``begin..end``, the keys being the cache
+    positions in order) cut to the last ``window`` keys of each row."""
+    cut = spans.clone()
+    cut[:, 0] = torch.clamp(spans[:, 1] - window, min=0).maximum(spans[:, 0])
+    return cut
+
+
+ACTIVATIONS = {"silu": False, "gelu_pytorch_tanh": True}
+"""Gated MLP activations the native ops compute: name -> whether it is GELU (its tanh form) rather than SiLU."""
+
+
+def _activation(config: object) -> str | None:
+    """The MLP's activation (``hidden_act``, Gemma's ``hidden_activation``)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
 
 
 @dataclass(frozen=True)
 class _Layer:
     """One decoder layer as the lean loop runs it: its attention module (for the attention call's settings), its
-    norms' forwards, and its products (`packed_linear.products`)."""
+    norms' forwards, and its products (`packed_linear.products`); Gemma 3's norms of the attention and MLP outputs,
+    its sliding window and its layer's rotary kind where it has them."""
 
     attn: torch.nn.Module
     input_norm: Callable[[torch.Tensor], torch.Tensor]
     post_norm: Callable[[torch.Tensor], torch.Tensor]
+    """The norm before the MLP (Llama's ``post_attention_layernorm``, Gemma's ``pre_feedforward_layernorm``)."""
     q_norm: Callable[[torch.Tensor], torch.Tensor] | None
     k_norm: Callable[[torch.Tensor], torch.Tensor] | None
     act: Callable[[torch.Tensor], torch.Tensor]
@@ -434,20 +502,33 @@ class _Layer:
     gate_up: list[Product]
     down: list[Product]
     input_weight: tuple[torch.Tensor, float]
-    """The input norm's weight and epsilon (for the native ops), as is each ``*_weight`` below."""
+    """The input norm's weight and epsilon (for the native ops), as is each ``*_weight`` below (Gemma's norms
+    multiply by ``1 + weight``: that sum is given)."""
     post_weight: tuple[torch.Tensor, float]
     q_weight: torch.Tensor | None
     k_weight: torch.Tensor | None
     qk_eps: float
+    attn_out_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+    mlp_out_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+    attn_out_weight: tuple[torch.Tensor, float] | None = None
+    mlp_out_weight: tuple[torch.Tensor, float] | None = None
+    window: int | None = None
+    """Keys a row sees (itself and those before it) in a sliding-window layer, else None."""
+    rope: str | None = None
+    """The rotary tables' kind (``rotary_emb``'s ``layer_type``) where the model has several, else None."""
+    gelu: bool = False
 
     @classmethod
     def of(cls, layer: torch.nn.Module) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm = getattr(attn, "q_norm", None)
+        gemma = hasattr(layer, "pre_feedforward_layernorm")
+        pre_mlp = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+        window = getattr(attn, "sliding_window", None)
         return cls(
             attn=attn,
             input_norm=layer.input_layernorm.forward,
-            post_norm=layer.post_attention_layernorm.forward,
+            post_norm=pre_mlp.forward,
             q_norm=None if q_norm is None else q_norm.forward,
             k_norm=None if q_norm is None else attn.k_norm.forward,
             act=mlp.act_fn,
@@ -456,11 +537,24 @@ class _Layer:
             gate_up=products([mlp.gate_proj, mlp.up_proj]),
             down=products([mlp.down_proj]),
             input_weight=_norm_weight(layer.input_layernorm),
-            post_weight=_norm_weight(layer.post_attention_layernorm),
-            q_weight=None if q_norm is None else q_norm.weight.detach(),
-            k_weight=None if q_norm is None else attn.k_norm.weight.detach(),
+            post_weight=_norm_weight(pre_mlp),
+            q_weight=None if q_norm is None else _norm_weight(q_norm)[0],
+            k_weight=None if q_norm is None else _norm_weight(attn.k_norm)[0],
             qk_eps=1e-6 if q_norm is None else _norm_weight(q_norm)[1],
+            attn_out_norm=layer.post_attention_layernorm.forward if gemma else None,
+            mlp_out_norm=layer.post_feedforward_layernorm.forward if gemma else None,
+            attn_out_weight=_norm_weight(layer.post_attention_layernorm) if gemma else None,
+            mlp_out_weight=_norm_weight(layer.post_feedforward_layernorm) if gemma else None,
+            window=int(window) if window else None,
+            rope=getattr(attn, "layer_type", None) if gemma else None,
+            gelu=ACTIVATIONS.get(str(_activation(attn.config)), False),
         )
+
+    @property
+    def plain(self) -> bool:
+        """Whether the native layer loop (``decode_layers``) computes this layer: SiLU, full attention, no output
+        norms, one rotary table."""
+        return not self.gelu and self.window is None and self.rope is None and self.attn_out_norm is None
 
 
 @dataclass(frozen=True)
@@ -481,6 +575,8 @@ class _LayerLoop:
         epsilons differ (the Python loop runs those)."""
         packed, biases, norms, qk_norms = [], [], [], []
         products: dict[tuple[object, ...], Product] = {}
+        if not all(layer.plain for layer in layers):
+            return None
         for layer in layers:
             for group in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 operands = packed_operands(group[0]) if len(group) == 1 else None
@@ -495,13 +591,6 @@ class _LayerLoop:
         if len(eps) != 1 or len({layer.qk_eps for layer in layers}) != 1:
             return None
         return cls((packed, biases, norms, eps.pop(), qk_norms, layers[0].qk_eps), list(products.values()), plans)
-
-    @property
-    def quantized(self) -> bool:
-        """Whether any product runs over GGUF-quantized blocks (`packed_linear.quant_packed`)."""
-        packed = self.operands[0]
-        assert isinstance(packed, list)
-        return any(quant_packed(p) for p in packed)
 
     def runs(self, x: torch.Tensor) -> bool:
         """Whether every product computes its rows at any width as alone (row plan 1) at ``x``'s dtype and the
@@ -523,9 +612,13 @@ def _in_features(key: tuple[object, ...]) -> int:
 
 
 def _norm_weight(norm: torch.nn.Module) -> tuple[torch.Tensor, float]:
-    """An RMSNorm's weight and epsilon (transformers names it ``variance_epsilon`` or ``eps``)."""
+    """An RMSNorm's weight and epsilon (transformers names it ``variance_epsilon`` or ``eps``); for Gemma's norms,
+    which multiply by ``1 + weight`` in float32, that sum."""
     eps = getattr(norm, "variance_epsilon", None)
-    return norm.weight.detach(), float(getattr(norm, "eps", 1e-6) if eps is None else eps)
+    weight = norm.weight.detach()
+    if type(norm).__name__.startswith("Gemma"):
+        weight = (1.0 + weight.float()).to(weight.dtype)
+    return weight, float(getattr(norm, "eps", 1e-6) if eps is None else eps)
 
 
 def _visible_keys(

@@ -592,9 +592,22 @@ std::vector<torch::Tensor> attention_impl(std::vector<AttentionCall>& calls, dou
   return outs;
 }
 
-// gate_up: [n, 2I] (gate then up); returns [n, I] = to_T(silu(gate)) * up, rounded to T. Rows in parallel.
-template <typename T>
-torch::Tensor silu_mul_impl(const torch::Tensor& gu) {
+// The gated activations, 8 lanes at a time: SiLU x / (1 + e^-x); GELU's tanh form 0.5 x (1 + tanh(u)),
+// u = sqrt(2 / pi) (x + 0.044715 x^3), with tanh(u) = 1 - 2 / (e^(2u) + 1) (saturating to +-1 at either end).
+struct Silu {
+  static f8 apply(f8 x) { return x / (splat(1.0f) + vexp(-x)); }
+};
+struct GeluTanh {
+  static f8 apply(f8 x) {
+    const f8 u = splat(0.7978845608028654f) * (x + splat(0.044715f) * x * x * x);
+    const f8 t = splat(1.0f) - splat(2.0f) / (vexp(splat(2.0f) * u) + splat(1.0f));
+    return splat(0.5f) * x * (splat(1.0f) + t);
+  }
+};
+
+// gate_up: [n, 2I] (gate then up); returns [n, I] = to_T(act(gate)) * up, rounded to T. Rows in parallel.
+template <typename T, typename Act>
+torch::Tensor act_mul_impl(const torch::Tensor& gu) {
   const int64_t n = gu.size(0), inter = gu.size(1) / 2;
   auto out = torch::empty({n, inter}, gu.options());
   const T* g = gu.data_ptr<T>();
@@ -607,15 +620,13 @@ torch::Tensor silu_mul_impl(const torch::Tensor& gu) {
       T* dst = o + r * inter;
       int64_t i = 0;
       for (; i + L <= inter; i += L) {
-        const f8 x = widen8(gate + i);
-        const f8 a = round8(x / (splat(1.0f) + vexp(-x)), tag);
+        const f8 a = round8(Act::apply(widen8(gate + i)), tag);
         store_as(dst + i, round8(a * widen8(up + i), tag));
       }
       if (i < inter) {  // the tail through the same vector code, padded
         float xs[L] = {0}, us[L] = {0}, ys[L];
         for (int64_t t = 0; i + t < inter; ++t) xs[t] = wide(gate[i + t]), us[t] = wide(up[i + t]);
-        const f8 x = load8(xs);
-        const f8 a = round8(x / (splat(1.0f) + vexp(-x)), tag);
+        const f8 a = round8(Act::apply(load8(xs)), tag);
         store8(ys, round8(a * load8(us), tag));
         for (int64_t t = 0; i + t < inter; ++t) dst[i + t] = static_cast<T>(ys[t]);
       }
@@ -726,7 +737,13 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k_cache, co
 torch::Tensor silu_mul(const torch::Tensor& gu) {
   check2d(gu, "gate_up");
   TORCH_CHECK(gu.size(1) % 2 == 0, "silu_mul: gate_up must hold gate then up, an even width; got ", gu.size(1));
-  DISPATCH(gu.scalar_type(), return silu_mul_impl<T>(gu));
+  DISPATCH(gu.scalar_type(), return act_mul_impl<T, Silu>(gu));
+}
+
+torch::Tensor gelu_tanh_mul(const torch::Tensor& gu) {
+  check2d(gu, "gate_up");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "gelu_tanh_mul: gate_up must hold gate then up, an even width; got ", gu.size(1));
+  DISPATCH(gu.scalar_type(), return act_mul_impl<T, GeluTanh>(gu));
 }
 
 namespace {
@@ -828,6 +845,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qk_cache", &rope_qk_cache);
   m.def("attention", &attention);
   m.def("silu_mul", &silu_mul);
+  m.def("gelu_tanh_mul", &gelu_tanh_mul);
   m.def("attention_bf16_dots", [](bool on) { bf16_attention_dots = on; });
   m.def("tile_linear_available", &tile_linear_available);
   m.def("tile_linear_kernel", &tile_linear_kernel);
