@@ -255,24 +255,28 @@ def ours_worker(args: argparse.Namespace) -> None:
               "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 2) if seconds else None,
               "identical": same, "others_cpu_s": round(others, 2)})  # fmt: skip
 
-    wait_quiet(30.0)
     target = gen.decoder.target
     context = [t for ids in encoded for t in ids][: args.step_context]
-    target.prefill(context)
-    n = len(context)
-    steps: list[float] = []
     tok = context[-1]
-    watch = CpuWatch(pid)
-    for rep in range(args.step_reps + 3):  # 3 untimed first
-        t0 = time.perf_counter()
-        target.forward([tok])
-        seconds = time.perf_counter() - t0
-        target.rollback(n)
-        if rep >= 3:
-            steps.append(seconds)
-    emit({"what": "step", "engine": "ours", "context": n, "reps": args.step_reps,
-          "step_ms": round(statistics.median(steps) * 1e3, 3), "step_ms_min": round(min(steps) * 1e3, 3),
-          "others_cpu_s": watch.others_s(), "peak_rss_mib": round(max_rss_mib(), 1)})  # fmt: skip
+
+    def steps() -> list[float]:
+        """``--step-reps`` timed 1-token forwards after the context (3 untimed first), each rolled back."""
+        target.prefill(context)
+        out = []
+        for rep in range(args.step_reps + 3):
+            t0 = time.perf_counter()
+            target.forward([tok])
+            seconds = time.perf_counter() - t0
+            target.rollback(len(context))
+            if rep >= 3:
+                out.append(seconds)
+        return out
+
+    wait_quiet(30.0)
+    timed, _, others, attempts = least_disturbed(steps, pid, args.retries)
+    emit({"what": "step", "engine": "ours", "context": len(context), "reps": args.step_reps,
+          "step_ms": round(statistics.median(timed) * 1e3, 3), "step_ms_min": round(min(timed) * 1e3, 3),
+          "others_cpu_s": others, "attempts": attempts, "peak_rss_mib": round(max_rss_mib(), 1)})  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------- llama.cpp side
@@ -383,17 +387,19 @@ def run_llama_bench(args: argparse.Namespace, gguf: str, write: Any) -> None:
     cmd = [str(Path(args.llama_bin) / "llama-bench"), "-m", gguf, "-t", str(args.threads), "-p", "0", "-n", "64",
            "-r", "3", "-o", "json"]  # fmt: skip
     wait_quiet(30.0)
-    watch = CpuWatch([os.getpid()])  # llama-bench is a child: reaped, its CPU counts as this process's
-    t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=llama_env(args), timeout=args.timeout)
-    wall = time.perf_counter() - t0
+    # llama-bench is a child, reaped before the watch reads: its CPU counts as this process's
+    done, wall, others, attempts = least_disturbed(
+        lambda: subprocess.run(cmd, capture_output=True, text=True, env=llama_env(args), timeout=args.timeout),
+        [os.getpid()],
+        args.retries,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"llama-bench exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
     (tg,) = [r for r in json.loads(done.stdout) if r.get("n_gen")]
     write({"what": "llama_bench", "command": " ".join(cmd), "tg_tok_s": round(tg["avg_ts"], 2),
            "tg_stddev": round(tg["stddev_ts"], 2), "ms_per_token": round(1e3 / tg["avg_ts"], 3),
            "build": tg.get("build_commit"), "model_type": tg.get("model_type"), "wall_s": round(wall, 1),
-           "others_cpu_s": watch.others_s()})  # fmt: skip
+           "others_cpu_s": others, "attempts": attempts})  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- orchestration

@@ -1,29 +1,32 @@
-"""A GGUF file run as it is stored: its Q8_0, Q4_0 and Q4_1 weights kept in their blocks, computed natively.
+"""A GGUF file run as it is stored: its quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: every type
+of a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file) kept in their blocks, computed natively.
 
 How: the model loads as before, dequantized to float32 through transformers (`gguf.load_gguf`), which gives its
 structure, tokenizer, norms and embedding. Then every 2-d tensor of the file in a format our products compute
 (`targets.quant_linear.FORMATS`) is matched to the ``nn.Linear`` whose float32 weight it dequantizes to, bit for
 bit, and attached to it (`packed_linear.QUANT`, laid out by `quant_pack`); the module's dense copy is dropped
 (kept where it is also the input embedding: a tied ``lm_head``). Those layers then run on integer dot products
-over the file's blocks (``csrc/quant_linear.cpp``, inputs rounded to 8 bits per block of 32 as llama.cpp rounds
-them), reading a quarter (Q4) to a half (Q8_0) of bfloat16's bytes. The quantized model is its own model, close to
+over the file's blocks (``csrc/quant_linear.cpp``, inputs rounded to 8 bits as llama.cpp rounds them for each
+format), reading a quarter (Q4) to a half (Q8_0) of bfloat16's bytes. The quantized model is its own model, close to
 the file dequantized to float32 (its greedy tokens mostly agree, `bench/bench_quant_sizes.py`): every method is
 checked against plain decoding of it.
 
 Matching by content, not by name: converters rename tensors per architecture and permute the rows of some
 (llama's q/k projections, for its rotary layout, which transformers undoes at load). Each row's hash finds the
 row order and an equality check of the whole weight proves it; a tensor that matches nothing, or is of another
-type (F16, Q4_K, Q6_K, ...), stays dequantized and is named in `QuantizedWeights.describe`.
+type (F16, BF16, Q2_K, Q3_K, IQ*), stays dequantized and is named in `QuantizedWeights.describe` with what it
+costs (its bytes in the file against float32's).
 
 Loading without the dequantized model (`load_as_stored`): dequantizing the whole file to float32 first holds 8 bytes
 per weight at its peak (7.8-8.6 GB for a 1 GB file at SmolLM2-1.7B's shape). Where transformers' own GGUF loading
 changes a tensor by at most a permutation of its rows (llama's q/k; every architecture whose tensor processor is the
-identity or llama's), the model is built with its parameters on the meta device, each file tensor is named as
+identity, llama's or Gemma's, which only shifts its norms), the model is built with its parameters on the meta device, each file tensor is named as
 transformers names it (`get_gguf_hf_weights_map`), a quantized one is attached to its linear layer with that row
 order applied to its blocks (the permutation found by running transformers' processor over the row indices), and only
 the rest (norms, types without a kernel) is dequantized, one tensor at a time. The input embedding stays in its
 blocks too (`QuantizedEmbedding`: a lookup dequantizes just its rows, the values the dense embedding holds), and a
-tied output layer computes from those blocks, so no dense copy of the vocabulary is made at all. Both ways attach the
+tied output layer computes from those blocks, so no dense copy of the vocabulary is made at all; an untied output
+layer keeps only its blocks too (a file of the 0.5B Qwen2 shape: 0.5 GB of float32 not made). Both ways attach the
 same blocks in the same order and give the same dense tensors and the same logits (tested); elsewhere the first way
 runs. What the load frees (each tensor's transients) goes back to the system as it goes (`release_freed_memory`).
 """

@@ -1,4 +1,4 @@
-"""A lean forward for the Llama, Qwen2 and Qwen3 families: the model's own modules, none of its plumbing.
+"""A lean forward for the Llama, Qwen2, Qwen3 and Gemma 3 families: the model's own modules, none of its plumbing.
 
 transformers' forward of a decoder wraps every step in machinery a decode step does not need: output-capturing
 decorators, keyword routing, a mask built per call, a cache object's generic update path, per-layer wrappers.
@@ -27,6 +27,11 @@ run as stored, whose products take float32 activations), rounded once as written
 Because the native layer loop computes every row the same way at any width and start, a prefill may keep the
 cached rows of its prompt's longest prefix (from the live cache or a kept earlier sequence's) and compute only the
 rest, bit for bit what a fresh prefill gives (`prefix_reuse`; where the loop does not run, nothing is reused).
+
+Gemma 3 (where the native ops run): its layers' extra norms of the attention and MLP outputs, norms of ``1 + w``,
+GELU, local and global rotary tables, and sliding-window layers, whose rows see only the last ``window`` keys (every
+layer's cache is kept whole, so rollback stays a length), run as per-layer native calls from Python (the one-call
+layer loop covers the Llama shape); draft chains only (no trees), batches one sequence at a time.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ instructions; `packed_linear` lays bfloat16 weights out for them and the layer l
 CPUs bfloat16 attention (head size 64 or 128) runs on the same dot products, rounded as transformers' bfloat16
 attention rounds (query and probabilities in bfloat16, float32 sums): 1.6-2x faster than in float32 lanes;
 ``LATTICE_BF16_ATTENTION=0`` keeps the float32 lanes (each is row-exact). And it holds our products over GGUF's
-quantized weights (``csrc/quant_linear.cpp``, `quant`: Q8_0, Q4_0, Q4_1 in their blocks, integer dot products).
+quantized weights (``csrc/quant_linear.cpp``, `quant`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K in their blocks,
+integer dot products).
 
 It is compiled with the machine's C++ compiler for its own CPU (``-O3 -march=native``) on first use, through
 ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja), into the cache directory
@@ -164,8 +165,8 @@ def rows_kernel() -> str | None:
 
 
 def quant() -> ModuleType | None:
-    """The built extension where its GGUF-quantized products (``quant_linear``, ``csrc/quant_linear.cpp``: Q8_0, Q4_0
-    and Q4_1 weights in their blocks, integer dot products, every row alike at any width) run here: built for a CPU
+    """The built extension where its GGUF-quantized products (``quant_linear``, ``csrc/quant_linear.cpp``: the
+    formats of `quant_linear.FORMATS` in their blocks, integer dot products, every row alike at any width) run here: built for a CPU
     with AVX512BW or AVX2 with FMA, and not turned off by ``LATTICE_QUANT=0`` (then GGUF files are dequantized at
     load); else None."""
     return _products("LATTICE_QUANT", "quant_linear_kernel")

@@ -26,9 +26,11 @@ passes over the input, fewer thread hand-offs). The model's code still calls eac
 computes the fused product and the others return their slice of it when called with that same input tensor
 (anything else runs their own part of the weight).
 
-GGUF weights kept quantized (Q8_0, Q4_0, Q4_1; `lattice_inference.quantized` leaves each module's blocks under
-`QUANT`) run on our quantized products (``csrc/quant_linear.cpp``, `quant_linear`): float32 rows in and out,
-integer dot products over the file's blocks, each row the same at any width.
+GGUF weights kept quantized (`quant_linear.FORMATS`; `lattice_inference.quantized` leaves each module's blocks
+under `QUANT`) run on our quantized products (``csrc/quant_linear.cpp``, `quant_linear`): float32 rows in and out,
+integer dot products over the file's blocks, each row the same at any width. Siblings stored in different formats
+(a Q4_K_M file's q/k in Q4_K and v in Q6_K) still make one product: their blocks side by side (`Packed` as a list),
+the inputs quantized once per kind of activation.
 
 `pack_linears` keeps a packed copy of every ``nn.Linear`` weight (so the linear weights take twice their memory;
 the dense ones stay, for the embedding tie, ``state_dict`` and MTP heads) and routes the module's ``forward``

@@ -1,18 +1,22 @@
-"""GGUF's quantized weights (Q8_0, Q4_0, Q4_1) kept in their blocks and computed by our row products.
+"""GGUF's quantized weights kept in their blocks and computed by our row products: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+and the K-quants Q4_K, Q5_K, Q6_K (every type of the Q4_K_M, Q5_K_M, Q6_K and Q8_0 files people download).
 
 Why: people who run models on CPUs keep them quantized (the default model itself ships as a Q4_1 GGUF), and a
 decode step at the sizes they run is a read of the weights. Dequantizing at load reads 4-7x the bytes of the file.
 
-What: GGUF stores a quantized ``[out, in]`` weight as rows of blocks of 32 inputs, each one float16 scale ``d``
-(Q4_1: and a float16 minimum ``m``) and 32 quants (Q8_0 ``d*q``, Q4_0 ``d*(q-8)``, Q4_1 ``d*q+m``). `quant_pack`
-lays the same bytes out for the native product (``csrc/quant_linear.cpp``): per 16 outputs and 32 inputs one
-superblock with the 16 outputs' scales (and minimums), then the quants in groups of 4 inputs, each output's 4 side
-by side, the lanes of an integer dot product. The product quantizes each row's inputs to 8 bits per block of 32
-(as llama.cpp does), takes exact integer dots per block and sums the scaled dots per output in input order: every
-row the same at any width and in every build (AVX2, AVX512, VNNI), with a quarter (Q4) to a half (Q8_0) of
-bfloat16's reads. A quantized model is thus its own model, close to the file dequantized to float32 but not equal
-to it (its inputs are rounded to 8 bits): plain decoding of it is the reference its speculation equals.
-`dequantize` gives GGUF's reference values (what `lattice_inference.quantized` matches layers by).
+What: GGUF stores a quantized ``[out, in]`` weight as rows of blocks: of 32 inputs with one float16 scale ``d``
+(Q4_1, Q5_1: and a float16 minimum ``m``) and 32 quants (Q8_0 ``d*q``, Q4_0 ``d*(q-8)``, Q5_0 ``d*(q-16)``, Q4_1 and
+Q5_1 ``d*q+m``), or super-blocks of 256 (Q4_K, Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins of the float16
+``d`` and ``dmin``, ``d*sc*q - dmin*m``; Q6_K: 16 sub-blocks of 16 with 8-bit scales, ``d*sc*(q-32)``). `unpack`
+reads them (ggml-common.h's layouts); `quant_pack` lays the same values out for the native product
+(``csrc/quant_linear.cpp``): per 16 outputs and 32 (256) inputs one superblock with the outputs' scales, then the
+quants in groups of 4 inputs, each output's 4 side by side, the lanes of an integer dot product. The product
+quantizes each row's inputs to 8 bits as llama.cpp does for the format (per 32 for the 32-formats, Q8_K per 256 for
+the K-quants), takes exact integer dots and sums the scaled dots per output in input order: every row the same at
+any width and in every build (AVX2, AVX512, VNNI), with a quarter (Q4) to a half (Q8_0) of bfloat16's reads. A
+quantized model is thus its own model, close to the file dequantized to float32 but not equal to it (its inputs are
+rounded to 8 bits): plain decoding of it is the reference its speculation equals. `dequantize` gives GGUF's
+reference values bit for bit (what `lattice_inference.quantized` matches layers by).
 """
 
 from __future__ import annotations

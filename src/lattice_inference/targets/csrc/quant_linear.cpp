@@ -1,4 +1,6 @@
-// Linear layers over GGUF-quantized weights (Q8_0, Q4_0, Q4_1) kept in their blocks, on integer dot products.
+// Linear layers over GGUF-quantized weights kept in their blocks, on integer dot products: Q8_0, Q4_0, Q4_1, Q5_0,
+// Q5_1 (blocks of 32) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks of 256): every type of a Q4_K_M, Q5_K_M, Q6_K
+// or Q8_0 file.
 //
 // Why: people who run models on CPUs keep them quantized, and at the sizes they run a decode step is a read of the
 // weights: a Q4_0 file is an eighth of float32's bytes. Dequantizing every weight to float32 as it is read costs
@@ -6,20 +8,27 @@
 // quants with the row's quantized inputs (what llama.cpp computes) cost a tenth of that.
 //
 // What each row computes, one fixed sequence whichever rows come with it:
-// 1. its inputs quantized per block of 32 to signed bytes: amax = max |x|, d = amax / 127, q = x * (1 / d) rounded to
-//    nearest even, s = sum of q (llama.cpp's Q8_0 activations, d kept in float32);
-// 2. per output and block, the integer dot of the weight's quants with the row's (Q4_0: quants minus 8), exact
-//    (however computed: VNNI dot products, pairwise multiply-adds that cannot saturate on these ranges, offsets);
-// 3. per output, over the blocks in input order: acc = fma(d_w * d_x, dot, acc), for Q4_1 then also
-//    acc = fma(m_w, d_x * s, acc); the bias added last.
-// The dots are exact integers, so how they are computed (AVX512-VNNI dot products, or pairwise multiply-adds,
-// which cannot saturate on these ranges) changes no bit; the float steps run lane-wise, one output per lane, alike in
-// 8 or 16 lanes. So a k-row product equals k 1-row products bit for bit, and the AVX2 build equals the AVX512 one.
+// 1. its inputs quantized to signed bytes as llama.cpp quantizes them for the weight's format: per block of 32
+//    (Q8_0 activations): amax = max |x|, d = amax / 127, q = x * (1 / d) rounded to nearest even, s = sum of q; per
+//    super-block of 256 for the K-quants (Q8_K): top = the first x of largest |x|, iscale = -127 / top, q =
+//    min(127, iscale * x rounded to nearest even), d = 1 / iscale, s = the sums of each 16 q;
+// 2. per output and block, the integer dot of the weight's quants with the row's, exact (however computed: VNNI dot
+//    products, pairwise multiply-adds that cannot saturate on these ranges; Q4_0/Q5_0: minus 8 / 16 times s); for
+//    the K-quants the sub-blocks' dots times their 6-bit (Q6_K: 8-bit signed) scales summed in int32 over the
+//    super-block (Q6_K: each 16's dot less 32 times its s first), and the mins times the rows' sums likewise;
+// 3. per output, over the blocks in input order: acc = fma(d_w * d_x, dot, acc), for Q4_1/Q5_1 then also
+//    acc = fma(m_w, d_x * s, acc), for Q4_K/Q5_K acc = acc - (dmin_w * d_x) * mins (one fused step); the bias last.
+// The dots are exact integers, so how they are computed changes no bit; the float steps run lane-wise, one output
+// per lane, alike in 8 or 16 lanes. So a k-row product equals k 1-row products bit for bit, and the AVX2 build
+// equals the AVX512 one.
 //
-// Layout (`quant_pack`, uint8 [out / 16][in / 32][superblock]): per 16 outputs and 32 inputs, the outputs' float16
-// scales (Q4_1: then their float16 minimums), then the quants in groups of 4 inputs, an output's 4 side by side (one
-// 32-bit lane of a dot product): Q8_0 8 groups of 64 signed bytes; Q4 4 chunks of 64 bytes, chunk c holding group c
-// (inputs 4c..4c+3) in its low nibbles and group c + 4 (inputs 16+4c..) in its high ones.
+// Layout (`quant_pack`, uint8 [out / 16][in / inputs][superblock]): per 16 outputs and 32 inputs (the K-quants: 256),
+// the outputs' float16 scales (Q4_1, Q5_1: then their float16 minimums; Q4_K, Q5_K: d, dmin, then the sub-blocks'
+// scales [8][16] and mins [8][16]; Q6_K: d, then the scales [16][16]), then the quants in groups of 4 inputs, an
+// output's 4 side by side (one 32-bit lane of a dot product): Q8_0 8 groups of 64 signed bytes; the others per 32
+// inputs 4 chunks of 64 bytes, chunk c holding group c (inputs 4c..4c+3) in its low nibbles and group c + 4 (inputs
+// 16+4c..) in its high ones; the bits above the nibble after all the nibbles: Q5's fifth bits as 64 bytes per 32
+// inputs (bit g of byte i: group g's byte i), Q6_K's two high bits as two vectors of 64 bytes (groups 0-3, 4-7).
 #include "quant_linear.h"
 #include "tensor_checks.h"
 

@@ -1,4 +1,5 @@
-// Linear layers over GGUF-quantized weights (Q8_0, Q4_0, Q4_1) kept in their blocks: see quant_linear.cpp.
+// Linear layers over GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) kept in their blocks: see
+// quant_linear.cpp.
 #pragma once
 #include <string>
 #include <torch/extension.h>
@@ -7,9 +8,10 @@
 // quantized weights are dequantized at load instead).
 std::string quant_linear_kernel();
 // x [..., in] (float32) @ weight.T + bias over a GGUF-quantized weight in `quant_pack`'s layout (uint8 [out / 16,
-// in / 32 or in / 256, superblock]: bytes by format as `quant_inputs` lists). Each row's inputs are quantized to 8 bits per block of
-// 32 (as llama.cpp's Q8_0 activations), each block's integer dot products are exact, and each output sums its
-// blocks' scaled dots in input order: every row the same at any width, and the same in every build.
+// in / 32 or in / 256, superblock]: bytes by format as `quant_inputs` lists). Each row's inputs are quantized to 8
+// bits as llama.cpp quantizes them for the format (Q8_0 per 32; Q8_K per 256 for the K-quants), each block's integer
+// dot products are exact, and each output sums its blocks' scaled dots in input order: every row the same at any
+// width, and the same in every build.
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
 // Several `quant_pack`ed weights of one input size side by side (a fused q/k/v or gate/up whose members have
 // different formats): the inputs quantized once per kind of activation, each part's outputs after the last's.
