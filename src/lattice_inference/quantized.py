@@ -20,15 +20,16 @@ costs (its bytes in the file against float32's).
 Loading without the dequantized model (`load_as_stored`): dequantizing the whole file to float32 first holds 8 bytes
 per weight at its peak (7.8-8.6 GB for a 1 GB file at SmolLM2-1.7B's shape). Where transformers' own GGUF loading
 changes a tensor by at most a permutation of its rows (llama's q/k; every architecture whose tensor processor is the
-identity, llama's or Gemma's, which only shifts its norms), the model is built with its parameters on the meta device, each file tensor is named as
-transformers names it (`get_gguf_hf_weights_map`), a quantized one is attached to its linear layer with that row
-order applied to its blocks (the permutation found by running transformers' processor over the row indices), and only
-the rest (norms, types without a kernel) is dequantized, one tensor at a time. The input embedding stays in its
-blocks too (`QuantizedEmbedding`: a lookup dequantizes just its rows, the values the dense embedding holds), and a
-tied output layer computes from those blocks, so no dense copy of the vocabulary is made at all; an untied output
-layer keeps only its blocks too (a file of the 0.5B Qwen2 shape: 0.5 GB of float32 not made). Both ways attach the
-same blocks in the same order and give the same dense tensors and the same logits (tested); elsewhere the first way
-runs. What the load frees (each tensor's transients) goes back to the system as it goes (`release_freed_memory`).
+identity, llama's or Gemma's, which only shifts its norms), the model is built with its parameters on the meta device,
+each file tensor is named as transformers names it (`get_gguf_hf_weights_map`), a quantized one is attached to its
+linear layer with that row order applied to its blocks (the permutation found by running transformers' processor over
+the row indices), and only the rest (norms, types without a kernel) is dequantized, one tensor at a time. The input
+embedding stays in its blocks too (`QuantizedEmbedding`: a lookup dequantizes just its rows, the values the dense
+embedding holds), and a tied output layer computes from those blocks, so no dense copy of the vocabulary is made at all;
+an untied output layer keeps only its blocks too (a file of the 0.5B Qwen2 shape: 0.5 GB of float32 not made). Both ways
+attach the same blocks in the same order and give the same dense tensors and the same logits (tested); elsewhere the
+first way runs. What the load frees (each tensor's transients) goes back to the system as it goes
+(`release_freed_memory`).
 """
 
 from __future__ import annotations

@@ -166,9 +166,9 @@ def rows_kernel() -> str | None:
 
 def quant() -> ModuleType | None:
     """The built extension where its GGUF-quantized products (``quant_linear``, ``csrc/quant_linear.cpp``: the
-    formats of `quant_linear.FORMATS` in their blocks, integer dot products, every row alike at any width) run here: built for a CPU
-    with AVX512BW or AVX2 with FMA, and not turned off by ``LATTICE_QUANT=0`` (then GGUF files are dequantized at
-    load); else None."""
+    formats of `quant_linear.FORMATS` in their blocks, integer dot products, every row alike at any width) run here:
+    built for a CPU with AVX512BW or AVX2 with FMA, and not turned off by ``LATTICE_QUANT=0`` (then GGUF files are
+    dequantized at load); else None."""
     return _products("LATTICE_QUANT", "quant_linear_kernel")
 
 
