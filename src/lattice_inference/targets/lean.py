@@ -305,10 +305,12 @@ class LeanTarget(TransformersTarget):
         v_bufs = [seq[layer][1] for layer in range(len(self._layers)) for seq in buffers]
         with torch.inference_mode(), decode_matched.matching(self.facts.row_plans):
             x = decoder.embed_tokens(torch.tensor([ids], dtype=torch.long, device=self.device))[0]
-            cos, sin = decoder.rotary_emb(x, torch.tensor([positions], dtype=torch.long, device=self.device))
+            at = torch.tensor([positions], dtype=torch.long, device=self.device)
+            tables = [decoder.rotary_emb(x, at) if k is None else decoder.rotary_emb(x, at, k) for k in loop.rope_kinds]
             x = ops.decode_layers(
-                x, *loop.operands, k_bufs, v_bufs, cos[0].contiguous(), sin[0].contiguous(), keys, spans, starts,
-                rows, self._heads, self._kv_heads, self._layers[0].attn.scaling,
+                x, *loop.operands, k_bufs, v_bufs, [c[0].contiguous() for c, _ in tables],
+                [s[0].contiguous() for _, s in tables], keys, spans, starts, rows, self._heads, self._kv_heads,
+                self._layers[0].attn.scaling, *loop.extras,
             )  # fmt: skip
             self.last_hidden = None
             hidden = decoder.norm(x[None])
@@ -391,10 +393,12 @@ class LeanTarget(TransformersTarget):
         keys, offsets = visible
         like = x.new_empty(1, self._kv_heads, 0, self._head_dim, dtype=self.kv_dtype)
         if self._loop is not None and self._loop.runs(x):
+            loop = self._loop
             buffers = [cache.append_in_place(n, like) for cache in self._cache.layers]
             x = ops.decode_layers(
-                x, *self._loop.operands, [k for k, _ in buffers], [v for _, v in buffers], *ropes[None],
-                [keys], [offsets], [start], [n], self._heads, self._kv_heads, self._layers[0].attn.scaling,
+                x, *loop.operands, [k for k, _ in buffers], [v for _, v in buffers],
+                [ropes[kind][0] for kind in loop.rope_kinds], [ropes[kind][1] for kind in loop.rope_kinds],
+                [keys], [offsets], [start], [n], self._heads, self._kv_heads, self._layers[0].attn.scaling, *loop.extras,
             )  # fmt: skip
             return decoder.norm(x[None])
         windowed = {w: _windowed_spans(offsets, w) for w in {layer.window for layer in self._layers} if w is not None}
@@ -555,19 +559,20 @@ class _Layer:
             gelu=ACTIVATIONS.get(str(_activation(attn.config)), False),
         )
 
-    @property
-    def plain(self) -> bool:
-        """Whether the native layer loop (``decode_layers``) computes this layer: SiLU, full attention, no output
-        norms, one rotary table."""
-        return not self.gelu and self.window is None and self.rope is None and self.attn_out_norm is None
-
 
 @dataclass(frozen=True)
 class _LayerLoop:
     """What the native layer loop (``decode_layers``) takes: every layer's packed weights and biases (q/k/v, o,
-    gate/up, down), norm weights and epsilons, and the products whose row plans must be 1 for it to run."""
+    gate/up, down), norm weights and epsilons, Gemma 3's output norms, windows and rotary kinds, and the products
+    whose row plans must be 1 for it to run."""
 
     operands: tuple[object, ...]
+    """``decode_layers``' arguments before the caches: packed weights, biases, norms, eps, q/k norms, their eps."""
+    extras: tuple[object, ...]
+    """Its arguments after ``scaling``: output norms (two per layer, or none), windows (0: none), each layer's rotary
+    table (an index into `rope_kinds`), and whether the gates are GELU."""
+    rope_kinds: list[str | None]
+    """The rotary tables' kinds (``rotary_emb``'s ``layer_type``; None: the model's one table), in table order."""
     products: list[Product]
     """One per distinct product (plan key): whose row plans decide whether the loop runs."""
     plans: dict[tuple[object, ...], RowPlan]
@@ -576,12 +581,10 @@ class _LayerLoop:
 
     @classmethod
     def of(cls, layers: list[_Layer], plans: dict[tuple[object, ...], RowPlan]) -> _LayerLoop | None:
-        """The loop's operands, or None where a layer's products are not single packed matrices or its norms'
-        epsilons differ (the Python loop runs those)."""
-        packed, biases, norms, qk_norms = [], [], [], []
+        """The loop's operands, or None where a layer's products are not single packed matrices, its norms'
+        epsilons differ or its layers mix activations (the Python loop runs those)."""
+        packed, biases, norms, qk_norms, out_norms = [], [], [], [], []
         products: dict[tuple[object, ...], Product] = {}
-        if not all(layer.plain for layer in layers):
-            return None
         for layer in layers:
             for group in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 operands = packed_operands(group[0]) if len(group) == 1 else None
@@ -592,10 +595,20 @@ class _LayerLoop:
                 products.setdefault(group[0][0], group[0])
             norms += [layer.input_weight[0], layer.post_weight[0]]
             qk_norms += [layer.q_weight, layer.k_weight]
-        eps = {e for layer in layers for e in (layer.input_weight[1], layer.post_weight[1])}
-        if len(eps) != 1 or len({layer.qk_eps for layer in layers}) != 1:
+            out_norms += [None if w is None else w[0] for w in (layer.attn_out_weight, layer.mlp_out_weight)]
+        outs = [w[1] for layer in layers for w in (layer.attn_out_weight, layer.mlp_out_weight) if w is not None]
+        eps = {e for layer in layers for e in (layer.input_weight[1], layer.post_weight[1])} | set(outs)
+        if len(eps) != 1 or len({layer.qk_eps for layer in layers}) != 1 or len({la.gelu for la in layers}) != 1:
             return None
-        return cls((packed, biases, norms, eps.pop(), qk_norms, layers[0].qk_eps), list(products.values()), plans)
+        kinds = sorted({layer.rope for layer in layers}, key=str)
+        extras = (
+            out_norms if any(w is not None for w in out_norms) else [],
+            [layer.window or 0 for layer in layers],
+            [kinds.index(layer.rope) for layer in layers],
+            layers[0].gelu,
+        )
+        operands = (packed, biases, norms, eps.pop(), qk_norms, layers[0].qk_eps)
+        return cls(operands, extras, kinds, list(products.values()), plans)
 
     def runs(self, x: torch.Tensor) -> bool:
         """Whether every product computes its rows at any width as alone (row plan 1) at ``x``'s dtype and the

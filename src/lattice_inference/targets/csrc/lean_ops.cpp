@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <vector>
 
 #include "quant_linear.h"
@@ -786,14 +787,20 @@ torch::Tensor packed_linear(const torch::Tensor& x, const std::vector<torch::Ten
 // ``starts[s]``, attending to its own key rows (``keys[s]``, ``spans[s]``). The products and the row-wise ops see
 // all rows at once; rotary embedding, the cache write and attention run per sequence, each exactly the call that
 // sequence's forward alone makes. So every row is bit for bit what it is alone, whoever shares the forward.
+//
+// Gemma 3's layers too: ``out_norms`` (two per layer, or none) normalise the attention's and the MLP's outputs before
+// their residual adds; ``windows[l]`` (0: none) cuts each row's keys to the last ``windows[l]`` of its span;
+// ``rope_of[l]`` picks layer l's rotary tables from ``cos``/``sin``; ``gelu``: GELU (tanh form) gates, else SiLU.
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& packed,
                             const std::vector<c10::optional<torch::Tensor>>& biases,
                             const std::vector<torch::Tensor>& norms, double eps,
                             const std::vector<c10::optional<torch::Tensor>>& qk_norms, double qk_eps,
                             const std::vector<torch::Tensor>& k_bufs, const std::vector<torch::Tensor>& v_bufs,
-                            const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& keys,
-                            const std::vector<torch::Tensor>& spans, const std::vector<int64_t>& starts,
-                            const std::vector<int64_t>& rows, int64_t heads, int64_t kv_heads, double scaling) {
+                            const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+                            const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& spans,
+                            const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t heads,
+                            int64_t kv_heads, double scaling, const std::vector<c10::optional<torch::Tensor>>& out_norms,
+                            const std::vector<int64_t>& windows, const std::vector<int64_t>& rope_of, bool gelu) {
   const size_t sequences = rows.size();
   TORCH_CHECK(sequences > 0 && keys.size() == sequences && spans.size() == sequences && starts.size() == sequences,
               "decode_layers: per-sequence lists (keys, spans, starts, rows) of mismatched lengths");
@@ -801,8 +808,14 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch
               "decode_layers: caches must be one per layer and sequence");
   const size_t layers = k_bufs.size() / sequences;
   TORCH_CHECK(packed.size() == 4 * layers && biases.size() == 4 * layers && norms.size() == 2 * layers &&
-                  qk_norms.size() == 2 * layers,
+                  qk_norms.size() == 2 * layers && (out_norms.empty() || out_norms.size() == 2 * layers) &&
+                  windows.size() == layers && rope_of.size() == layers,
               "decode_layers: per-layer lists of mismatched lengths");
+  TORCH_CHECK(!cos.empty() && cos.size() == sin.size(), "decode_layers: rotary tables (cos, sin) of mismatched counts");
+  for (size_t l = 0; l < layers; ++l)
+    TORCH_CHECK(rope_of[l] >= 0 && rope_of[l] < static_cast<int64_t>(cos.size()) && windows[l] >= 0,
+                "decode_layers: layer ", l, " names rotary table ", rope_of[l], " of ", cos.size(), ", window ",
+                windows[l]);
   check2d(x, "x");
   std::vector<int64_t> offsets(sequences + 1, 0);
   for (size_t s = 0; s < sequences; ++s) {
@@ -811,25 +824,42 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch
   }
   TORCH_CHECK(offsets[sequences] == x.size(0), "decode_layers: the sequences' rows add up to ", offsets[sequences],
               ", x has ", x.size(0));
+  // per window, each sequence's spans cut to the last ``window`` keys of each row (a chain's keys are positions)
+  std::map<int64_t, std::vector<torch::Tensor>> windowed;
+  for (const int64_t window : windows) {
+    if (window == 0 || windowed.count(window)) continue;
+    std::vector<torch::Tensor>& cut = windowed[window];
+    for (const torch::Tensor& span : spans) {
+      torch::Tensor mine = span.clone();
+      mine.select(1, 0).copy_(torch::maximum(span.select(1, 0), (span.select(1, 1) - window).clamp_min(0)));
+      cut.push_back(mine);
+    }
+  }
   torch::Tensor h = rms_norm(x, norms[0], eps);
   for (size_t l = 0; l < layers; ++l) {
     const torch::Tensor qkv = packed_linear(h, packed[4 * l], biases[4 * l]);
+    const torch::Tensor &c = cos[rope_of[l]], &sn = sin[rope_of[l]];
+    const std::vector<torch::Tensor>& seen = windows[l] ? windowed[windows[l]] : spans;
     std::vector<AttentionCall> calls;
     calls.reserve(sequences);
     for (size_t s = 0; s < sequences; ++s) {
       torch::Tensor k_buf = k_bufs[l * sequences + s], v_buf = v_bufs[l * sequences + s];
       const torch::Tensor mine = sequences == 1 ? qkv : qkv.narrow(0, offsets[s], rows[s]);
       const torch::Tensor q = rope_qk_cache(mine, qk_norms[2 * l], qk_norms[2 * l + 1], qk_eps,
-                                            sequences == 1 ? cos : cos.narrow(0, offsets[s], rows[s]),
-                                            sequences == 1 ? sin : sin.narrow(0, offsets[s], rows[s]), k_buf, v_buf,
+                                            sequences == 1 ? c : c.narrow(0, offsets[s], rows[s]),
+                                            sequences == 1 ? sn : sn.narrow(0, offsets[s], rows[s]), k_buf, v_buf,
                                             starts[s], heads, kv_heads);
-      calls.push_back(attention_call(q, k_buf, v_buf, keys[s], spans[s]));
+      calls.push_back(attention_call(q, k_buf, v_buf, keys[s], seen[s]));
     }
     const std::vector<torch::Tensor> parts = attention_calls(calls, scaling);
     const torch::Tensor att = sequences == 1 ? parts[0] : torch::cat(parts);
-    h = add_rms_norm(x, packed_linear(att, packed[4 * l + 1], biases[4 * l + 1]), norms[2 * l + 1], eps);
-    const torch::Tensor gate = silu_mul(packed_linear(h, packed[4 * l + 2], biases[4 * l + 2]));
-    const torch::Tensor down = packed_linear(gate, packed[4 * l + 3], biases[4 * l + 3]);
+    torch::Tensor out = packed_linear(att, packed[4 * l + 1], biases[4 * l + 1]);
+    if (!out_norms.empty() && out_norms[2 * l].has_value()) out = rms_norm(out, *out_norms[2 * l], eps);
+    h = add_rms_norm(x, out, norms[2 * l + 1], eps);
+    const torch::Tensor gate_up = packed_linear(h, packed[4 * l + 2], biases[4 * l + 2]);
+    const torch::Tensor gate = gelu ? gelu_tanh_mul(gate_up) : silu_mul(gate_up);
+    torch::Tensor down = packed_linear(gate, packed[4 * l + 3], biases[4 * l + 3]);
+    if (!out_norms.empty() && out_norms[2 * l + 1].has_value()) down = rms_norm(down, *out_norms[2 * l + 1], eps);
     if (l + 1 == layers)
       x.add_(down);
     else
