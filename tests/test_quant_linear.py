@@ -21,7 +21,15 @@ import torch
 from lattice_inference.quantized import attach_tensors, quantized_weights
 from lattice_inference.targets import native_ops
 from lattice_inference.targets.packed_linear import QUANT, pack_linears, packed_kind, quant_packed
-from lattice_inference.targets.quant_linear import FORMATS, concat_packed, dequantize, quant_format, quant_pack, unpack
+from lattice_inference.targets.quant_linear import (
+    FORMATS,
+    concat_packed,
+    dequantize,
+    pack_reference,
+    quant_format,
+    quant_pack,
+    unpack,
+)
 from lattice_inference.testing.gguf_blocks import quantize
 
 gguf = pytest.importorskip("gguf")
@@ -288,3 +296,15 @@ def test_every_build_computes_the_same_bits(ops, flags):
             ours = ops.quant_linear(x, packed, bias)
             assert torch.equal(ours, other.quant_linear(x, packed, bias)), kind
             assert all(torch.equal(other.quant_linear(x[i : i + 1], packed, bias)[0], ours[i]) for i in range(23))
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_the_native_pass_packs_the_reference_layout(ops, kind):
+    """Every byte of random blocks (every bit pattern of quants, high bits and sub-block scales) lands where the
+    PyTorch reference puts it."""
+    fmt = FORMATS[kind]
+    raw = torch.randint(
+        0, 256, (48, 3 * fmt.block_bytes), generator=torch.Generator().manual_seed(13), dtype=torch.uint8
+    )
+    assert torch.equal(ops.quant_pack(raw, kind), pack_reference(raw, kind))
+    assert torch.equal(quant_pack(raw, kind), pack_reference(raw, kind))

@@ -888,4 +888,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_kernel", &quant_linear_kernel);
   m.def("quant_linear", &quant_linear);
   m.def("quant_linear_parts", &quant_linear_parts);
+  m.def("quant_pack", &quant_pack_native);
 }

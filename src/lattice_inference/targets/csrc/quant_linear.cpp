@@ -36,6 +36,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -622,4 +624,161 @@ torch::Tensor quant_linear_parts(const torch::Tensor& x, const std::vector<torch
 
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
   return quant_linear_parts(x, {packed}, bias);
+}
+
+// ---------------------------------------------------------------------------------------------- quant_pack, natively
+// The same bytes `quant_linear.quant_pack` (Python, the reference) lays out, in one pass: each GGUF block read into its
+// integer quants and scales (ggml-common.h's layouts), written where the products read them (the file comment).
+namespace {
+
+struct Block {  // one output's block, decoded
+  uint8_t q[256];
+  uint16_t d = 0, m = 0;  // float16 bits: the scale, the minimum (Q4_1, Q5_1) or dmin (Q4_K, Q5_K)
+  uint8_t scales[16] = {}, mins[8] = {};
+};
+
+inline uint16_t half_at(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+void k_scales(const uint8_t* s, uint8_t* scales, uint8_t* mins) {  // get_scale_min_k4
+  for (int j = 0; j < 4; ++j) {
+    scales[j] = s[j] & 63;
+    mins[j] = s[j + 4] & 63;
+    scales[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+    mins[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+void decode(const std::string& kind, const uint8_t* b, Block& out) {
+  if (kind == "Q8_0") {
+    out.d = half_at(b);
+    std::memcpy(out.q, b + 2, 32);
+  } else if (kind == "Q4_0" || kind == "Q4_1" || kind == "Q5_0" || kind == "Q5_1") {
+    const bool with_min = kind == "Q4_1" || kind == "Q5_1", fifth = kind[1] == '5';
+    out.d = half_at(b);
+    if (with_min) out.m = half_at(b + 2);
+    const uint8_t* p = b + (with_min ? 4 : 2);
+    uint32_t high = 0;
+    if (fifth) {
+      std::memcpy(&high, p, 4);
+      p += 4;
+    }
+    for (int j = 0; j < 16; ++j) {
+      out.q[j] = (p[j] & 15) | (fifth ? ((high >> j) & 1) << 4 : 0);
+      out.q[j + 16] = (p[j] >> 4) | (fifth ? ((high >> (j + 16)) & 1) << 4 : 0);
+    }
+  } else if (kind == "Q4_K" || kind == "Q5_K") {
+    const bool fifth = kind == "Q5_K";
+    out.d = half_at(b);
+    out.m = half_at(b + 2);
+    k_scales(b + 4, out.scales, out.mins);
+    const uint8_t *qh = b + 16, *qs = b + (fifth ? 48 : 16);
+    for (int i = 0; i < 4; ++i)
+      for (int l = 0; l < 32; ++l) {
+        out.q[64 * i + l] = (qs[32 * i + l] & 15) | (fifth ? ((qh[l] >> (2 * i)) & 1) << 4 : 0);
+        out.q[64 * i + 32 + l] = (qs[32 * i + l] >> 4) | (fifth ? ((qh[l] >> (2 * i + 1)) & 1) << 4 : 0);
+      }
+  } else {  // Q6_K: ql[128], qh[64], scales[16], d
+    const uint8_t *ql = b, *qh = b + 128;
+    std::memcpy(out.scales, b + 192, 16);
+    out.d = half_at(b + 208);
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t a = ql[64 * h + l], c = ql[64 * h + l + 32], hi = qh[32 * h + l];
+        out.q[128 * h + l] = (a & 15) | ((hi & 3) << 4);
+        out.q[128 * h + l + 32] = (c & 15) | (((hi >> 2) & 3) << 4);
+        out.q[128 * h + l + 64] = (a >> 4) | (((hi >> 4) & 3) << 4);
+        out.q[128 * h + l + 96] = (c >> 4) | (((hi >> 6) & 3) << 4);
+      }
+  }
+}
+
+struct PackedFormat {
+  int64_t block_bytes, inputs, packed_bytes;
+};
+
+PackedFormat packed_format(const std::string& kind) {
+  static const std::map<std::string, PackedFormat> formats = {
+      {"Q8_0", {34, 32, 544}},   {"Q4_0", {18, 32, 288}},    {"Q4_1", {20, 32, 320}},    {"Q5_0", {22, 32, 352}},
+      {"Q5_1", {24, 32, 384}},   {"Q4_K", {144, 256, 2368}}, {"Q5_K", {176, 256, 2880}}, {"Q6_K", {210, 256, 3360}},
+  };
+  const auto found = formats.find(kind);
+  TORCH_CHECK(found != formats.end(), "quant_pack: unsupported GGUF quantization '", kind, "'");
+  return found->second;
+}
+
+// Output o's decoded block into superblock ``sb`` (see the file comment's layout).
+void place(const std::string& kind, const PackedFormat& f, const Block& blk, int o, uint8_t* sb) {
+  std::memcpy(sb + 2 * o, &blk.d, 2);
+  int64_t head = 32;
+  if (kind == "Q4_1" || kind == "Q5_1" || kind == "Q4_K" || kind == "Q5_K") {
+    std::memcpy(sb + 32 + 2 * o, &blk.m, 2);
+    head = 64;
+  }
+  if (kind == "Q4_K" || kind == "Q5_K") {
+    for (int j = 0; j < 8; ++j) {
+      sb[64 + 16 * j + o] = blk.scales[j];
+      sb[192 + 16 * j + o] = blk.mins[j];
+    }
+    head = 320;
+  } else if (kind == "Q6_K") {
+    for (int j = 0; j < 16; ++j) sb[32 + 16 * j + o] = blk.scales[j];
+    head = 288;
+  }
+  if (kind == "Q8_0") {
+    for (int g = 0; g < 8; ++g)
+      for (int t = 0; t < 4; ++t) sb[head + 64 * g + 4 * o + t] = blk.q[4 * g + t];
+    return;
+  }
+  const int parts = static_cast<int>(f.inputs / 32);
+  const int64_t highs = head + 256 * parts;
+  for (int p = 0; p < parts; ++p) {
+    const uint8_t* q = blk.q + 32 * p;
+    for (int c = 0; c < 4; ++c)
+      for (int t = 0; t < 4; ++t)
+        sb[head + 256 * p + 64 * c + 4 * o + t] = (q[4 * c + t] & 15) | ((q[16 + 4 * c + t] & 15) << 4);
+    for (int t = 0; t < 4; ++t) {
+      if (kind == "Q5_0" || kind == "Q5_1" || kind == "Q5_K") {
+        uint8_t bits = 0;
+        for (int g = 0; g < 8; ++g) bits |= ((q[4 * g + t] >> 4) & 1) << g;
+        sb[highs + 64 * p + 4 * o + t] = bits;
+      } else if (kind == "Q6_K") {
+        uint8_t low = 0, high = 0;
+        for (int c = 0; c < 4; ++c) {
+          low |= ((q[4 * c + t] >> 4) & 3) << (2 * c);
+          high |= ((q[16 + 4 * c + t] >> 4) & 3) << (2 * c);
+        }
+        sb[highs + 128 * p + 4 * o + t] = low;
+        sb[highs + 128 * p + 64 + 4 * o + t] = high;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor quant_pack_native(const torch::Tensor& raw, const std::string& kind) {
+  const PackedFormat f = packed_format(kind);
+  check_tensor(raw, "quant_pack", "raw", 2, torch::kUInt8);
+  TORCH_CHECK(raw.size(1) % f.block_bytes == 0, "a ", kind, " tensor is uint8 [out, blocks * ", f.block_bytes,
+              "], got ", raw.sizes());
+  TORCH_CHECK(raw.size(0) % 16 == 0, "a quantized weight's outputs must be a multiple of 16, got ", raw.size(0));
+  const int64_t groups = raw.size(0) / 16, blocks = raw.size(1) / f.block_bytes, row = raw.size(1);
+  torch::Tensor packed = torch::zeros({groups, blocks, f.packed_bytes}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, groups * blocks, 64, [&](int64_t i0, int64_t i1) {
+    Block blk;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i / blocks, b = i % blocks;
+      for (int o = 0; o < 16; ++o) {
+        decode(kind, src + (g * 16 + o) * row + b * f.block_bytes, blk);
+        place(kind, f, blk, o, dst + i * f.packed_bytes);
+      }
+    }
+  });
+  return packed;
 }

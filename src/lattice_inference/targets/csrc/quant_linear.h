@@ -17,6 +17,9 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, 
 // different formats): the inputs quantized once per kind of activation, each part's outputs after the last's.
 torch::Tensor quant_linear_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
                                  const c10::optional<torch::Tensor>& bias);
+// `quant_linear.quant_pack`'s layout of a GGUF tensor's data (uint8 [out, bytes], ``kind`` "Q8_0", "Q4_K", ...), made in
+// one pass: the same bytes as the Python reference.
+torch::Tensor quant_pack_native(const torch::Tensor& raw, const std::string& kind);
 // Inputs per superblock of a `quant_pack`ed format, by its superblock's bytes (its last size): 32 for Q8_0 (544),
 // Q4_0 (288), Q4_1 (320), Q5_0 (352), Q5_1 (384); 256 for Q4_K (2368), Q5_K (2880), Q6_K (3360); else 0.
 inline int64_t quant_inputs(int64_t bytes) {
