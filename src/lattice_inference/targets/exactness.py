@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lattice_inference.process import release_freed_memory
 from lattice_inference.targets.base import Segment, Target
 
 CHECK_CONTEXT = 48
@@ -218,4 +219,5 @@ def exactness(target: Target, max_width: int) -> Exactness:
     if known is not None and (not known.exact or (known.widths[-1] if known.widths else 1) >= max_width):
         return known
     result = target.facts.exactness = check_exactness(target, max_width)
+    release_freed_memory()  # its forwards' transients, back to the system
     return result
