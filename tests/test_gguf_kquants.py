@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from lattice_inference.quantized import QuantizedEmbedding, attach_tensors
-from lattice_inference.targets import native_ops
 from lattice_inference.targets.packed_linear import QUANT, packed_kind
 from lattice_inference.targets.quant_linear import dequantize, quant_pack
 from lattice_inference.testing.gguf_blocks import quantize
+
+from .test_quant_linear import _rand, ops  # noqa: F401  (ops: the quantized products' fixture)
 
 pytest.importorskip("gguf")
 
@@ -32,18 +33,6 @@ Q4_K_M = {
     "down_proj": "Q6_K",
 }
 """Per projection a format, as llama.cpp's Q4_K_M mixes them (and every format but Q8_0, the kernels' oldest)."""
-
-
-@pytest.fixture(scope="module")
-def ops():
-    built = native_ops.quant()
-    if built is None:
-        pytest.skip(f"our products do not run here ({native_ops.unavailable() or 'no AVX2 with FMA'})")
-    return built
-
-
-def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def test_parts_side_by_side_equal_each_parts_own_product(ops):
@@ -80,8 +69,22 @@ def _quantized_toy(arch: str, **overrides: object) -> tuple[torch.nn.Module, tor
     return models[0], models[1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
-def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(ops, arch):
+LLAMA_3_2 = dict(
+    tie_word_embeddings=True,
+    rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    },
+)  # fmt: skip
+"""Llama 3.2's shape beside Llama's: tied embeddings, llama3 rotary scaling."""
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [("llama", {}), ("llama", LLAMA_3_2), ("qwen2", {}), ("qwen3", {}), ("gemma3_text", {})],
+    ids=["llama", "llama3.2", "qwen2", "qwen3", "gemma3"],
+)
+def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(ops, arch, overrides):
     from lattice_inference import Generator
     from lattice_inference.decode import SpeculativeDecoder
     from lattice_inference.sampling import SamplingOptions
@@ -91,7 +94,9 @@ def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(ops, arch):
 
     from .helpers import FLAT_COSTS, OracleDrafter, TreeOracleDrafter
 
-    model, dense = _quantized_toy(arch)
+    model, dense = _quantized_toy(arch, **overrides)
+    if overrides:
+        assert model.config.tie_word_embeddings and model.config.rope_parameters["rope_type"] == "llama3"
     target = make_target(model)
     layer = model.model.layers[0]
     assert isinstance(target, LeanTarget) and target.native

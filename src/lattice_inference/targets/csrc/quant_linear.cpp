@@ -445,9 +445,10 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
         nibble_dots<R, fifth, false>(sb[g] + head, sb[g] + head + 256, xb, in, lo, hi);
         for (int r = 0; r < R; ++r) dot[r][g] = add(lo[r], hi[r]);
       }
-    } else if constexpr (F == Quant::Q4_K || F == Quant::Q5_K) {
-      // per sub-block j of 32: sumi += scale_j * dot_j, exact; then the mins' part from the rows' block sums
-      constexpr bool fifth = F == Quant::Q5_K;
+    } else {  // the K-quants, per 32 inputs j: Q4_K/Q5_K: sumi += scale_j * dot_j, the mins' part below from the
+      // rows' sums; Q6_K: per 16 inputs, sumi += scale * (dot - 32 * the rows' sum); all exact
+      constexpr bool q6 = F == Quant::Q6_K;
+      constexpr int64_t high_bytes = q6 ? 128 : 64;
       for (int g = 0; g < G; ++g) {
         for (int j = 0; j < 8; ++j) {
           const int8_t* xj[R];
@@ -456,25 +457,18 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
             xj[r] = xb[r] + 32 * j;
             lo[r] = hi[r] = izero();
           }
-          nibble_dots<R, fifth, false>(sb[g] + head + 256 * j, sb[g] + head + 2048 + 64 * j, xj, in, lo, hi);
-          const VI scale = widen_u8(sb[g] + 64 + 16 * j);
-          for (int r = 0; r < R; ++r) dot[r][g] = add(dot[r][g], mul(scale, add(lo[r], hi[r])));
-        }
-      }
-    } else {  // Q6_K: per sub-block of 16, scale (int8) times (dot - 32 * the rows' sum), exact
-      for (int g = 0; g < G; ++g) {
-        for (int j = 0; j < 8; ++j) {
-          const int8_t* xj[R];
-          VI lo[R], hi[R];
-          for (int r = 0; r < R; ++r) {
-            xj[r] = xb[r] + 32 * j;
-            lo[r] = hi[r] = izero();
-          }
-          nibble_dots<R, false, true>(sb[g] + head + 256 * j, sb[g] + head + 2048 + 128 * j, xj, in, lo, hi);
-          const VI scale_lo = widen_i8(sb[g] + 32 + 32 * j), scale_hi = widen_i8(sb[g] + 32 + 32 * j + 16);
-          for (int r = 0; r < R; ++r) {
-            const int32_t* s = xq.s.data() + (r0 + r) * xq.sums + b * 16 + 2 * j;
-            dot[r][g] = add(dot[r][g], add(mul(scale_lo, minus(lo[r], 32 * s[0])), mul(scale_hi, minus(hi[r], 32 * s[1]))));
+          nibble_dots<R, F == Quant::Q5_K, q6>(sb[g] + head + 256 * j, sb[g] + head + 2048 + high_bytes * j, xj, in,
+                                               lo, hi);
+          if constexpr (q6) {
+            const VI scale_lo = widen_i8(sb[g] + 32 + 32 * j), scale_hi = widen_i8(sb[g] + 32 + 32 * j + 16);
+            for (int r = 0; r < R; ++r) {
+              const int32_t* s = xq.s.data() + (r0 + r) * xq.sums + b * 16 + 2 * j;
+              const VI part = add(mul(scale_lo, minus(lo[r], 32 * s[0])), mul(scale_hi, minus(hi[r], 32 * s[1])));
+              dot[r][g] = add(dot[r][g], part);
+            }
+          } else {
+            const VI scale = widen_u8(sb[g] + 64 + 16 * j);
+            for (int r = 0; r < R; ++r) dot[r][g] = add(dot[r][g], mul(scale, add(lo[r], hi[r])));
           }
         }
       }
