@@ -22,3 +22,14 @@ def loaded():
 def reference(loaded):
     """Plain greedy decoding over ``loaded``: what every served method must reproduce."""
     return greedy(loaded)
+
+
+@pytest.fixture(scope="module")
+def quant_ops():
+    """The native build's quantized products (`native_ops.quant`); the test skips where they do not run here."""
+    from lattice_inference.targets import native_ops
+
+    built = native_ops.quant()
+    if built is None:
+        pytest.skip(f"our products do not run here ({native_ops.unavailable() or 'no AVX2 with FMA'})")
+    return built

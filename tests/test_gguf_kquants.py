@@ -19,7 +19,7 @@ from lattice_inference.targets.packed_linear import QUANT, packed_kind
 from lattice_inference.targets.quant_linear import dequantize, quant_pack
 from lattice_inference.testing.gguf_blocks import quantize
 
-from .test_quant_linear import _rand, ops  # noqa: F401  (ops: the quantized products' fixture)
+from .test_quant_linear import _rand
 
 pytest.importorskip("gguf")
 
@@ -35,7 +35,8 @@ Q4_K_M = {
 """Per projection a format, as llama.cpp's Q4_K_M mixes them (and every format but Q8_0, the kernels' oldest)."""
 
 
-def test_parts_side_by_side_equal_each_parts_own_product(ops):
+def test_parts_side_by_side_equal_each_parts_own_product(quant_ops):
+    ops = quant_ops
     kinds = ["Q4_K", "Q6_K", "Q5_0", "Q8_0"]
     packed = [quant_pack(quantize(_rand(32 * (i + 1), 512, seed=i), k), k) for i, k in enumerate(kinds)]
     bias, x = _rand(sum(p.shape[0] * 16 for p in packed), seed=9), _rand(7, 512, seed=10)
@@ -84,7 +85,7 @@ LLAMA_3_2 = dict(
     [("llama", {}), ("llama", LLAMA_3_2), ("qwen2", {}), ("qwen3", {}), ("gemma3_text", {})],
     ids=["llama", "llama3.2", "qwen2", "qwen3", "gemma3"],
 )
-def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(ops, arch, overrides):
+def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(quant_ops, arch, overrides):
     from lattice_inference import Generator
     from lattice_inference.decode import SpeculativeDecoder
     from lattice_inference.sampling import SamplingOptions

@@ -36,11 +36,8 @@ gguf = pytest.importorskip("gguf")
 
 
 @pytest.fixture(scope="module")
-def ops():
-    built = native_ops.quant()
-    if built is None:
-        pytest.skip(f"our products do not run here ({native_ops.unavailable() or 'no AVX2 with FMA'})")
-    return built
+def ops(quant_ops):
+    return quant_ops
 
 
 def _rand(*shape: int, seed: int = 0) -> torch.Tensor:

@@ -398,7 +398,8 @@ class LeanTarget(TransformersTarget):
             x = ops.decode_layers(
                 x, *loop.operands, [k for k, _ in buffers], [v for _, v in buffers],
                 [ropes[kind][0] for kind in loop.rope_kinds], [ropes[kind][1] for kind in loop.rope_kinds],
-                [keys], [offsets], [start], [n], self._heads, self._kv_heads, self._layers[0].attn.scaling, *loop.extras,
+                [keys], [offsets], [start], [n], self._heads, self._kv_heads, self._layers[0].attn.scaling,
+                *loop.extras,
             )  # fmt: skip
             return decoder.norm(x[None])
         windowed = {w: _windowed_spans(offsets, w) for w in {layer.window for layer in self._layers} if w is not None}
