@@ -305,3 +305,26 @@ def test_the_native_pass_packs_the_reference_layout(ops, kind):
     )
     assert torch.equal(ops.quant_pack(raw, kind), pack_reference(raw, kind))
     assert torch.equal(quant_pack(raw, kind), pack_reference(raw, kind))
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_rows_read_back_from_the_layout_are_the_files_values_bit_for_bit(ops, kind):
+    """An embedding tied to its output layer reads its rows from that layer's packed blocks (one copy of the
+    vocabulary): every row equals GGUF's dequantization of the file's blocks, whatever their bits."""
+    from lattice_inference.quantized import QuantizedEmbedding
+
+    fmt = FORMATS[kind]
+    generator = torch.Generator().manual_seed(17)
+    raw = torch.randint(0, 256, (48, 3, fmt.block_bytes), generator=generator, dtype=torch.uint8)
+    for start in {"Q6_K": [208]}.get(kind, [0, 2] if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else [0]):
+        raw[..., start : start + 2] = torch.randn(48, 3, 1, generator=generator).half().view(torch.uint8)
+    raw = raw.reshape(48, -1)
+    ids = torch.tensor([0, 5, 47, 16, 31, 5])
+    want = dequantize(raw, kind)
+    assert torch.equal(ops.quant_rows(quant_pack(raw, kind), ids, kind).view(torch.int32), want[ids].view(torch.int32))
+    embedding = QuantizedEmbedding(raw, kind)
+    embedding.read_from(quant_pack(raw, kind))
+    assert embedding.blocks.dim() == 3 and torch.equal(embedding(ids[None]), want[ids][None])
+    assert torch.equal(embedding.dense(), want)
+    with pytest.raises(RuntimeError, match="quant_rows: row 48 of 48"):
+        ops.quant_rows(quant_pack(raw, kind), torch.tensor([48]), kind)

@@ -307,8 +307,12 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
         if not isinstance(inputs, QuantizedEmbedding):
             model.tie_weights()
         if isinstance(outputs, nn.Linear) and tied is not None and getattr(outputs, QUANT, None) is None:
-            setattr(outputs, QUANT, quant_pack(tied[1], tied[0]))
+            packed = quant_pack(tied[1], tied[0])
+            setattr(outputs, QUANT, packed)
             done.native[tied[0]] += 1
+            if isinstance(inputs, QuantizedEmbedding):
+                inputs.read_from(packed)  # one copy of the vocabulary's blocks, not two
+            tied = None
     quantized = {id(m.weight) for m in linears.values() if getattr(m, QUANT, None) is not None}
     if any(p.device.type == "meta" and id(p) not in quantized for p in model.parameters()):
         return None  # a parameter the file does not hold
@@ -338,11 +342,32 @@ class QuantizedEmbedding(nn.Module):
         # a plain attribute, not a parameter: the model's parameters (whose first one tells its device) stay real
         self.weight = torch.empty(raw.shape[0], columns(raw.shape[1], kind), device="meta")
         self._dense: torch.Tensor | None = None  # `dense`, once made
+        self._packed = False  # whether ``blocks`` is `quant_pack`'s layout (`read_from`), else the file's
+
+    def read_from(self, packed: torch.Tensor) -> None:
+        """Look rows up in ``packed`` (the tied output layer's `quant_pack`ed blocks of the same tensor) and drop the
+        file's copy: the native ops read a row back from that layout bit for bit (``quant_rows``), so a tied
+        vocabulary is held once (170 MiB less for Gemma-3-270M's 262k rows). Kept as it is where they do not run."""
+        from lattice_inference.targets import native_ops
+
+        if native_ops.ops() is not None:
+            self.register_buffer("blocks", packed, persistent=False)
+            self._packed = True
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows ``ids`` (int64 ``[n]``) of the blocks, float32 ``[n, dim]``."""
+        blocks = cast(torch.Tensor, self.blocks)
+        if self._packed:
+            from lattice_inference.targets import native_ops
+
+            module = native_ops.ops()
+            assert module is not None
+            return module.quant_rows(blocks, ids.to(torch.long).cpu().contiguous(), self.kind)
+        return dequantize(blocks[ids.to(blocks.device)], self.kind)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows of ``ids`` (any shape), ``[*ids.shape, dim]``."""
-        blocks = cast(torch.Tensor, self.blocks)
-        rows = dequantize(blocks[ids.reshape(-1).to(blocks.device)], self.kind)
+        rows = self._rows(ids.reshape(-1))
         if self.scale is not None:  # as the model's own embedding: the rows times its scale in their dtype
             rows = rows * self.scale.to(rows.dtype)
         return rows.reshape(*ids.shape, rows.shape[-1]).to(ids.device)
@@ -351,7 +376,7 @@ class QuantizedEmbedding(nn.Module):
         """The whole embedding dequantized (float32 ``[vocab, dim]``, the full size), made on the first call and kept:
         every MTP head of the model (one per draft length in a server) shares the one copy."""
         if self._dense is None:
-            self._dense = dequantize(cast(torch.Tensor, self.blocks), self.kind)
+            self._dense = self._rows(torch.arange(self.weight.shape[0]))
         return self._dense
 
 

@@ -889,4 +889,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear);
   m.def("quant_linear_parts", &quant_linear_parts);
   m.def("quant_pack", &quant_pack_native);
+  m.def("quant_rows", &quant_rows);
 }

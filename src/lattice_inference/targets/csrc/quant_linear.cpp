@@ -33,6 +33,7 @@
 #include "tensor_checks.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -775,4 +776,87 @@ torch::Tensor quant_pack_native(const torch::Tensor& raw, const std::string& kin
     }
   });
   return packed;
+}
+
+// ------------------------------------------------------------------------------------- rows read back from the layout
+// The float32 rows ``ids`` of a `quant_pack`ed weight, bit for bit what `quant_linear.dequantize` gives for the file's
+// blocks (each value's products are exact but Q6_K's one, a single rounding as there): an embedding tied to its output
+// layer looks its rows up in the output layer's blocks, one copy of the vocabulary's weights instead of two.
+namespace {
+
+inline float half_float(const uint8_t* p) { return static_cast<float>(c10::Half(half_at(p), c10::Half::from_bits())); }
+
+void read_row(const std::string& kind, const PackedFormat& f, const uint8_t* sb, int o, float* y) {
+  const float d = half_float(sb + 2 * o);
+  if (kind == "Q8_0") {
+    for (int g = 0; g < 8; ++g)
+      for (int t = 0; t < 4; ++t) y[4 * g + t] = d * static_cast<float>(static_cast<int8_t>(sb[32 + 64 * g + 4 * o + t]));
+    return;
+  }
+  const bool k_quant = f.inputs == 256;
+  const int64_t head = kind == "Q4_0" || kind == "Q5_0" ? 32 : kind == "Q4_1" || kind == "Q5_1" ? 64 : kind == "Q6_K" ? 288 : 320;
+  const int parts = static_cast<int>(f.inputs / 32);
+  const int64_t highs = head + 256 * parts;
+  for (int p = 0; p < parts; ++p) {
+    uint8_t q[32];
+    for (int c = 0; c < 4; ++c)
+      for (int t = 0; t < 4; ++t) {
+        const uint8_t both = sb[head + 256 * p + 64 * c + 4 * o + t];
+        q[4 * c + t] = both & 15;
+        q[16 + 4 * c + t] = both >> 4;
+      }
+    for (int t = 0; t < 4; ++t) {
+      if (kind == "Q5_0" || kind == "Q5_1" || kind == "Q5_K") {
+        const uint8_t bits = sb[highs + 64 * p + 4 * o + t];
+        for (int g = 0; g < 8; ++g) q[4 * g + t] |= ((bits >> g) & 1) << 4;
+      } else if (kind == "Q6_K") {
+        const uint8_t low = sb[highs + 128 * p + 4 * o + t], high = sb[highs + 128 * p + 64 + 4 * o + t];
+        for (int c = 0; c < 4; ++c) {
+          q[4 * c + t] |= ((low >> (2 * c)) & 3) << 4;
+          q[16 + 4 * c + t] |= ((high >> (2 * c)) & 3) << 4;
+        }
+      }
+    }
+    float* out = y + 32 * p;
+    if (!k_quant) {
+      const float offset = kind == "Q4_0" ? 8.0f : kind == "Q5_0" ? 16.0f : 0.0f;
+      const bool with_min = kind == "Q4_1" || kind == "Q5_1";
+      const float m = with_min ? half_float(sb + 32 + 2 * o) : 0.0f;
+      for (int j = 0; j < 32; ++j) out[j] = with_min ? d * static_cast<float>(q[j]) + m : d * (static_cast<float>(q[j]) - offset);
+    } else if (kind == "Q6_K") {
+      for (int h = 0; h < 2; ++h) {
+        const float scale = d * static_cast<float>(static_cast<int8_t>(sb[32 + 16 * (2 * p + h) + o]));
+        for (int j = 0; j < 16; ++j) out[16 * h + j] = scale * (static_cast<float>(q[16 * h + j]) - 32.0f);
+      }
+    } else {
+      const float scale = d * static_cast<float>(sb[64 + 16 * p + o]);
+      const float low = half_float(sb + 32 + 2 * o) * static_cast<float>(sb[192 + 16 * p + o]);
+      for (int j = 0; j < 32; ++j) out[j] = scale * static_cast<float>(q[j]) - low;
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor quant_rows(const torch::Tensor& packed, const torch::Tensor& ids, const std::string& kind) {
+  const PackedFormat f = packed_format(kind);
+  check_tensor(packed, "quant_rows", "packed", 3, torch::kUInt8);
+  TORCH_CHECK(packed.size(2) == f.packed_bytes, "quant_rows: not a packed ", kind, " weight");
+  check_tensor(ids, "quant_rows", "ids", 1, torch::kInt64);
+  const int64_t outputs = packed.size(0) * 16, blocks = packed.size(1), in = blocks * f.inputs, n = ids.size(0);
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < outputs, "quant_rows: row ", idp[i], " of ", outputs);
+  torch::Tensor out = torch::empty({n, in}, torch::kFloat32);
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = idp[i] / 16;
+      const int o = static_cast<int>(idp[i] % 16);
+      for (int64_t b = 0; b < blocks; ++b)
+        read_row(kind, f, base + (g * blocks + b) * f.packed_bytes, o, y + i * in + b * f.inputs);
+    }
+  });
+  return out;
 }

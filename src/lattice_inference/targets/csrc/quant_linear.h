@@ -20,6 +20,9 @@ torch::Tensor quant_linear_parts(const torch::Tensor& x, const std::vector<torch
 // `quant_linear.quant_pack`'s layout of a GGUF tensor's data (uint8 [out, bytes], ``kind`` "Q8_0", "Q4_K", ...), made in
 // one pass: the same bytes as the Python reference.
 torch::Tensor quant_pack_native(const torch::Tensor& raw, const std::string& kind);
+// Rows ``ids`` (int64 [n]) of a `quant_pack`ed ``kind`` weight as float32 [n, in]: what the file's blocks dequantize
+// to (`quant_linear.dequantize`), bit for bit.
+torch::Tensor quant_rows(const torch::Tensor& packed, const torch::Tensor& ids, const std::string& kind);
 // Inputs per superblock of a `quant_pack`ed format, by its superblock's bytes (its last size): 32 for Q8_0 (544),
 // Q4_0 (288), Q4_1 (320), Q5_0 (352), Q5_1 (384); 256 for Q4_K (2368), Q5_K (2880), Q6_K (3360); else 0.
 inline int64_t quant_inputs(int64_t bytes) {
