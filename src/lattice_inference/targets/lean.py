@@ -571,7 +571,8 @@ class _LayerLoop:
     """``decode_layers``' arguments before the caches: packed weights, biases, norms, eps, q/k norms, their eps."""
     extras: tuple[object, ...]
     """Its arguments after ``scaling``: output norms (two per layer, or none), windows (0: none), each layer's rotary
-    table (an index into `rope_kinds`), and whether the gates are GELU."""
+    table (an index into `rope_kinds`), whether the gates are GELU, and each product's count of weight parts (or none:
+    one each; ``operands[0]`` holds the parts one after another)."""
     rope_kinds: list[str | None]
     """The rotary tables' kinds (``rotary_emb``'s ``layer_type``; None: the model's one table), in table order."""
     products: list[Product]
@@ -602,13 +603,16 @@ class _LayerLoop:
         if len(eps) != 1 or len({layer.qk_eps for layer in layers}) != 1 or len({la.gelu for la in layers}) != 1:
             return None
         kinds = sorted({layer.rope for layer in layers}, key=str)
+        counts = [len(parts) for parts in packed]
         extras = (
             out_norms if any(w is not None for w in out_norms) else [],
             [layer.window or 0 for layer in layers],
             [kinds.index(layer.rope) for layer in layers],
             layers[0].gelu,
+            counts if any(n > 1 for n in counts) else [],
         )
-        operands = (packed, biases, norms, eps.pop(), qk_norms, layers[0].qk_eps)
+        flat = [part for parts in packed for part in parts]
+        operands = (flat, biases, norms, eps.pop(), qk_norms, layers[0].qk_eps)
         return cls(operands, extras, kinds, list(products.values()), plans)
 
     def runs(self, x: torch.Tensor) -> bool:

@@ -791,7 +791,9 @@ torch::Tensor packed_linear(const torch::Tensor& x, const std::vector<torch::Ten
 // Gemma 3's layers too: ``out_norms`` (two per layer, or none) normalise the attention's and the MLP's outputs before
 // their residual adds; ``windows[l]`` (0: none) cuts each row's keys to the last ``windows[l]`` of its span;
 // ``rope_of[l]`` picks layer l's rotary tables from ``cos``/``sin``; ``gelu``: GELU (tanh form) gates, else SiLU.
-torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& packed,
+// ``packed_parts``: each product's weight (flat, a list of tensors converts faster than a list of lists), and with
+// ``part_counts`` the number of parts of each (a fused group of several quantized formats).
+torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& packed_parts,
                             const std::vector<c10::optional<torch::Tensor>>& biases,
                             const std::vector<torch::Tensor>& norms, double eps,
                             const std::vector<c10::optional<torch::Tensor>>& qk_norms, double qk_eps,
@@ -800,14 +802,25 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch
                             const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& spans,
                             const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t heads,
                             int64_t kv_heads, double scaling, const std::vector<c10::optional<torch::Tensor>>& out_norms,
-                            const std::vector<int64_t>& windows, const std::vector<int64_t>& rope_of, bool gelu) {
+                            const std::vector<int64_t>& windows, const std::vector<int64_t>& rope_of, bool gelu,
+                            const std::vector<int64_t>& part_counts) {
   const size_t sequences = rows.size();
   TORCH_CHECK(sequences > 0 && keys.size() == sequences && spans.size() == sequences && starts.size() == sequences,
               "decode_layers: per-sequence lists (keys, spans, starts, rows) of mismatched lengths");
   TORCH_CHECK(k_bufs.size() % sequences == 0 && v_bufs.size() == k_bufs.size(),
               "decode_layers: caches must be one per layer and sequence");
   const size_t layers = k_bufs.size() / sequences;
-  TORCH_CHECK(packed.size() == 4 * layers && biases.size() == 4 * layers && norms.size() == 2 * layers &&
+  // the products' weights: one packed matrix each, or (``part_counts``, where given) that many parts side by side
+  TORCH_CHECK(part_counts.empty() || part_counts.size() == 4 * layers,
+              "decode_layers: part counts must be one per product");
+  std::vector<std::vector<torch::Tensor>> packed(4 * layers);
+  for (size_t i = 0, next = 0; i < 4 * layers; ++i) {
+    const size_t count = part_counts.empty() ? 1 : static_cast<size_t>(part_counts[i]);
+    TORCH_CHECK(count > 0 && next + count <= packed_parts.size(), "decode_layers: fewer weights than products");
+    packed[i].assign(packed_parts.begin() + next, packed_parts.begin() + next + count);
+    next += count;
+  }
+  TORCH_CHECK(biases.size() == 4 * layers && norms.size() == 2 * layers &&
                   qk_norms.size() == 2 * layers && (out_norms.empty() || out_norms.size() == 2 * layers) &&
                   windows.size() == layers && rope_of.size() == layers,
               "decode_layers: per-layer lists of mismatched lengths");

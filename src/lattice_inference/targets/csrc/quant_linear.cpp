@@ -366,41 +366,45 @@ QuantRows quantize_rows(const float* x, int64_t n, int64_t in, bool k_quant) {
   return rows;
 }
 
-inline void prefetch_ahead(const uint8_t* sb, int64_t bytes, int64_t b, int64_t nb) {
-  if (b + AHEAD < nb)
-    for (int64_t line = 0; line < bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(sb + AHEAD * bytes + line), _MM_HINT_T0);
-}
-
-// R rows' exact integer dots with the 32 inputs of one block of 4-bit quants (Q4_0's layout at ``quants``; with
-// ``highs``, Q5's fifth bits over them): ``lo`` over inputs 0..15 and ``hi`` over 16..31 (added together but for
-// Q6_K's halves, which ``split`` keeps apart); ``pairs`` are Q6_K's two high bits (two vectors of 64 bytes).
-template <int R, bool FIFTH, bool PAIRS>
-inline void nibble_dots(const uint8_t* quants, const uint8_t* highs, const int8_t* const* xb, int64_t in, VI* lo_dot,
-                        VI* hi_dot) {
-  VI h0, h1;
-  if constexpr (FIFTH) h0 = load64(highs);
-  if constexpr (PAIRS) {
-    h0 = load64(highs);
-    h1 = load64(highs + 64);
+// R rows' exact integer dots with the 32 inputs of one block of 4-bit quants in each of G weight blocks (Q4_0's layout
+// at ``quants[g]``; with FIFTH, Q5's fifth bits at ``highs[g]`` over them; with PAIRS, Q6_K's two high bits, two
+// vectors of 64 bytes): each row's 8 broadcasts of its inputs made once for all G blocks. ``lo`` gets the dots over
+// inputs 0..15 and 16..31 both, unless SPLIT (Q6_K's sub-blocks of 16), where ``hi`` gets those over 16..31.
+template <int R, int G, bool FIFTH, bool PAIRS, bool SPLIT>
+__attribute__((always_inline)) inline void nibble_dots(const uint8_t* const* quants, const uint8_t* const* highs, const int8_t* const* xb,
+                        VI (*lo)[G], VI (*hi)[G]) {
+  VI h0[G], h1[G];
+  for (int g = 0; g < G; ++g) {
+    if constexpr (FIFTH || PAIRS) h0[g] = load64(highs[g]);
+    if constexpr (PAIRS) h1[g] = load64(highs[g] + 64);
   }
   for (int c = 0; c < 4; ++c) {
-    VI lo, hi;
-    nibbles(quants + 64 * c, lo, hi);
-    if constexpr (FIFTH) {
-      lo = high_bits(lo, h0, c, 1);
-      hi = high_bits(hi, h0, c + 4, 1);
-    }
-    if constexpr (PAIRS) {
-      lo = high_bits(lo, h0, 2 * c, 3);
-      hi = high_bits(hi, h1, 2 * c, 3);
-    }
+    VI xlo[R], xhi[R];
     for (int r = 0; r < R; ++r) {
-      lo_dot[r] = dot4(lo_dot[r], lo, bcast4(xb[r] + 4 * c));
-      hi_dot[r] = dot4(hi_dot[r], hi, bcast4(xb[r] + 16 + 4 * c));
+      xlo[r] = bcast4(xb[r] + 4 * c);
+      xhi[r] = bcast4(xb[r] + 16 + 4 * c);
+    }
+    for (int g = 0; g < G; ++g) {
+      VI wlo, whi;
+      nibbles(quants[g] + 64 * c, wlo, whi);
+      if constexpr (FIFTH) {
+        wlo = high_bits(wlo, h0[g], c, 1);
+        whi = high_bits(whi, h0[g], c + 4, 1);
+      }
+      if constexpr (PAIRS) {
+        wlo = high_bits(wlo, h0[g], 2 * c, 3);
+        whi = high_bits(whi, h1[g], 2 * c, 3);
+      }
+      for (int r = 0; r < R; ++r) {
+        if constexpr (SPLIT) {
+          lo[r][g] = dot4(lo[r][g], wlo, xlo[r]);
+          hi[r][g] = dot4(hi[r][g], whi, xhi[r]);
+        } else {
+          lo[r][g] = dot4(dot4(lo[r][g], wlo, xlo[r]), whi, xhi[r]);
+        }
+      }
     }
   }
-  (void)in;
 }
 
 // R rows (from ``r0``) times G blocks of weights (``block`` bytes apart) into ``out`` [R][stride] from column
@@ -417,7 +421,9 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
     const uint8_t* sb[G];
     for (int g = 0; g < G; ++g) {
       sb[g] = w + g * block + b * bytes;
-      prefetch_ahead(sb[g], bytes, b, nb);
+      if (b + AHEAD < nb)
+        for (int64_t line = 0; line < bytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(sb[g] + AHEAD * bytes + line), _MM_HINT_T0);
     }
     const int8_t* xb[R];
     for (int r = 0; r < R; ++r) xb[r] = xq.q.data() + (r0 + r) * in + b * inputs;
@@ -440,36 +446,52 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
         for (int r = 0; r < R; ++r) dot[r][g] = q8_correct(dot[r][g], sums[g]);
     } else if constexpr (!K_QUANT<F>) {  // Q4_0, Q4_1, Q5_0, Q5_1: quants 0..15 (0..31), offsets below
       constexpr bool fifth = F == Quant::Q5_0 || F == Quant::Q5_1;
-      for (int g = 0; g < G; ++g) {
-        VI lo[R], hi[R];
-        for (int r = 0; r < R; ++r) lo[r] = hi[r] = izero();
-        nibble_dots<R, fifth, false>(sb[g] + head, sb[g] + head + 256, xb, in, lo, hi);
-        for (int r = 0; r < R; ++r) dot[r][g] = add(lo[r], hi[r]);
+      const int8_t* x0 = xb[0];
+      for (int c = 0; c < 4; ++c) {
+        VI xlo[R], xhi[R];
+        for (int r = 0; r < R; ++r) {
+          xlo[r] = bcast4(x0 + r * in + 4 * c);
+          xhi[r] = bcast4(x0 + r * in + 16 + 4 * c);
+        }
+        for (int g = 0; g < G; ++g) {
+          VI lo, hi;
+          nibbles(sb[g] + head + 64 * c, lo, hi);
+          if constexpr (fifth) {
+            const VI h = load64(sb[g] + head + 256);
+            lo = high_bits(lo, h, c, 1);
+            hi = high_bits(hi, h, c + 4, 1);
+          }
+          for (int r = 0; r < R; ++r) dot[r][g] = dot4(dot4(dot[r][g], lo, xlo[r]), hi, xhi[r]);
+        }
       }
     } else {  // the K-quants, per 32 inputs j: Q4_K/Q5_K: sumi += scale_j * dot_j, the mins' part below from the
       // rows' sums; Q6_K: per 16 inputs, sumi += scale * (dot - 32 * the rows' sum); all exact
       constexpr bool q6 = F == Quant::Q6_K;
       constexpr int64_t high_bytes = q6 ? 128 : 64;
-      for (int g = 0; g < G; ++g) {
-        for (int j = 0; j < 8; ++j) {
-          const int8_t* xj[R];
-          VI lo[R], hi[R];
-          for (int r = 0; r < R; ++r) {
-            xj[r] = xb[r] + 32 * j;
-            lo[r] = hi[r] = izero();
-          }
-          nibble_dots<R, F == Quant::Q5_K, q6>(sb[g] + head + 256 * j, sb[g] + head + 2048 + high_bytes * j, xj, in,
-                                               lo, hi);
+      for (int j = 0; j < 8; ++j) {
+        const int8_t* xj[R];
+        VI lo[R][G], hi[R][G];
+        const uint8_t *quants[G], *highs[G];
+        for (int r = 0; r < R; ++r) {
+          xj[r] = xb[r] + 32 * j;
+          for (int g = 0; g < G; ++g) lo[r][g] = hi[r][g] = izero();
+        }
+        for (int g = 0; g < G; ++g) {
+          quants[g] = sb[g] + head + 256 * j;
+          highs[g] = sb[g] + head + 2048 + high_bytes * j;
+        }
+        nibble_dots<R, G, F == Quant::Q5_K, q6, q6>(quants, highs, xj, lo, hi);
+        for (int g = 0; g < G; ++g) {
           if constexpr (q6) {
             const VI scale_lo = widen_i8(sb[g] + 32 + 32 * j), scale_hi = widen_i8(sb[g] + 32 + 32 * j + 16);
             for (int r = 0; r < R; ++r) {
               const int32_t* s = xq.s.data() + (r0 + r) * xq.sums + b * 16 + 2 * j;
-              const VI part = add(mul(scale_lo, minus(lo[r], 32 * s[0])), mul(scale_hi, minus(hi[r], 32 * s[1])));
+              const VI part = add(mul(scale_lo, minus(lo[r][g], 32 * s[0])), mul(scale_hi, minus(hi[r][g], 32 * s[1])));
               dot[r][g] = add(dot[r][g], part);
             }
           } else {
             const VI scale = widen_u8(sb[g] + 64 + 16 * j);
-            for (int r = 0; r < R; ++r) dot[r][g] = add(dot[r][g], mul(scale, add(lo[r], hi[r])));
+            for (int r = 0; r < R; ++r) dot[r][g] = add(dot[r][g], mul(scale, lo[r][g]));
           }
         }
       }
