@@ -39,6 +39,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import cast
 
 import torch
@@ -342,7 +343,9 @@ class QuantizedEmbedding(nn.Module):
         # a plain attribute, not a parameter: the model's parameters (whose first one tells its device) stay real
         self.weight = torch.empty(raw.shape[0], columns(raw.shape[1], kind), device="meta")
         self._dense: torch.Tensor | None = None  # `dense`, once made
-        self._packed = False  # whether ``blocks`` is `quant_pack`'s layout (`read_from`), else the file's
+        self._native: ModuleType | None = (
+            None  # the native ops, where ``blocks`` is `quant_pack`'s layout (`read_from`)
+        )
 
     def read_from(self, packed: torch.Tensor) -> None:
         """Look rows up in ``packed`` (the tied output layer's `quant_pack`ed blocks of the same tensor) and drop the
@@ -350,19 +353,16 @@ class QuantizedEmbedding(nn.Module):
         vocabulary is held once (170 MiB less for Gemma-3-270M's 262k rows). Kept as it is where they do not run."""
         from lattice_inference.targets import native_ops
 
-        if native_ops.ops() is not None:
+        module = native_ops.ops()
+        if module is not None:
             self.register_buffer("blocks", packed, persistent=False)
-            self._packed = True
+            self._native = module
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows ``ids`` (int64 ``[n]``) of the blocks, float32 ``[n, dim]``."""
         blocks = cast(torch.Tensor, self.blocks)
-        if self._packed:
-            from lattice_inference.targets import native_ops
-
-            module = native_ops.ops()
-            assert module is not None
-            return module.quant_rows(blocks, ids.to(torch.long).cpu().contiguous(), self.kind)
+        if self._native is not None:
+            return self._native.quant_rows(blocks, ids.to(torch.long).cpu().contiguous(), self.kind)
         return dequantize(blocks[ids.to(blocks.device)], self.kind)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -131,6 +131,8 @@ class LeanTarget(TransformersTarget):
         self._heads, self._kv_heads = text.num_attention_heads, text.num_key_value_heads
         self._native = native_ops.ops() if native and self._native_fits(model) else None
         self._windowed = any(layer.window is not None for layer in self._layers)
+        self._rope_kinds = sorted({layer.rope for layer in self._layers}, key=str)
+        """The layers' rotary kinds (`_Layer.rope`): one table each per forward."""
         if self._windowed and self._native is None:
             raise ConfigError("the lean forward runs sliding-window layers on the native ops only, which are off here")
         self._loop = _LayerLoop.of(self._layers, self.facts.row_plans) if self._native is not None else None
@@ -387,7 +389,7 @@ class LeanTarget(TransformersTarget):
         n, start = ids.shape[1], self._length
         x = decoder.embed_tokens(ids)[0]
         ropes = {}  # per layer's rotary kind (Gemma 3: local and global tables), cos and sin
-        for kind in {layer.rope for layer in self._layers}:
+        for kind in self._rope_kinds:
             cos, sin = decoder.rotary_emb(x, positions) if kind is None else decoder.rotary_emb(x, positions, kind)
             ropes[kind] = (cos[0].contiguous(), sin[0].contiguous())
         keys, offsets = visible
@@ -435,7 +437,7 @@ class LeanTarget(TransformersTarget):
         decoder = self.model.model
         x = decoder.embed_tokens(ids)
         ropes = {}
-        for kind in {layer.rope for layer in self._layers}:
+        for kind in self._rope_kinds:
             ropes[kind] = decoder.rotary_emb(x, positions) if kind is None else decoder.rotary_emb(x, positions, kind)
         n, head_dim, start = ids.shape[1], self._head_dim, self._length
         span = 0 if blocks is None else max(block.reach for block in blocks)

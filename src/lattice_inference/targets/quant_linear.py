@@ -49,9 +49,6 @@ FORMATS: dict[str, QuantFormat] = {
 }
 """GGUF quantization -> how it is stored and packed; every type of a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file."""
 
-BLOCK = 32
-"""Weights per GGUF block of the 32-formats (inputs of one output sharing a scale)."""
-
 
 def columns(raw_bytes: int, kind: str) -> int:
     """The inputs of a GGUF ``kind`` tensor whose rows hold ``raw_bytes`` bytes."""
