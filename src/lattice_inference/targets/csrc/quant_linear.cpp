@@ -37,7 +37,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -261,6 +260,14 @@ template <>
 struct Format<Quant::Q6_K> {  // d, scales [16][16] (int8), 8 parts' nibbles, 8 parts' high bit pairs (2 x 64 bytes)
   static constexpr int64_t INPUTS = 256, HEAD = 32 + 256, BYTES = HEAD + 8 * 256 + 8 * 128;
 };
+// The layouts above are the table's formats, in the table's order (`PACKED_FORMATS`, quant_linear.h).
+template <Quant F>
+constexpr bool listed() {
+  const PackedFormat& f = PACKED_FORMATS[static_cast<int>(F)];
+  return f.inputs == Format<F>::INPUTS && f.packed_bytes == Format<F>::BYTES;
+}
+static_assert(listed<Quant::Q8_0>() && listed<Quant::Q4_0>() && listed<Quant::Q4_1>() && listed<Quant::Q5_0>() &&
+              listed<Quant::Q5_1>() && listed<Quant::Q4_K>() && listed<Quant::Q5_K>() && listed<Quant::Q6_K>());
 template <Quant F>
 constexpr bool K_QUANT = Format<F>::INPUTS == 256;
 
@@ -713,18 +720,11 @@ void decode(const std::string& kind, const uint8_t* b, Block& out) {
   }
 }
 
-struct PackedFormat {
-  int64_t block_bytes, inputs, packed_bytes;
-};
-
 PackedFormat packed_format(const std::string& kind) {
-  static const std::map<std::string, PackedFormat> formats = {
-      {"Q8_0", {34, 32, 544}},   {"Q4_0", {18, 32, 288}},    {"Q4_1", {20, 32, 320}},    {"Q5_0", {22, 32, 352}},
-      {"Q5_1", {24, 32, 384}},   {"Q4_K", {144, 256, 2368}}, {"Q5_K", {176, 256, 2880}}, {"Q6_K", {210, 256, 3360}},
-  };
-  const auto found = formats.find(kind);
-  TORCH_CHECK(found != formats.end(), "quant_pack: unsupported GGUF quantization '", kind, "'");
-  return found->second;
+  for (const PackedFormat& f : PACKED_FORMATS)
+    if (kind == f.name) return f;
+  TORCH_CHECK(false, "quant_pack: unsupported GGUF quantization '", kind, "'");
+  __builtin_unreachable();
 }
 
 // Output o's decoded block into superblock ``sb`` (see the file comment's layout).

@@ -23,14 +23,22 @@ torch::Tensor quant_pack_native(const torch::Tensor& raw, const std::string& kin
 // Rows ``ids`` (int64 [n]) of a `quant_pack`ed ``kind`` weight as float32 [n, in]: what the file's blocks dequantize
 // to (`quant_linear.dequantize`), bit for bit.
 torch::Tensor quant_rows(const torch::Tensor& packed, const torch::Tensor& ids, const std::string& kind);
-// Inputs per superblock of a `quant_pack`ed format, by its superblock's bytes (its last size): 32 for Q8_0 (544),
-// Q4_0 (288), Q4_1 (320), Q5_0 (352), Q5_1 (384); 256 for Q4_K (2368), Q5_K (2880), Q6_K (3360); else 0.
+// Every format the products take (`quant_linear.FORMATS` in Python): its name, the bytes of one GGUF block, the
+// inputs of one block (32; 256 for the K-quants) and the bytes of one `quant_pack` superblock (16 outputs), which
+// names the format in a packed tensor's last size.
+struct PackedFormat {
+  const char* name;
+  int64_t block_bytes, inputs, packed_bytes;
+};
+inline constexpr PackedFormat PACKED_FORMATS[] = {
+    {"Q8_0", 34, 32, 544},   {"Q4_0", 18, 32, 288},    {"Q4_1", 20, 32, 320},    {"Q5_0", 22, 32, 352},
+    {"Q5_1", 24, 32, 384},   {"Q4_K", 144, 256, 2368}, {"Q5_K", 176, 256, 2880}, {"Q6_K", 210, 256, 3360},
+};
+// Inputs per superblock of a `quant_pack`ed format, by its superblock's bytes (its last size), else 0.
 inline int64_t quant_inputs(int64_t bytes) {
-  switch (bytes) {
-    case 544: case 288: case 320: case 352: case 384: return 32;
-    case 2368: case 2880: case 3360: return 256;
-    default: return 0;
-  }
+  for (const PackedFormat& f : PACKED_FORMATS)
+    if (f.packed_bytes == bytes) return f.inputs;
+  return 0;
 }
 // Whether ``packed`` is in `quant_pack`'s layout (its last size names the format).
 inline bool quant_packed(const torch::Tensor& packed) {
