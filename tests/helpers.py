@@ -349,3 +349,33 @@ def bench_module(name: str) -> ModuleType:
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH))
+
+
+TOKENIZER_TEXTS = [
+    "Hello, world",
+    "def f(x):\n    return x**2  # ünïcode 日本語 \t\t  two  spaces",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "  leading spaces and emoji 🤖🤖",
+]
+
+
+def assert_same_tokenizer(mine, theirs) -> None:
+    """``mine`` encodes, decodes and templates every text as ``theirs`` (transformers' tokenizer of the file)."""
+    for text in TOKENIZER_TEXTS:
+        ids = theirs.encode(text)
+        assert mine.encode(text) == ids and mine(text)["input_ids"] == theirs(text)["input_ids"], text
+        assert mine.decode(ids) == theirs.decode(ids)
+        assert mine.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+        assert mine.convert_ids_to_tokens(ids) == theirs.convert_ids_to_tokens(ids)
+    assert mine.all_special_ids == theirs.all_special_ids and mine.special_tokens_map == theirs.special_tokens_map
+    assert (mine.bos_token_id, mine.eos_token_id, mine.pad_token_id) == (
+        theirs.bos_token_id,
+        theirs.eos_token_id,
+        theirs.pad_token_id,
+    )
+    assert len(mine) == len(theirs) and mine.chat_template == theirs.chat_template
+    if theirs.chat_template:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        assert mine.apply_chat_template(messages, add_generation_prompt=True) == theirs.apply_chat_template(
+            messages, add_generation_prompt=True
+        )

@@ -322,9 +322,12 @@ def test_rows_read_back_from_the_layout_are_the_files_values_bit_for_bit(ops, ki
     ids = torch.tensor([0, 5, 47, 16, 31, 5])
     want = dequantize(raw, kind)
     assert torch.equal(ops.quant_rows(quant_pack(raw, kind), ids, kind).view(torch.int32), want[ids].view(torch.int32))
-    embedding = QuantizedEmbedding(raw, kind)
-    embedding.read_from(quant_pack(raw, kind))
-    assert embedding.blocks.dim() == 3 and torch.equal(embedding(ids[None]), want[ids][None])
+    embedding = QuantizedEmbedding(quant_pack(raw, kind), kind, dim=want.shape[1], native=ops)
+    assert embedding.weight.shape == want.shape and torch.equal(embedding(ids[None]), want[ids][None])
     assert torch.equal(embedding.dense(), want)
+    from_file = QuantizedEmbedding(raw, kind)  # the file's layout, where the native ops are not built
+    assert from_file.weight.shape == want.shape and torch.equal(from_file(ids[None]), want[ids][None])
+    with pytest.raises(ValueError, match="both the native ops and the row width"):
+        QuantizedEmbedding(raw, kind, native=ops)
     with pytest.raises(RuntimeError, match="quant_rows: row 48 of 48"):
         ops.quant_rows(quant_pack(raw, kind), torch.tensor([48]), kind)

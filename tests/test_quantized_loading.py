@@ -19,7 +19,7 @@ from lattice_inference.quantized import QuantizedEmbedding, attach, dense_embedd
 from lattice_inference.targets import make_target, native_ops
 from lattice_inference.targets.packed_linear import QUANT
 
-from .helpers import bench_module, skip_without_real_model
+from .helpers import assert_same_tokenizer, bench_module, skip_without_real_model
 
 skip_without_real_model()
 if native_ops.quant() is None:
@@ -137,3 +137,21 @@ def test_load_model_takes_the_stored_way_for_auto(monkeypatch):
     assert quantized_weights(loaded.model) is not None
     load_model("smollm2", dtype="float32")
     assert len(calls) == 1, "float32 dequantizes: it must not take the stored way"
+
+
+def test_the_cached_tokenizer_is_the_files_own_first_and_later(tmp_path, monkeypatch):
+    """The first load (transformers reads the file's vocabulary, then the cache is written) and a later one (the
+    cache's ``tokenizer.json`` read in one pass, `gguf.saved_tokenizer`) give tokenizers that encode, decode and
+    template as transformers' own tokenizer of the file."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("LATTICE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-Q8_0.gguf"
+    _writer().write_gguf(path, "tiny", "Q8_0", Path(smollm2_gguf()))
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    first = load_as_stored(path)
+    later = load_as_stored(path)
+    assert first is not None and later is not None
+    assert any((tmp_path / "cache").rglob("tokenizer.json")), "the first load caches the tokenizer"
+    for loaded in (first, later):
+        assert_same_tokenizer(loaded[1], theirs)

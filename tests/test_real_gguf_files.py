@@ -17,6 +17,8 @@ from lattice_inference.quantized import QuantizedEmbedding, quantized_weights
 from lattice_inference.targets import native_ops
 from lattice_inference.testing.real_files import missing, real_file
 
+from .helpers import assert_same_tokenizer
+
 if native_ops.quant() is None:
     pytest.skip("our quantized products do not run here", allow_module_level=True)
 
@@ -68,3 +70,13 @@ def test_prompt_lookup_and_batches_equal_plain_decoding(loaded):
         assert ngram.generate(text, budget, temperature=0.8, seed=4).token_ids == seeded
     alone = [ngram.generate(t, 16).token_ids for t in texts]
     assert [r.token_ids for r in ngram.generate_many(texts, 16, max_batch=2)] == alone
+
+
+def test_the_tokenizer_is_the_files_own(loaded, tmp_path, monkeypatch):
+    """The tokenizer read from the cache (one pass of its ``tokenizer.json``) is transformers' tokenizer of the file:
+    the same ids, texts, special tokens and chat template (Gemma's 262k vocabulary included)."""
+    from transformers import AutoTokenizer
+
+    short, result = loaded
+    path = real_file(short)
+    assert_same_tokenizer(result.tokenizer, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))

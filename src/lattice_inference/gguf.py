@@ -11,6 +11,7 @@ folder. The cached weights are exactly what dequantization produced, so outputs 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -25,10 +26,12 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
 )
 
 from lattice_inference.devices import device_map
 from lattice_inference.errors import ModelLoadError
+from lattice_inference.process import release_freed_memory
 
 GGUF_MAGIC = b"GGUF"
 
@@ -74,7 +77,7 @@ def config_and_tokenizer(path: Path) -> tuple[PretrainedConfig, PreTrainedTokeni
     cached = cache_root() / "gguf" / f"{_cache_key(path)}-config" if cache_enabled() else None
     if cached is not None and (cached / "config.json").is_file():
         try:
-            return AutoConfig.from_pretrained(cached), AutoTokenizer.from_pretrained(cached)
+            return AutoConfig.from_pretrained(cached), saved_tokenizer(cached)
         except Exception:  # a damaged cache entry: read the file again
             shutil.rmtree(cached, ignore_errors=True)
     try:
@@ -84,7 +87,30 @@ def config_and_tokenizer(path: Path) -> tuple[PretrainedConfig, PreTrainedTokeni
         raise load_error(path, exc) from exc
     if cached is not None:
         _write_atomically(cached, lambda tmp: (config.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+        if (cached / "tokenizer.json").is_file():  # the same tokenizer as every later load, without the lists
+            del tokenizer
+            return config, saved_tokenizer(cached)
     return config, tokenizer
+
+
+def saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer ``save_pretrained`` wrote to ``folder``, read in one pass of its ``tokenizer.json``.
+
+    The saved ``tokenizer.json`` holds the whole pipeline (normalizer, pre-tokenizer, post-processor adding BOS,
+    decoder, added tokens), so the generic fast tokenizer over it encodes and decodes as the model-specific class
+    does (tested). The model classes rebuild the backend from Python lists of the vocabulary and merges instead:
+    for Gemma 3's 262k tokens and 515k merges that holds 450 MiB where this holds 100 MiB, and its loading peaks
+    at twice this one's (bench/RESULTS.md, session 29)."""
+    settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    for key in ("tokenizer_class", "backend", "is_local", "local_files_only", "auto_map"):
+        settings.pop(key, None)
+    template = folder / "chat_template.jinja"
+    if "chat_template" not in settings and template.is_file():
+        settings["chat_template"] = template.read_text(encoding="utf-8")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **settings)
+    tokenizer.name_or_path = str(folder)
+    release_freed_memory()  # the JSON parse's transients (several times the tokenizer), before the weights load
+    return tokenizer
 
 
 def load_error(path: Path, exc: BaseException) -> ModelLoadError:
@@ -143,7 +169,7 @@ def load_gguf(
     cached = _cache_dir(path, dtype) if cache_enabled() else None
     if cached is not None and (cached / "config.json").is_file():
         try:
-            tokenizer = AutoTokenizer.from_pretrained(cached)
+            tokenizer = saved_tokenizer(cached)
             return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, **device_map(device)), tokenizer
         except Exception:  # a damaged cache entry: rebuild it from the GGUF file
             shutil.rmtree(cached, ignore_errors=True)

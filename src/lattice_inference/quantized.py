@@ -257,7 +257,8 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     linears = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
     done = QuantizedWeights()
-    tied: tuple[str, torch.Tensor] | None = None  # the embedding's blocks, for a tied output layer
+    tied: tuple[str, torch.Tensor, bool] | None = None  # the embedding's kind and blocks (packed?), for a tied output
+    reads_packed = _row_reader()  # the native ops reading embedding rows from packed blocks, where built
     for tensor in reader.tensors:
         release_freed_memory()  # the last tensor's buffers, before this one's
         kind, rows = tensor.tensor_type.name, int(tensor.shape[-1])
@@ -277,20 +278,28 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
             continue  # as transformers skips it
         target = model.get_parameter(hf_name)
         if native:
-            raw = torch.from_numpy(np.asarray(tensor.data).reshape(rows, -1)[perm.numpy()])  # one copy, rows ordered
-            _release(reader, tensor)
-            shape = (rows, columns(raw.shape[1], kind))
+            shape = (rows, columns(int(tensor.n_bytes) // rows, kind))
             if tuple(target.shape) != shape:
                 return None
-            if hf_name in linears:
-                setattr(linears[hf_name], QUANT, quant_pack(raw, kind))
-                done.native[kind] += 1
-            if hf_name in linears:
-                continue  # no dense copy (`dense_embeddings` names an untied output layer held only as blocks)
-            if inputs is not None and target is inputs.weight:
-                tied = (kind, raw)
+            is_embedding = inputs is not None and target is inputs.weight
+            packs_rows = reads_packed is not None and rows % 16 == 0  # an embedding read from the packed layout
+            if hf_name in linears or (is_embedding and packs_rows):
+                packed = _packed_from_file(reader, tensor, perm, kind)
+                if hf_name in linears:
+                    setattr(linears[hf_name], QUANT, packed)
+                    done.native[kind] += 1
+                    continue  # no dense copy (`dense_embeddings` names an untied output layer held only as blocks)
+            else:
+                raw = torch.from_numpy(np.asarray(tensor.data).reshape(rows, -1)[perm.numpy()])  # one copy, ordered
+                _release(reader, tensor)
+            if is_embedding:
                 scale = getattr(inputs, "embed_scale", None)  # Gemma's embeddings scale their rows
-                embedding = QuantizedEmbedding(raw, kind, scale)  # looked up row by row from the blocks, no dense copy
+                if packs_rows:  # rows read back from the packed layout (a tied output layer's too)
+                    tied = (kind, packed, True)
+                    embedding = QuantizedEmbedding(packed, kind, scale, dim=shape[1], native=reads_packed)
+                else:  # looked up row by row from the file's blocks, no dense copy
+                    tied = (kind, raw, False)
+                    embedding = QuantizedEmbedding(raw, kind, scale)
                 model.set_input_embeddings(embedding)
                 inputs = embedding
                 continue
@@ -308,11 +317,9 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
         if not isinstance(inputs, QuantizedEmbedding):
             model.tie_weights()
         if isinstance(outputs, nn.Linear) and tied is not None and getattr(outputs, QUANT, None) is None:
-            packed = quant_pack(tied[1], tied[0])
-            setattr(outputs, QUANT, packed)
-            done.native[tied[0]] += 1
-            if isinstance(inputs, QuantizedEmbedding):
-                inputs.read_from(packed)  # one copy of the vocabulary's blocks, not two
+            kind, blocks, is_packed = tied
+            setattr(outputs, QUANT, blocks if is_packed else quant_pack(blocks, kind))  # one copy where packed
+            done.native[kind] += 1
             tied = None
     quantized = {id(m.weight) for m in linears.values() if getattr(m, QUANT, None) is not None}
     if any(p.device.type == "meta" and id(p) not in quantized for p in model.parameters()):
@@ -334,29 +341,30 @@ class QuantizedEmbedding(nn.Module):
     the linear layers whose dense weights were dropped: code that reads the shape works, code that would read values
     fails at once; `dense_embeddings` gives the values where they are needed (an MTP head's lookup)."""
 
-    def __init__(self, raw: torch.Tensor, kind: str, scale: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        kind: str,
+        scale: torch.Tensor | None = None,
+        *,
+        dim: int | None = None,
+        native: ModuleType | None = None,
+    ) -> None:
+        """``blocks``: the file's (uint8 ``[vocab, bytes]``); or, with ``native`` (the native ops) and ``dim`` (the
+        row width), `quant_pack`'s layout of them, from which ``quant_rows`` reads a row back bit for bit: a tied
+        output layer computes on the same blocks, so the vocabulary is held once (170 MiB less for Gemma-3-270M)."""
         super().__init__()
         self.kind = kind
         self.scale = scale
         """The factor every row is multiplied by (Gemma's ``embed_scale``), or None."""
-        self.register_buffer("blocks", raw, persistent=False)
+        if (native is None) != (dim is None):
+            raise ValueError("packed embedding blocks need both the native ops and the row width")
+        self.register_buffer("blocks", blocks, persistent=False)
+        vocab = blocks.shape[0] * 16 if native is not None else blocks.shape[0]
         # a plain attribute, not a parameter: the model's parameters (whose first one tells its device) stay real
-        self.weight = torch.empty(raw.shape[0], columns(raw.shape[1], kind), device="meta")
+        self.weight = torch.empty(vocab, dim if dim is not None else columns(blocks.shape[1], kind), device="meta")
         self._dense: torch.Tensor | None = None  # `dense`, once made
-        self._native: ModuleType | None = (
-            None  # the native ops, where ``blocks`` is `quant_pack`'s layout (`read_from`)
-        )
-
-    def read_from(self, packed: torch.Tensor) -> None:
-        """Look rows up in ``packed`` (the tied output layer's `quant_pack`ed blocks of the same tensor) and drop the
-        file's copy: the native ops read a row back from that layout bit for bit (``quant_rows``), so a tied
-        vocabulary is held once (170 MiB less for Gemma-3-270M's 262k rows). Kept as it is where they do not run."""
-        from lattice_inference.targets import native_ops
-
-        module = native_ops.ops()
-        if module is not None:
-            self.register_buffer("blocks", packed, persistent=False)
-            self._native = module
+        self._native = native
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows ``ids`` (int64 ``[n]``) of the blocks, float32 ``[n, dim]``."""
@@ -423,13 +431,49 @@ def _tensor_names(model: nn.Module, architecture: str) -> dict[str, str] | None:
     return names
 
 
-def _release(reader: GGUFIndex, tensor: StoredTensor) -> None:
-    """Drop the pages of ``tensor`` (read already) from this process's mapping of the file: they stay in the page
-    cache, but no longer count towards the memory the load holds at once (a whole file's worth, else)."""
+def _release(reader: GGUFIndex, tensor: StoredTensor, rows: tuple[int, int] | None = None) -> None:
+    """Drop the pages of ``tensor`` (or of its stored ``rows`` ``[first, end)``), read already, from this process's
+    mapping of the file: they stay in the page cache (a later read maps them again), but no longer count towards
+    the memory the load holds at once (a whole file's worth, else)."""
     import mmap
 
     mapped = getattr(reader.data, "_mmap", None)
     if not isinstance(mapped, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-    mapped.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
+    first, end = 0, int(tensor.n_bytes)
+    if rows is not None:
+        row_bytes = int(tensor.n_bytes) // int(tensor.shape[-1])
+        first, end = rows[0] * row_bytes, rows[1] * row_bytes
+    start = (tensor.data_offset + first) // mmap.PAGESIZE * mmap.PAGESIZE
+    mapped.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + end - start)
+
+
+_PACK_ROWS = 4096  # rows packed at a time (a multiple of 16): a slice's copy, not the tensor's, is held beside
+
+
+def _packed_from_file(reader: GGUFIndex, tensor: StoredTensor, perm: torch.Tensor, kind: str) -> torch.Tensor:
+    """`quant_pack` of the stored ``tensor``'s rows in the order ``perm``, slice by slice of rows into the one
+    result, each slice's file pages dropped once read (`_release`): the load holds the packed tensor and one
+    slice, where a whole copy first would hold the largest tensor twice (Gemma-3-270M's 170 MiB vocabulary)."""
+    import numpy as np
+
+    rows = int(tensor.shape[-1])
+    stored = np.asarray(tensor.data).reshape(rows, -1)
+    order = perm.numpy()
+    out: torch.Tensor | None = None
+    for start in range(0, rows, _PACK_ROWS):
+        picked = order[start : start + _PACK_ROWS]
+        part = quant_pack(torch.from_numpy(stored[picked]), kind)
+        if out is None:
+            out = torch.empty((rows // 16, *part.shape[1:]), dtype=part.dtype)
+        out[start // 16 : start // 16 + part.shape[0]] = part
+        _release(reader, tensor, (int(picked.min()), int(picked.max()) + 1))
+    assert out is not None
+    return out
+
+
+def _row_reader() -> ModuleType | None:
+    """The native ops where they are built (their ``quant_rows`` reads an embedding row from packed blocks)."""
+    from lattice_inference.targets import native_ops
+
+    return native_ops.ops() if native_ops.enabled() else None
