@@ -90,6 +90,7 @@ def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(quant_ops, arc
     from lattice_inference.decode import SpeculativeDecoder
     from lattice_inference.sampling import SamplingOptions
     from lattice_inference.targets import make_target
+    from lattice_inference.targets.exactness import check_exactness
     from lattice_inference.targets.lean import LeanTarget
     from lattice_inference.testing.toy import TOY_VOCAB, byte_tokenizer
 
@@ -112,6 +113,8 @@ def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(quant_ops, arc
         ours = model(torch.tensor([prompt])).logits[0, -1]
         theirs = dense(torch.tensor([prompt])).logits[0, -1]
     assert not torch.equal(ours, theirs) and torch.nn.functional.cosine_similarity(ours, theirs, dim=0) > 0.99
+    report = check_exactness(target, 8)
+    assert report.exact and report.trees and report.batched, report.failures
     plain = SpeculativeDecoder(target, None)
     prompts = [[(5 * i + j * j) % 250 for j in range(10 + 3 * i)] for i in range(3)]
     for sampling in (SamplingOptions(), SamplingOptions(temperature=0.9, seed=5)):
@@ -120,12 +123,12 @@ def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(quant_ops, arc
             oracle = OracleDrafter(p + want, vocab=TOY_VOCAB, corrupt=0.3, seed=i)
             chain = SpeculativeDecoder(target, oracle, max_draft=5, adaptive=False).generate(p, 20, sampling)
             assert chain.token_ids == want and chain.metrics.exact is True
-            if target.verifies_trees:
-                tree = TreeOracleDrafter(p + want, TOY_VOCAB, seed=i)
-                assert (
-                    SpeculativeDecoder(target, tree, max_draft=4, costs=FLAT_COSTS).generate(p, 20, sampling).token_ids
-                    == want
-                )
+            assert target.verifies_trees  # Gemma's too: its trees cross the window (24 keys) within 30 positions
+            tree = TreeOracleDrafter(p + want, TOY_VOCAB, seed=i)
+            assert (
+                SpeculativeDecoder(target, tree, max_draft=4, costs=FLAT_COSTS).generate(p, 20, sampling).token_ids
+                == want
+            )
     generator = Generator(model, byte_tokenizer(), method="ngram", costs=FLAT_COSTS, target=target)
     repeats = [[(3 * i + j) % 200 for j in range(8 + 2 * i)] * 3 for i in range(4)]
     alone = [generator.generate(p, 16, temperature=0.8, seed=3).token_ids for p in repeats]
@@ -146,3 +149,24 @@ def test_a_scaled_embedding_kept_in_blocks_looks_up_what_the_models_own_does():
     assert torch.equal(blocks(ids), own(ids)) and not torch.equal(blocks(ids), own.weight[ids])
     assert torch.equal(blocks.dense(), own.weight)
     assert not hasattr(own, QUANT)
+
+
+def test_a_tree_over_sliding_window_layers_sees_each_rows_window_by_position(quant_ops):
+    """The PyTorch forward (no decode matching) of a draft tree over Gemma 3's sliding-window layers: each row's
+    logits are those of its own path fed as a chain (a row sees the keys of the window before its position, its
+    ancestors included, not by column: a second branch's rows sit further right than their depth)."""
+    from lattice_inference.targets import make_target
+    from lattice_inference.testing.toy import toy_config, toy_model
+
+    model = toy_model(toy_config("gemma3_text", hidden_size=256), init_std=0.05, seed=1)
+    target = make_target(model, decode_matched=False)
+    assert target.verifies_trees and [layer.window for layer in target._layers] == [24, None]
+    prompt = [(7 * j + 3) % 250 for j in range(22)]  # the tree's rows at positions 22-25 cross the window of 24
+    tokens, parents = [11, 12, 13, 21, 22, 23], [-1, 0, 1, 0, 3, 4]  # two branches after the root
+    target.prefill(prompt)
+    tree = target.forward_tree(tokens, parents).clone()
+    paths = {0: [0], 1: [0, 1], 2: [0, 1, 2], 3: [0, 3], 4: [0, 3, 4], 5: [0, 3, 4, 5]}
+    for row, path in paths.items():
+        target.prefill(prompt)
+        chain = target.forward([tokens[r] for r in path])[-1]
+        assert torch.allclose(tree[row], chain, atol=1e-4, rtol=1e-4), f"row {row} of the tree"

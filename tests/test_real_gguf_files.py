@@ -15,6 +15,7 @@ from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prom
 from lattice_inference.loading import load_model
 from lattice_inference.quantized import QuantizedEmbedding, quantized_weights
 from lattice_inference.targets import native_ops
+from lattice_inference.targets.exactness import check_exactness
 from lattice_inference.testing.real_files import missing, real_file
 
 from .helpers import assert_same_tokenizer
@@ -68,6 +69,8 @@ def test_prompt_lookup_and_batches_equal_plain_decoding(loaded):
         assert got.token_ids == want.token_ids and got.metrics.exact is not False
         seeded = plain.generate(text, budget, temperature=0.8, seed=4).token_ids
         assert ngram.generate(text, budget, temperature=0.8, seed=4).token_ids == seeded
+    report = check_exactness(plain.decoder.target, 8)  # trees too: Gemma's sliding windows cut by position
+    assert report.exact and report.trees and report.batched, report.failures
     alone = [ngram.generate(t, 16).token_ids for t in texts]
     assert [r.token_ids for r in ngram.generate_many(texts, 16, max_batch=2)] == alone
 

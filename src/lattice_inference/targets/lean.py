@@ -136,6 +136,10 @@ class LeanTarget(TransformersTarget):
         if self._windowed and self._native is None:
             raise ConfigError("the lean forward runs sliding-window layers on the native ops only, which are off here")
         self._loop = _LayerLoop.of(self._layers, self.facts.row_plans) if self._native is not None else None
+        self.verifies_trees = True
+        """Every layer's cache is a `GrowableLayer` (whose rows `keep_rows` moves; sliding windows cut what a row
+        sees, not the cache), and both forwards take a tree's rows: the native one by key spans in position order
+        (a window is a span's last keys), the PyTorch one by mask (`_window_mask` cuts a tree's window by depth)."""
         self.kv_dtype = self._kv_dtype(kv_cache, model)
         """The dtype the cache stores keys and values in (`options.KV_CACHES`): the model's, or float16 under
         float32 activations where the native ops run."""
@@ -455,7 +459,7 @@ class LeanTarget(TransformersTarget):
                 out = block_attention(q, *(b.to(q.dtype) for b in cache.buffers(span)), blocks, attn.scaling)
             else:
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
-                seen = mask if layer.window is None else _window_mask(mask, start, n, layer.window, self.device)
+                seen = mask if layer.window is None else _window_mask(mask, start, positions[0], layer.window)
                 out, _ = sdpa_attention_forward(
                     attn, q, keys, values, seen, dropout=0.0, scaling=attn.scaling, sliding_window=None
                 )
@@ -467,16 +471,18 @@ class LeanTarget(TransformersTarget):
         return decoder.norm(x)
 
 
-def _window_mask(mask: torch.Tensor | None, start: int, n: int, window: int, device: torch.device) -> torch.Tensor:
-    """The boolean mask ``[1, 1, n, start + n]`` of rows ``start..`` over a sliding window of ``window`` keys (each
-    row sees itself and the ``window - 1`` keys before it, as transformers' sliding masks do), within ``mask`` (a
-    boolean causal mask, or None for plain causal rows)."""
-    if mask is not None and mask.dtype != torch.bool:
-        raise ValueError("the lean forward's sliding-window layers take chains of rows, not draft trees")
-    rows = torch.arange(start, start + n, device=device)[:, None]
-    cols = torch.arange(start + n, device=device)[None, :]
-    seen = (cols <= rows) & (cols > rows - window)
-    return (seen if mask is None else seen & mask[0, 0])[None, None]
+def _window_mask(mask: torch.Tensor | None, start: int, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """The boolean mask ``[1, 1, n, start + n]`` of the new rows at ``positions`` (``[n]``) over a sliding window of
+    ``window`` keys (each row sees itself and the keys of the ``window - 1`` positions before it, as transformers'
+    sliding masks do), within ``mask``: None (a chain's causal rows), a boolean mask, or a draft tree's additive one
+    (`tree_mask`: row ``i`` sees the cache and its ancestors). A key's position is its column in the cache, and for a
+    new row's column the position of that row, so a tree's window is cut by depth as plain decoding cuts it."""
+    rows = positions[:, None]
+    cols = torch.cat([torch.arange(start, device=positions.device), positions])[None, :]
+    seen = (cols <= rows) & (cols > rows - window)  # a chain's rows: causal too, one position each
+    if mask is not None:
+        seen = seen & (mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0)
+    return seen[None, None]
 
 
 def _windowed_spans(spans: torch.Tensor, window: int) -> torch.Tensor:
