@@ -115,6 +115,24 @@ def test_a_q4_k_m_file_loads_as_stored_and_names_what_it_dequantizes(tmp_path, m
     assert torch.equal(mine.forward(ids[:5]), theirs.forward(ids[:5]))
 
 
+def test_packing_slice_by_slice_from_the_mapped_file_gives_the_whole_tensors_blocks(tmp_path, monkeypatch):
+    """Matrices and the tied embedding are packed 32 rows at a time here (4096 in use), each slice's rows taken in
+    transformers' order (llama's q/k rows permuted across slices) and its file pages dropped: the same blocks, the
+    same model, as packing each tensor whole."""
+    import lattice_inference.quantized as quantized
+
+    monkeypatch.setenv("LATTICE_GGUF_CACHE", "0")
+    monkeypatch.setattr(quantized, "_PACK_ROWS", 32)
+    path = tmp_path / "tiny-Q4_0.gguf"
+    _writer().write_gguf(path, "tiny", "Q4_0", Path(smollm2_gguf()))
+    stored = load_as_stored(path)
+    assert stored is not None
+    built = stored[0]
+    _assert_same(built, _by_content(path)[0])
+    embedding, head = built.get_input_embeddings(), built.get_output_embeddings()
+    assert embedding.blocks is getattr(head, QUANT), "a tied vocabulary is held once, as packed"
+
+
 def test_the_default_models_file_loads_as_stored_as_it_attaches_by_content(monkeypatch):
     monkeypatch.setenv("LATTICE_GGUF_CACHE", "0")
     path = Path(smollm2_gguf())
