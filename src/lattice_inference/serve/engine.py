@@ -23,7 +23,7 @@ from lattice_inference.generation import Generation
 from lattice_inference.loading import LoadedModel
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.mtp import MtpHead
-from lattice_inference.options import DecodeOptions
+from lattice_inference.options import DecodeOptions, TargetOptions
 from lattice_inference.process import release_freed_memory
 from lattice_inference.prompt_codec import PromptCodec
 from lattice_inference.sampling import SamplingOptions
@@ -32,7 +32,7 @@ from lattice_inference.serve.schemas import SCOPE_FIELDS, Message, Speculative
 from lattice_inference.serve.stops import StopMatcher
 from lattice_inference.serve.tenants import SuffixScopes
 from lattice_inference.streaming import TextStream
-from lattice_inference.targets import make_target
+from lattice_inference.targets import target_for
 from lattice_inference.targets.base import Target
 
 #: Speculation settings whose generators the engine keeps. A generator is a drafter over the shared model and
@@ -136,7 +136,7 @@ class Engine:
         self.name = name or Path(loaded.source).name
         self.cache_size = cache_size
         self._generators: OrderedDict[DecodeOptions, Generator] = OrderedDict()
-        self._targets: dict[tuple[bool, str, bool, int, str], Target] = {}
+        self._targets: dict[TargetOptions, Target] = {}
         self._heads: dict[int, MtpHead] = {}
         self.mtp_error: str | None = None
         try:
@@ -240,22 +240,9 @@ class Engine:
         """The target for ``settings``, one per kind of verification (``batched_verify``, ``forward``), shared
         by every generator: one cache, reused by each generation (they run one at a time), and one packing of the
         weights, self-check and cost measurement, rather than one per speculation setting."""
-        key = (
-            settings.batched_verify,
-            settings.forward,
-            settings.prefix_cache,
-            settings.prefix_budget,
-            settings.kv_cache,
-        )
+        key = settings.target
         if key not in self._targets:
-            self._targets[key] = make_target(
-                self.loaded.model,
-                decode_matched=not settings.batched_verify,
-                forward=settings.forward,
-                prefix_cache=settings.prefix_cache,
-                prefix_budget=settings.prefix_budget,
-                kv_cache=settings.kv_cache,
-            )
+            self._targets[key] = target_for(self.loaded.model, key)
         return self._targets[key]
 
     def generator(self, settings: DecodeOptions) -> Generator:
