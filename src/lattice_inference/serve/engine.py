@@ -264,7 +264,16 @@ class Engine:
         self._generators.move_to_end(settings)
         return gen
 
-    def _logprob_entries(self, state: Generation, text: TextStream, start: int, stop: int) -> list[LogprobEntry]:
+    def forget_tenant(self, tenant: str) -> None:
+        """Drop what ``tenant``'s earlier requests left for its later ones: its suffix index, the draft planners'
+        acceptance learned in its scope and the cached rows its prefills may reuse (``clear_index``)."""
+        self.suffix_scopes.clear(tenant)
+        for generator in self._generators.values():
+            generator.decoder.forget(tenant)
+        for target in self._targets.values():
+            target.forget_prefix(tenant)
+
+    def logprob_entries(self, state: Generation, text: TextStream, start: int, stop: int) -> list[LogprobEntry]:
         """The `LogprobEntry` of tokens ``start .. stop - 1`` of ``state``, each token and runner-up as its own
         decoded text (none where the request did not ask for log-probabilities)."""
         if state.top_logprobs is None:
@@ -296,11 +305,7 @@ class Reply:
         generator = engine.generator(job.settings)
         self.decoder = generator.decoder
         if job.clear_index and job.tenant is not None:  # a request of no tenant keeps nothing to clear
-            engine.suffix_scopes.clear(job.tenant)
-            for other in engine._generators.values():
-                other.decoder.forget(job.tenant)
-            for target in engine._targets.values():
-                target.forget_prefix(job.tenant)
+            engine.forget_tenant(job.tenant)
         index = engine.suffix_scopes.index_for(job.tenant) if "suffix" in job.settings.drafters else None
         # the planner's learned acceptance is carried within the tenant only, as its index
         self.state = self.decoder.new_generation(
@@ -332,7 +337,7 @@ class Reply:
         entries: list[LogprobEntry] = []
         if self.job.logprobs is not None:
             upto = text.tokens_within("".join(self._released), self._sent)
-            entries, self._sent = self.engine._logprob_entries(state, text, self._sent, upto), upto
+            entries, self._sent = self.engine.logprob_entries(state, text, self._sent, upto), upto
         return Delta(self._released[-1], len(chunk), entries)
 
     def finish(self) -> list[Delta | Finish]:
@@ -345,7 +350,7 @@ class Reply:
         else:
             tail = stops.push(text.flush())
             tail += stops.flush()
-        rest = self.engine._logprob_entries(state, text, self._sent, state.metrics.new_tokens)
+        rest = self.engine.logprob_entries(state, text, self._sent, state.metrics.new_tokens)
         items: list[Delta | Finish] = [Delta(tail, 0, rest)] if tail or rest else []
         reason = "stop" if stops.stopped or state.stop_reason == "eos" else "length"
         self._end(reason)
