@@ -16,7 +16,7 @@ import torch
 
 from lattice_inference.drafters.base import Drafter, DrafterState, PlannedDraft, Proposal
 from lattice_inference.targets.base import Target
-from lattice_inference.targets.forward_cost import ForwardCosts
+from lattice_inference.targets.facts import ForwardCosts
 
 FLAT_COSTS = ForwardCosts((1, 64), (1.0, 1.0))
 """Forward costs to give the draft planner (``Generator(costs=...)``) where a test needs drafts: verification as

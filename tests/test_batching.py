@@ -25,7 +25,7 @@ from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets import make_target
 from lattice_inference.targets.base import Segment
 from lattice_inference.targets.exactness import check_exactness
-from lattice_inference.targets.forward_cost import ForwardCosts
+from lattice_inference.targets.facts import ForwardCosts
 from lattice_inference.targets.lean import LeanTarget
 from lattice_inference.testing.toy import TOY_VOCAB, byte_tokenizer, toy_config, toy_model
 
@@ -246,8 +246,8 @@ def test_the_planner_drafts_less_as_the_step_fills():
 
 def test_generate_many_checks_its_arguments_first():
     generator = Generator(_model("llama"), byte_tokenizer(), method="ngram")
-    for bad in (0, 65):
-        with pytest.raises(ConfigError, match="max_batch"):
+    for bad in (0, 65, True):
+        with pytest.raises(ConfigError, match=r"max_batch must be 1\.\.64"):
             generator.generate_many(["a"], 4, max_batch=bad)
     with pytest.raises(TokenError, match="empty"):
         generator.generate_many(["hello", []], 4)

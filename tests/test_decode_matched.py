@@ -33,7 +33,7 @@ from lattice_inference.targets.decode_matched import (
     matching,
 )
 from lattice_inference.targets.exactness import check_exactness, exactness
-from lattice_inference.targets.forward_cost import ForwardCosts
+from lattice_inference.targets.facts import ForwardCosts
 from lattice_inference.targets.packed_linear import pack_weight, packed_linear, packing_supported
 from lattice_inference.testing.toy import TOY_VOCAB, toy_config, toy_model
 

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from lattice_inference.acceptance import CARRY
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.draft_planner import PROBE_EVERY, DraftPlanner
+from lattice_inference.targets.facts import ForwardCosts
 from lattice_inference.targets.forward_cost import (
     CALIBRATION_CONTEXT,
-    ForwardCosts,
     calibration_widths,
     forward_costs,
     measure_forward_costs,

@@ -91,7 +91,7 @@ def test_planned_fallback_plans_each_drafter_under_its_own_key():
     """A lookup proposal whose kind of match keeps failing is declined and passed over (kept for the planner to
     learn from); the model drafter then drafts the length planned under its own key, not the lookup's."""
     from lattice_inference.draft_planner import DraftPlanner
-    from lattice_inference.targets.forward_cost import ForwardCosts
+    from lattice_inference.targets.facts import ForwardCosts
 
     planner = DraftPlanner(ForwardCosts((1, 2, 9), (1.0, 1.1, 1.5)))
     for _ in range(20):
@@ -113,7 +113,7 @@ def test_adaptive_fallback_uses_the_model_drafter_where_lookups_fail():
     """End to end: lookups that are always wrong come first; the planner learns to pass them over and the good
     drafter behind them does the drafting. Output is greedy's either way."""
     from lattice_inference.decode import SpeculativeDecoder
-    from lattice_inference.targets.forward_cost import ForwardCosts
+    from lattice_inference.targets.facts import ForwardCosts
 
     from .helpers import ContextKeyedTarget, OracleDrafter
 
@@ -135,7 +135,7 @@ def test_a_fallback_passes_the_model_drafters_tree_on_under_its_key():
     """ngram+mtp with draft trees: when the lookup has nothing, the MTP side's runners-up and chosen leaves come
     through with the round, under the fallback's key for that drafter."""
     from lattice_inference.draft_planner import DraftPlanner
-    from lattice_inference.targets.forward_cost import ForwardCosts
+    from lattice_inference.targets.facts import ForwardCosts
 
     from .helpers import TreeOracleDrafter
 

@@ -166,7 +166,7 @@ def test_shipped_head_drafts_trees_losslessly_and_its_hiddens_follow_the_kept_pa
     tree) every round; output equals greedy's, leaves are accepted, and the hidden states the head was handed are
     the target's own along the accepted path (a full forward of the output, to float32 noise)."""
     from lattice_inference.api import mtp_head_for
-    from lattice_inference.targets.forward_cost import ForwardCosts
+    from lattice_inference.targets.facts import ForwardCosts
     from lattice_inference.targets.transformers import final_norm
 
     head = mtp_head_for(loaded, 3)
@@ -224,7 +224,7 @@ def test_each_request_starts_from_what_the_last_one_learned(loaded) -> None:
     from lattice_inference.drafters.ngram import NgramDrafter
     from lattice_inference.prompt_codec import PromptCodec
     from lattice_inference.targets import make_target
-    from lattice_inference.targets.forward_cost import ForwardCosts
+    from lattice_inference.targets.facts import ForwardCosts
 
     codec = PromptCodec(loaded.tokenizer, list(loaded.eos_token_ids))
     text = (

@@ -15,7 +15,7 @@ from lattice_inference.drafters.suffix import LOOKUP, SuffixDrafter, match_key, 
 from lattice_inference.drafters.suffix_index import SuffixIndex, SuffixMatch
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets import TransformersTarget
-from lattice_inference.targets.forward_cost import ForwardCosts
+from lattice_inference.targets.facts import ForwardCosts
 from lattice_inference.testing.toy import TOY_ARCHITECTURES, byte_tokenizer, toy_config, toy_model
 
 from .helpers import ContextKeyedTarget, hf_generate, hf_sampled

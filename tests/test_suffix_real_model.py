@@ -44,7 +44,7 @@ def test_a_regenerated_answer_is_drafted_in_full_from_its_first_round(loaded):
     from lattice_inference.drafters.suffix import SuffixDrafter
     from lattice_inference.drafters.suffix_index import SuffixIndex
     from lattice_inference.targets import make_target
-    from lattice_inference.targets.forward_cost import ForwardCosts
+    from lattice_inference.targets.facts import ForwardCosts
 
     greedy = Generator(loaded.model, loaded.tokenizer, method="greedy", eos_token_ids=loaded.eos_token_ids)
     ids = greedy.encode("Write a short JSON object describing a cat named Tom, with three fields.", chat=True)

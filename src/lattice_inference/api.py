@@ -35,21 +35,21 @@ from lattice_inference.mtp import MtpHead, load_mtp_head
 from lattice_inference.mtp.head_file import load_head_file, shipped_head
 from lattice_inference.options import (
     MAX_BATCH,
-    MAX_BATCH_ROWS,
     METHOD_DRAFTERS,
     METHODS,
     DecodeOptions,
     check_draft_length,
     check_draft_vocab,
+    check_max_batch,
     needs_mtp_head,
 )
 from lattice_inference.prompt_codec import PromptCodec
 from lattice_inference.quantized import dense_embeddings
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.streaming import TextStream
-from lattice_inference.targets import make_target
+from lattice_inference.targets import target_for
 from lattice_inference.targets.base import Target
-from lattice_inference.targets.forward_cost import ForwardCosts
+from lattice_inference.targets.facts import ForwardCosts
 
 __all__ = [
     "METHODS",
@@ -169,14 +169,7 @@ class Generator:
         """The cross-request index of the suffix methods: every generation of this generator drafts from what the
         earlier ones read and wrote (`clear_suffix_index` forgets it)."""
         if target is None:
-            target = make_target(
-                model,
-                decode_matched=not options.batched_verify,
-                forward=options.forward,
-                prefix_cache=options.prefix_cache,
-                prefix_budget=options.prefix_budget,
-                kv_cache=options.kv_cache,
-            )
+            target = target_for(model, options.target)
         self.decoder = SpeculativeDecoder(
             target,
             drafter,
@@ -361,8 +354,7 @@ class Generator:
         each token for token what `generate` returns for it alone (greedy, or sampled with its seed: a ``seed``
         given here seeds every prompt alike; without one each draws its own, reported as ``.seed``). Sampling
         keywords as `start`."""
-        if not 1 <= max_batch <= MAX_BATCH_ROWS:
-            raise ConfigError(f"max_batch must be 1..{MAX_BATCH_ROWS} (the rows of a step), got {max_batch}")
+        check_max_batch(max_batch)
         options = self.sampling(**sampling)
         gens = [
             self.decoder.new_generation(self.encode(p, chat), max_new_tokens, options, logprobs, self.suffix_index)

@@ -36,8 +36,9 @@ from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.options import MAX_LEAVES, DecodeOptions
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets.base import Target
-from lattice_inference.targets.exactness import Exactness, exactness
-from lattice_inference.targets.forward_cost import ForwardCosts, forward_costs
+from lattice_inference.targets.exactness import exactness
+from lattice_inference.targets.facts import Exactness, ForwardCosts
+from lattice_inference.targets.forward_cost import forward_costs
 from lattice_inference.verify import DraftTree, Verdict, verify_prefix
 
 __all__ = ["Generation", "GenerationResult", "Round", "SpeculativeDecoder"]

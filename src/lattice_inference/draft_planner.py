@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from lattice_inference.acceptance import KEY_GROUP, AcceptanceStats
-from lattice_inference.targets.forward_cost import ForwardCosts
+from lattice_inference.targets.facts import ForwardCosts
 
 __all__ = ["KEY_GROUP", "PROBE_EVERY", "DraftPlanner"]
 

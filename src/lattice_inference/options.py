@@ -174,10 +174,37 @@ def check_shutdown_timeout(seconds: float) -> None:
         raise ConfigError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {seconds!r}")
 
 
+def check_max_batch(value: int, name: str = "max_batch") -> int:
+    """``max_batch`` (``--max-batch``: ``name``) must be 1..`MAX_BATCH_ROWS` generations at once: every running
+    generation feeds at least its pending token into a batched step's rows. Returns it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BATCH_ROWS:
+        raise ConfigError(f"{name} must be 1..{MAX_BATCH_ROWS} (the rows of a step), got {value!r}")
+    return value
+
+
 def check_suffix_scope(mode: str) -> None:
     """``--suffix-scope`` must be one of `SUFFIX_SCOPES`."""
     if mode not in SUFFIX_SCOPES:
         raise ConfigError(f"--suffix-scope must be one of {', '.join(SUFFIX_SCOPES)}, got {mode!r}")
+
+
+@dataclass(frozen=True)
+class TargetOptions:
+    """What builds a target and tells two targets apart (`targets.target_for`; the server keeps one target per
+    value): ``decode_matched`` (every verified row bit for bit the 1-token step's; off: ``batched_verify``),
+    ``forward``, ``prefix_cache``, ``prefix_budget`` and ``kv_cache``, as `DecodeOptions` documents them. The rest of
+    `DecodeOptions` is per generator or per request: it never changes the target."""
+
+    decode_matched: bool = True
+    forward: str = "auto"
+    prefix_cache: bool = True
+    prefix_budget: int = PREFIX_BUDGET
+    kv_cache: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_forward(self.forward)
+        check_prefix_budget(self.prefix_budget)
+        check_kv_cache(self.kv_cache)
 
 
 @dataclass(frozen=True)
@@ -251,6 +278,17 @@ class DecodeOptions:
         check_kv_cache(self.kv_cache)
         if not isinstance(self.sampling, SamplingOptions):
             raise ConfigError(f"sampling must be a SamplingOptions, got {type(self.sampling).__name__}")
+
+    @property
+    def target(self) -> TargetOptions:
+        """The target these options build (`TargetOptions`)."""
+        return TargetOptions(
+            decode_matched=not self.batched_verify,
+            forward=self.forward,
+            prefix_cache=self.prefix_cache,
+            prefix_budget=self.prefix_budget,
+            kv_cache=self.kv_cache,
+        )
 
     @property
     def drafters(self) -> tuple[str, ...]:

@@ -14,7 +14,13 @@ from lattice_inference.flags import (
     decode_options,
     positive_int,
 )
-from lattice_inference.options import MAX_BATCH, MAX_BATCH_ROWS, SHUTDOWN_TIMEOUT, SUFFIX_SCOPES, check_shutdown_timeout
+from lattice_inference.options import (
+    MAX_BATCH,
+    SHUTDOWN_TIMEOUT,
+    SUFFIX_SCOPES,
+    check_max_batch,
+    check_shutdown_timeout,
+)
 
 if TYPE_CHECKING:
     from lattice_inference.options import DecodeOptions
@@ -137,8 +143,7 @@ def run(args: argparse.Namespace) -> int:
     check_shutdown_timeout(args.shutdown_timeout)
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be non-negative, got {args.max_queue}")
-    if args.max_batch > MAX_BATCH_ROWS:
-        raise ConfigError(f"--max-batch must be 1..{MAX_BATCH_ROWS} (the rows of a step), got {args.max_batch}")
+    check_max_batch(args.max_batch, "--max-batch")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be 1..65535, got {args.port}")
     if args.threads:

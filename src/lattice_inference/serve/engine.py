@@ -23,7 +23,7 @@ from lattice_inference.generation import Generation
 from lattice_inference.loading import LoadedModel
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.mtp import MtpHead
-from lattice_inference.options import DecodeOptions
+from lattice_inference.options import DecodeOptions, TargetOptions
 from lattice_inference.process import release_freed_memory
 from lattice_inference.prompt_codec import PromptCodec
 from lattice_inference.sampling import SamplingOptions
@@ -32,7 +32,7 @@ from lattice_inference.serve.schemas import SCOPE_FIELDS, Message, Speculative
 from lattice_inference.serve.stops import StopMatcher
 from lattice_inference.serve.tenants import SuffixScopes
 from lattice_inference.streaming import TextStream
-from lattice_inference.targets import make_target
+from lattice_inference.targets import target_for
 from lattice_inference.targets.base import Target
 
 #: Speculation settings whose generators the engine keeps. A generator is a drafter over the shared model and
@@ -136,7 +136,7 @@ class Engine:
         self.name = name or Path(loaded.source).name
         self.cache_size = cache_size
         self._generators: OrderedDict[DecodeOptions, Generator] = OrderedDict()
-        self._targets: dict[tuple[bool, str, bool, int, str], Target] = {}
+        self._targets: dict[TargetOptions, Target] = {}
         self._heads: dict[int, MtpHead] = {}
         self.mtp_error: str | None = None
         try:
@@ -240,22 +240,9 @@ class Engine:
         """The target for ``settings``, one per kind of verification (``batched_verify``, ``forward``), shared
         by every generator: one cache, reused by each generation (they run one at a time), and one packing of the
         weights, self-check and cost measurement, rather than one per speculation setting."""
-        key = (
-            settings.batched_verify,
-            settings.forward,
-            settings.prefix_cache,
-            settings.prefix_budget,
-            settings.kv_cache,
-        )
+        key = settings.target
         if key not in self._targets:
-            self._targets[key] = make_target(
-                self.loaded.model,
-                decode_matched=not settings.batched_verify,
-                forward=settings.forward,
-                prefix_cache=settings.prefix_cache,
-                prefix_budget=settings.prefix_budget,
-                kv_cache=settings.kv_cache,
-            )
+            self._targets[key] = target_for(self.loaded.model, key)
         return self._targets[key]
 
     def generator(self, settings: DecodeOptions) -> Generator:
@@ -277,7 +264,16 @@ class Engine:
         self._generators.move_to_end(settings)
         return gen
 
-    def _logprob_entries(self, state: Generation, text: TextStream, start: int, stop: int) -> list[LogprobEntry]:
+    def forget_tenant(self, tenant: str) -> None:
+        """Drop what ``tenant``'s earlier requests left for its later ones: its suffix index, the draft planners'
+        acceptance learned in its scope and the cached rows its prefills may reuse (``clear_index``)."""
+        self.suffix_scopes.clear(tenant)
+        for generator in self._generators.values():
+            generator.decoder.forget(tenant)
+        for target in self._targets.values():
+            target.forget_prefix(tenant)
+
+    def logprob_entries(self, state: Generation, text: TextStream, start: int, stop: int) -> list[LogprobEntry]:
         """The `LogprobEntry` of tokens ``start .. stop - 1`` of ``state``, each token and runner-up as its own
         decoded text (none where the request did not ask for log-probabilities)."""
         if state.top_logprobs is None:
@@ -309,11 +305,7 @@ class Reply:
         generator = engine.generator(job.settings)
         self.decoder = generator.decoder
         if job.clear_index and job.tenant is not None:  # a request of no tenant keeps nothing to clear
-            engine.suffix_scopes.clear(job.tenant)
-            for other in engine._generators.values():
-                other.decoder.forget(job.tenant)
-            for target in engine._targets.values():
-                target.forget_prefix(job.tenant)
+            engine.forget_tenant(job.tenant)
         index = engine.suffix_scopes.index_for(job.tenant) if "suffix" in job.settings.drafters else None
         # the planner's learned acceptance is carried within the tenant only, as its index
         self.state = self.decoder.new_generation(
@@ -345,7 +337,7 @@ class Reply:
         entries: list[LogprobEntry] = []
         if self.job.logprobs is not None:
             upto = text.tokens_within("".join(self._released), self._sent)
-            entries, self._sent = self.engine._logprob_entries(state, text, self._sent, upto), upto
+            entries, self._sent = self.engine.logprob_entries(state, text, self._sent, upto), upto
         return Delta(self._released[-1], len(chunk), entries)
 
     def finish(self) -> list[Delta | Finish]:
@@ -358,7 +350,7 @@ class Reply:
         else:
             tail = stops.push(text.flush())
             tail += stops.flush()
-        rest = self.engine._logprob_entries(state, text, self._sent, state.metrics.new_tokens)
+        rest = self.engine.logprob_entries(state, text, self._sent, state.metrics.new_tokens)
         items: list[Delta | Finish] = [Delta(tail, 0, rest)] if tail or rest else []
         reason = "stop" if stops.stopped or state.stop_reason == "eos" else "length"
         self._end(reason)

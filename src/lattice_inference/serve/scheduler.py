@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lattice_inference.batching import Batch
-from lattice_inference.errors import ConfigError
+from lattice_inference.options import check_max_batch
 from lattice_inference.serve.engine import Reply
 from lattice_inference.serve.queue import GenerationQueue, Job, JobEnd
 from lattice_inference.targets.base import Target
@@ -39,9 +39,7 @@ class Scheduler(GenerationQueue):
     docstring."""
 
     def __init__(self, max_queue: int, max_batch: int, on_depth: Callable[[int, int], None] | None = None) -> None:
-        if max_batch < 1:
-            raise ConfigError(f"max_batch must be at least 1, got {max_batch}")
-        self.max_batch = self.capacity = max_batch
+        self.max_batch = self.capacity = check_max_batch(max_batch)
         self._running: list[_Running] = []
         self._batches: dict[int, Batch] = {}
         super().__init__(max_queue, on_depth)

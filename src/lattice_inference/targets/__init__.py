@@ -5,13 +5,13 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from lattice_inference.errors import ConfigError
-from lattice_inference.options import FORWARDS, PREFIX_BUDGET, check_forward, check_kv_cache
+from lattice_inference.options import FORWARDS, PREFIX_BUDGET, TargetOptions, check_forward, check_kv_cache
 from lattice_inference.targets.base import Target
 from lattice_inference.targets.hybrid import HybridTarget, is_hybrid
 from lattice_inference.targets.lean import LeanTarget, lean_supported
 from lattice_inference.targets.transformers import TransformersTarget
 
-__all__ = ["FORWARDS", "HybridTarget", "LeanTarget", "Target", "TransformersTarget", "make_target"]
+__all__ = ["FORWARDS", "HybridTarget", "LeanTarget", "Target", "TransformersTarget", "make_target", "target_for"]
 
 
 def make_target(
@@ -48,6 +48,18 @@ def make_target(
         )
     _model_cache_only(kv_cache, f"this model runs on transformers' forward ({lean_supported(model) or 'as asked'})")
     return TransformersTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)
+
+
+def target_for(model: PreTrainedModel, options: TargetOptions) -> Target:
+    """`make_target` for ``options``: where a `Generator` and the server build their targets (one place)."""
+    return make_target(
+        model,
+        decode_matched=options.decode_matched,
+        forward=options.forward,
+        prefix_cache=options.prefix_cache,
+        prefix_budget=options.prefix_budget,
+        kv_cache=options.kv_cache,
+    )
 
 
 def _model_cache_only(kv_cache: str, why: str) -> None:

@@ -12,27 +12,12 @@ prefill+draft); the decode loop reads them directly, never by probing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:
-    from lattice_inference.targets.decode_matched import RowPlan
-    from lattice_inference.targets.exactness import Exactness
-    from lattice_inference.targets.forward_cost import ForwardCosts
-
-
-@dataclass
-class TargetFacts:
-    """What was checked or measured on one target, computed once and kept on it while it lives: its load-time
-    self-check (`exactness`), its forward costs by width (`forward_costs`) and its products' row plans
-    (`decode_matched.plan_for`, keyed by kernel, shape, dtype, device type and thread count). They belong to the target,
-    not to the process: two targets on different devices or dtypes never share them."""
-
-    exactness: Exactness | None = None
-    costs: ForwardCosts | None = None
-    row_plans: dict[tuple[object, ...], RowPlan] = field(default_factory=dict)
+from lattice_inference.targets.facts import TargetFacts
 
 
 class TargetSequence:

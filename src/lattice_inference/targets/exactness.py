@@ -10,59 +10,14 @@ differ, so the report says which operation broke the identity; generation still 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from lattice_inference.process import release_freed_memory
 from lattice_inference.targets.base import Segment, Target
+from lattice_inference.targets.facts import Exactness
 
 CHECK_CONTEXT = 48
 """Tokens of scratch context the check runs after."""
-
-
-@dataclass(frozen=True)
-class Exactness:
-    """The outcome of the self-check: ``exact`` when every checked width matched, else ``failures`` say where."""
-
-    exact: bool
-    widths: tuple[int, ...]
-    trees: bool = False
-    """Whether a draft tree was checked too."""
-    batched: int = 0
-    """How many sequences shared the batched forward checked too (0: none; the target does not batch)."""
-    failures: tuple[str, ...] = field(default_factory=tuple)
-    kernels: tuple[str, ...] = ()
-    """The product kernels the checked forwards ran (``rows``, ``tiles``, ``quant-Q4_1``, ...: the row plans' kinds)."""
-    cache: str = ""
-    """The KV cache's dtype where it is not the model's (``float16``: `options.KV_CACHES`), else empty."""
-
-    def line(self) -> str:
-        """One line for a report."""
-        span = f"widths {self.widths[0]}-{self.widths[-1]}" if self.widths else "no widths"
-        checked = span + (", a draft tree" if self.trees else "")
-        if self.batched:
-            checked += f", {self.batched} sequences in one forward"
-        if self.kernels:
-            checked += f"; products: {', '.join(self.kernels)}"
-        if self.cache:
-            checked += f"; {self.cache} KV cache"
-        if self.exact:
-            return f"decode-matched verification: exact (k-token rows equal 1-token steps bitwise, {checked})"
-        failures = "; ".join(self.failures)
-        return f"decode-matched verification: NOT exact ({failures}); outputs may differ from plain decoding"
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-ready fields."""
-        return {
-            "exact": self.exact,
-            "widths": list(self.widths),
-            "trees": self.trees,
-            "batched": self.batched,
-            "failures": list(self.failures),
-            "kernels": list(self.kernels),
-            "cache": self.cache,
-        }
 
 
 def _tokens(count: int, vocab: int, salt: int) -> list[int]:

@@ -10,41 +10,15 @@ interpolated linearly in between.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from lattice_inference.process import release_freed_memory
 from lattice_inference.targets.base import Target
+from lattice_inference.targets.facts import ForwardCosts
 
 CALIBRATION_CONTEXT = 64
 """Tokens of scratch context the widths are measured after (attention over a short cache, as in a decode)."""
-
-
-@dataclass(frozen=True)
-class ForwardCosts:
-    """Seconds per forward at measured widths (sorted, starting at 1); `seconds` interpolates between them."""
-
-    widths: tuple[int, ...]
-    measured: tuple[float, ...]
-
-    def seconds(self, width: int) -> float:
-        """Estimated seconds of a forward of ``width`` tokens (linear between and beyond measured widths)."""
-        ws, ts = self.widths, self.measured
-        if width <= ws[0] or len(ws) == 1:
-            return ts[0]
-        i = min(max(bisect.bisect_left(ws, width), 1), len(ws) - 1)
-        w0, w1, t0, t1 = ws[i - 1], ws[i], ts[i - 1], ts[i]
-        return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
-
-    def relative(self, width: int) -> float:
-        """Cost of a ``width``-token forward in one-token forwards."""
-        return self.seconds(width) / self.measured[0]
-
-    def to_dict(self) -> dict[str, float]:
-        """Width -> cost in one-token forwards, JSON-ready."""
-        return {str(w): round(t / self.measured[0], 3) for w, t in zip(self.widths, self.measured, strict=True)}
 
 
 def calibration_widths(max_width: int) -> list[int]:
