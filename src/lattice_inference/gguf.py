@@ -87,17 +87,21 @@ def config_and_tokenizer(path: Path) -> tuple[PretrainedConfig, PreTrainedTokeni
     except Exception as exc:  # gguf and transformers raise many types for bad files; all are the user's file
         raise load_error(path, exc) from exc
     if cached is not None:
-        _write_atomically(cached, lambda tmp: (config.save_pretrained(tmp), _save_tokenizer(tokenizer, tmp)))
+        _write_atomically(cached, lambda tmp: _save_tokenizer(tokenizer, tmp, config))
         if (cached / "tokenizer.json").is_file():  # the same tokenizer as every later load, without the lists
             del tokenizer
             return config, saved_tokenizer(cached)
     return config, tokenizer
 
 
-def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
-    """``tokenizer.save_pretrained(folder)``, its BPE merges then written as ``"a b"`` strings where no merged token
-    holds a space (byte-level and SentencePiece vocabularies hold none): the same merges, which the tokenizers
-    library reads with half the peak memory of ``["a", "b"]`` pairs (Gemma 3's 515k merges: 164 MiB, not 355)."""
+def _save_tokenizer(
+    tokenizer: PreTrainedTokenizerBase, folder: Path, beside: PretrainedConfig | PreTrainedModel
+) -> None:
+    """``beside.save_pretrained(folder)`` (the config, or the whole model) and ``tokenizer.save_pretrained(folder)``,
+    its BPE merges then written as ``"a b"`` strings where no merged token holds a space (byte-level and
+    SentencePiece vocabularies hold none): the same merges, which the tokenizers library reads with half the peak
+    memory of ``["a", "b"]`` pairs (Gemma 3's 515k merges: 164 MiB, not 355)."""
+    beside.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     file = folder / "tokenizer.json"
     if not file.is_file():
@@ -162,7 +166,7 @@ def _dequantize(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTra
 
 def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
     """Write the model's folder atomically; a failure only skips caching."""
-    _write_atomically(target, lambda tmp: (model.save_pretrained(tmp), _save_tokenizer(tokenizer, tmp)))
+    _write_atomically(target, lambda tmp: _save_tokenizer(tokenizer, tmp, model))
 
 
 def _write_atomically(target: Path, write: Callable[[Path], object]) -> None:
