@@ -254,3 +254,46 @@ def test_generate_many_checks_its_arguments_first():
     assert generator.generate_many([], 4) == []
     results = generator.generate_many(["hello there", "hi"], 6)
     assert [r.text for r in results] == [generator.generate(p, 6).text for p in ("hello there", "hi")]
+
+
+def test_the_driver_runs_each_targets_generations_in_its_own_batch_as_alone(monkeypatch):
+    """The one admit-then-step loop (`Driver`, which `generate_many` and the server's scheduler drive): generations
+    of two targets run side by side, at most ``max_batch`` at once, each emitting what it emits alone; an error in
+    one batch's step ends that batch's generations only."""
+    from lattice_inference.batching import Driver
+
+    decoders = [
+        SpeculativeDecoder(make_target(_model(arch)), NgramDrafter(), costs=FLAT_COSTS) for arch in ("llama", "qwen3")
+    ]
+    prompts = _prompts(6, seed=11)
+    alone = [decoders[i % 2].generate(p, 12).token_ids for i, p in enumerate(prompts)]
+    driver = Driver(3)
+    with pytest.raises(ConfigError, match="max_batch"):
+        Driver(0)
+    gens = [decoders[i % 2].new_generation(p, 12) for i, p in enumerate(prompts)]
+    waiting, most = list(enumerate(gens)), 0
+    while waiting or len(driver):
+        while waiting and driver.has_room:
+            i, gen = waiting.pop(0)
+            gen.token_ids.clear()
+            driver.admit(decoders[i % 2], gen)
+        most = max(most, len(driver))
+        assert all(not isinstance(outcome, Exception) for _, outcome in driver.step())
+    assert most == 3 and [g.token_ids for g in gens] == alone
+    assert len({id(driver.batch_for(d.target)) for d in decoders}) == 2
+
+    broken = [decoders[i % 2].new_generation(p, 12) for i, p in enumerate(prompts[:2])]
+    for i, gen in enumerate(broken):
+        driver.admit(decoders[i % 2], gen)
+    failing = driver.batch_for(decoders[0].target)
+
+    def fail() -> dict:
+        failing.close()
+        raise RuntimeError("a forward failed")
+
+    monkeypatch.setattr(failing, "step", fail)
+    outcomes = {id(batch): outcome for batch, outcome in driver.step()}
+    assert isinstance(outcomes[id(failing)], RuntimeError) and len(failing) == 0
+    assert not isinstance(outcomes[id(driver.batch_for(decoders[1].target))], Exception)
+    driver.close()
+    assert len(driver) == 0

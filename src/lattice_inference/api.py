@@ -22,7 +22,7 @@ from typing import Any, TypedDict, Unpack, cast
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lattice_inference.batching import Batch
+from lattice_inference.batching import Driver
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.devices import first_weight, placement
 from lattice_inference.drafters.build import build_drafter
@@ -40,7 +40,6 @@ from lattice_inference.options import (
     DecodeOptions,
     check_draft_length,
     check_draft_vocab,
-    check_max_batch,
     needs_mtp_head,
 )
 from lattice_inference.prompt_codec import PromptCodec
@@ -354,21 +353,22 @@ class Generator:
         each token for token what `generate` returns for it alone (greedy, or sampled with its seed: a ``seed``
         given here seeds every prompt alike; without one each draws its own, reported as ``.seed``). Sampling
         keywords as `start`."""
-        check_max_batch(max_batch)
+        driver = Driver(max_batch)  # checks max_batch before anything runs
         options = self.sampling(**sampling)
         gens = [
             self.decoder.new_generation(self.encode(p, chat), max_new_tokens, options, logprobs, self.suffix_index)
             for p in prompts
         ]
-        batch = Batch(self.decoder.target)
         waiting = list(gens)
         try:
-            while waiting or len(batch):
-                while waiting and len(batch) < max_batch:
-                    batch.add(self.decoder, waiting.pop(0))
-                batch.step()
+            while waiting or len(driver):
+                while waiting and driver.has_room:
+                    driver.admit(self.decoder, waiting.pop(0))
+                for _, outcome in driver.step():
+                    if isinstance(outcome, Exception):
+                        raise outcome
         finally:
-            batch.close()
+            driver.close()
         results = [gen.outcome() for gen in gens]
         for result in results:
             result.text = cast(str, self.tokenizer.decode(result.token_ids, skip_special_tokens=True))

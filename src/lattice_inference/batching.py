@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.errors import ConfigError
 from lattice_inference.generation import Generation
-from lattice_inference.options import MAX_BATCH_ROWS
+from lattice_inference.options import MAX_BATCH_ROWS, check_max_batch
 from lattice_inference.targets.base import Segment, Target, TargetSequence
 from lattice_inference.targets.forward_cost import forward_costs
 
-__all__ = ["Batch"]
+__all__ = ["Batch", "Driver"]
 
 
 @dataclass(eq=False)
@@ -182,3 +182,60 @@ def _sequence(gen: Generation) -> TargetSequence:
     """The target sequence of a generation in a batch."""
     assert gen.sequence is not None
     return gen.sequence
+
+
+class Driver:
+    """The one admit-then-step loop's running set: up to ``max_batch`` generations, in one `Batch` per target
+    (generations whose decoders verify with different targets run in different batches). `Generator.generate_many`
+    and the server's `Scheduler` both drive it the same way: `admit` while `has_room`, then `step`; a generation
+    that stops leaves its batch in the step that ends it, and the next one takes its place."""
+
+    def __init__(self, max_batch: int) -> None:
+        self.max_batch = check_max_batch(max_batch)
+        self._batches: dict[int, Batch] = {}
+
+    def __len__(self) -> int:
+        return sum(len(batch) for batch in self._batches.values())
+
+    @property
+    def has_room(self) -> bool:
+        """Whether fewer than ``max_batch`` generations run."""
+        return len(self) < self.max_batch
+
+    @property
+    def batched_rows(self) -> int:
+        """Rows computed in forwards shared by two or more generations so far (`Batch.batched_rows`)."""
+        return sum(batch.batched_rows for batch in self._batches.values())
+
+    def batch_for(self, target: Target) -> Batch:
+        """The batch of ``target``'s generations (made on first use)."""
+        batch = self._batches.get(id(target))
+        if batch is None or batch.target is not target:
+            batch = self._batches[id(target)] = Batch(target)
+        return batch
+
+    def admit(self, decoder: SpeculativeDecoder, gen: Generation, owner: str | None = "") -> list[int]:
+        """Start ``gen`` in its target's batch (`Batch.add`); returns its first tokens."""
+        return self.batch_for(decoder.target).add(decoder, gen, owner)
+
+    def remove(self, gen: Generation) -> None:
+        """End ``gen`` now, wherever it runs (`Batch.remove`)."""
+        for batch in self._batches.values():
+            batch.remove(gen)
+
+    def step(self) -> list[tuple[Batch, dict[Generation, list[int]] | Exception]]:
+        """One step of every batch that runs a generation: per batch, the tokens each of its generations emitted
+        (`Batch.step`), or the error that ended all of them (the other batches still step)."""
+        outcomes: list[tuple[Batch, dict[Generation, list[int]] | Exception]] = []
+        for batch in list(self._batches.values()):
+            if len(batch):
+                try:
+                    outcomes.append((batch, batch.step()))
+                except Exception as exc:  # `Batch.step` ended every generation in it
+                    outcomes.append((batch, exc))
+        return outcomes
+
+    def close(self) -> None:
+        """End every running generation."""
+        for batch in self._batches.values():
+            batch.close()

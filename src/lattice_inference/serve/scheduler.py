@@ -2,7 +2,7 @@
 
 The `Scheduler` is the server's `GenerationQueue` (the same bounded wait list, 429 past ``max_queue``, arrival order,
 cancellation, errors handed to the request) with a different worker: instead of running one job to its end, it keeps
-a running set. Between steps it admits waiting requests in arrival order while fewer than ``max_batch`` run (each
+a running set (a `lattice_inference.batching.Driver`, the loop `Generator.generate_many` drives too). Between steps it admits waiting requests in arrival order while fewer than ``max_batch`` run (each
 one's prefill runs at once, and its first tokens go out), drops those whose clients went away, and then runs one
 step of each `lattice_inference.batching.Batch` (one per target: requests whose speculation settings verify with
 another target run in its own batch), every running request advancing one round per step, so none starves. Each
@@ -18,11 +18,10 @@ import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lattice_inference.batching import Batch
-from lattice_inference.options import check_max_batch
+from lattice_inference.batching import Batch, Driver
+from lattice_inference.generation import Generation
 from lattice_inference.serve.engine import Reply
 from lattice_inference.serve.queue import GenerationQueue, Job, JobEnd
-from lattice_inference.targets.base import Target
 
 
 @dataclass(eq=False)
@@ -39,15 +38,16 @@ class Scheduler(GenerationQueue):
     docstring."""
 
     def __init__(self, max_queue: int, max_batch: int, on_depth: Callable[[int, int], None] | None = None) -> None:
-        self.max_batch = self.capacity = check_max_batch(max_batch)
+        self._driver = Driver(max_batch)
+        """The running generations, a `Batch` per target: the loop `Generator.generate_many` drives too."""
+        self.max_batch = self.capacity = self._driver.max_batch
         self._running: list[_Running] = []
-        self._batches: dict[int, Batch] = {}
         super().__init__(max_queue, on_depth)
 
     @property
     def batched_rows(self) -> int:
         """Rows computed in forwards shared by two or more requests so far (`Batch.batched_rows`)."""
-        return sum(batch.batched_rows for batch in self._batches.values())
+        return self._driver.batched_rows
 
     def _work(self) -> None:
         closing = False
@@ -56,9 +56,8 @@ class Scheduler(GenerationQueue):
             for run in [r for r in self._running if r.job.cancelled.is_set()]:
                 run.batch.remove(run.reply.state)
                 self._end(run, cancelled=True)
-            for batch in list(self._batches.values()):
-                if len(batch):
-                    self._step(batch)
+            for batch, outcome in self._driver.step():
+                self._settle(batch, outcome)
 
     def _admit(self, closing: bool) -> bool:
         """Start waiting jobs while fewer than ``max_batch`` run (waiting for one when none runs); returns whether
@@ -83,8 +82,8 @@ class Scheduler(GenerationQueue):
             return
         try:
             reply: Reply = job.run()
-            batch = self._batch(reply.decoder.target)
-            first = batch.add(reply.decoder, reply.state, reply.owner)
+            batch = self._driver.batch_for(reply.decoder.target)
+            first = self._driver.admit(reply.decoder, reply.state, reply.owner)
         except Exception as exc:  # handed to the request that owns the job
             self._done(job, exc)
             return
@@ -92,24 +91,17 @@ class Scheduler(GenerationQueue):
         self._running.append(run)
         self._deliver(run, first)
 
-    def _batch(self, target: Target) -> Batch:
-        batch = self._batches.get(id(target))
-        if batch is None or batch.target is not target:
-            batch = self._batches[id(target)] = Batch(target)
-        return batch
-
-    def _step(self, batch: Batch) -> None:
+    def _settle(self, batch: Batch, outcome: dict[Generation, list[int]] | Exception) -> None:
+        """Hand one step's tokens to the requests of ``batch``, or its error to each of them (it ended them all)."""
         members = [r for r in self._running if r.batch is batch]
-        try:
-            chunks = batch.step()
-        except Exception as exc:  # the batch ended every generation in it
+        if isinstance(outcome, Exception):
             for run in members:
                 self._running.remove(run)
                 run.reply.cancel()
-                self._done(run.job, exc)
+                self._done(run.job, outcome)
             return
         for run in members:
-            self._deliver(run, chunks.get(run.reply.state, []))
+            self._deliver(run, outcome.get(run.reply.state, []))
 
     def _deliver(self, run: _Running, chunk: list[int]) -> None:
         """Hand one round's tokens to the request; end it where it stopped. An error here (in its text or stop
