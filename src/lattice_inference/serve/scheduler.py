@@ -2,12 +2,13 @@
 
 The `Scheduler` is the server's `GenerationQueue` (the same bounded wait list, 429 past ``max_queue``, arrival order,
 cancellation, errors handed to the request) with a different worker: instead of running one job to its end, it keeps
-a running set (a `lattice_inference.batching.Driver`, the loop `Generator.generate_many` drives too). Between steps it admits waiting requests in arrival order while fewer than ``max_batch`` run (each
-one's prefill runs at once, and its first tokens go out), drops those whose clients went away, and then runs one
-step of each `lattice_inference.batching.Batch` (one per target: requests whose speculation settings verify with
-another target run in its own batch), every running request advancing one round per step, so none starves. Each
-round's tokens go to its request as a `Delta`; a request that ends (EOS, its length, a stop string) gets its
-`Finish` and leaves, and the next waiting one takes its place. ``max_batch`` 1 runs requests one at a time.
+a running set (a `lattice_inference.batching.Driver`, the loop `Generator.generate_many` drives too). Between steps it
+admits waiting requests in arrival order while fewer than ``max_batch`` run (each one's prefill runs at once, and its
+first tokens go out), drops those whose clients went away, and then runs one step of each
+`lattice_inference.batching.Batch` (one per target: requests whose speculation settings verify with another target
+run in its own batch), every running request advancing one round per step, so none starves. Each round's tokens go to
+its request as a `Delta`; a request that ends (EOS, its length, a stop string) gets its `Finish` and leaves, and the
+next waiting one takes its place. ``max_batch`` 1 runs requests one at a time.
 
 A request's tokens do not depend on what else runs: see `lattice_inference.batching`.
 """
