@@ -218,11 +218,6 @@ class Driver:
         """Start ``gen`` in its target's batch (`Batch.add`); returns its first tokens."""
         return self.batch_for(decoder.target).add(decoder, gen, owner)
 
-    def remove(self, gen: Generation) -> None:
-        """End ``gen`` now, wherever it runs (`Batch.remove`)."""
-        for batch in self._batches.values():
-            batch.remove(gen)
-
     def step(self) -> list[tuple[Batch, dict[Generation, list[int]] | Exception]]:
         """One step of every batch that runs a generation: per batch, the tokens each of its generations emitted
         (`Batch.step`), or the error that ended all of them (the other batches still step)."""

@@ -74,7 +74,7 @@ def _cache_dir(path: Path, dtype: torch.dtype) -> Path:
 def config_and_tokenizer(path: Path) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
     """The Hugging Face config and tokenizer of the GGUF file ``path``, from the cache when they were read before:
     transformers parses the file's metadata (its vocabulary and merges) anew for each, seconds every time."""
-    # v2: merges written as strings (`_save_tokenizer`); folders of the first form are not read
+    # v2: merges written as strings (`_save_folder`); folders of the first form are not read
     cached = cache_root() / "gguf" / f"{_cache_key(path)}-config-v2" if cache_enabled() else None
     if cached is not None and (cached / "config.json").is_file():
         try:
@@ -87,16 +87,14 @@ def config_and_tokenizer(path: Path) -> tuple[PretrainedConfig, PreTrainedTokeni
     except Exception as exc:  # gguf and transformers raise many types for bad files; all are the user's file
         raise load_error(path, exc) from exc
     if cached is not None:
-        _write_atomically(cached, lambda tmp: _save_tokenizer(tokenizer, tmp, config))
+        _write_atomically(cached, lambda tmp: _save_folder(tokenizer, tmp, config))
         if (cached / "tokenizer.json").is_file():  # the same tokenizer as every later load, without the lists
             del tokenizer
             return config, saved_tokenizer(cached)
     return config, tokenizer
 
 
-def _save_tokenizer(
-    tokenizer: PreTrainedTokenizerBase, folder: Path, beside: PretrainedConfig | PreTrainedModel
-) -> None:
+def _save_folder(tokenizer: PreTrainedTokenizerBase, folder: Path, beside: PretrainedConfig | PreTrainedModel) -> None:
     """``beside.save_pretrained(folder)`` (the config, or the whole model) and ``tokenizer.save_pretrained(folder)``,
     its BPE merges then written as ``"a b"`` strings where no merged token holds a space (byte-level and
     SentencePiece vocabularies hold none): the same merges, which the tokenizers library reads with half the peak
@@ -121,7 +119,7 @@ def saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     decoder, added tokens), so the generic fast tokenizer over it encodes and decodes as the model-specific class
     does (tested). The model classes rebuild the backend from Python lists of the vocabulary and merges instead:
     for Gemma 3's 262k tokens and 515k merges that holds 450 MiB where this holds 100 MiB, and its loading peaks
-    at twice this one's (bench/RESULTS.md, session 29; `_save_tokenizer` halves that peak again)."""
+    at twice this one's (bench/RESULTS.md, session 29; `_save_folder` halves that peak again)."""
     settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     for key in ("tokenizer_class", "backend", "is_local", "local_files_only", "auto_map"):
         settings.pop(key, None)
@@ -166,7 +164,7 @@ def _dequantize(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTra
 
 def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
     """Write the model's folder atomically; a failure only skips caching."""
-    _write_atomically(target, lambda tmp: _save_tokenizer(tokenizer, tmp, model))
+    _write_atomically(target, lambda tmp: _save_folder(tokenizer, tmp, model))
 
 
 def _write_atomically(target: Path, write: Callable[[Path], object]) -> None:

@@ -236,6 +236,7 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     )
 
     from lattice_inference.gguf import check_gguf_file, config_and_tokenizer, load_error
+    from lattice_inference.targets import native_ops
 
     path = Path(path)
     check_gguf_file(path)
@@ -258,7 +259,7 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
     done = QuantizedWeights()
     tied: tuple[str, torch.Tensor, bool] | None = None  # the embedding's kind and blocks (packed?), for a tied output
-    reads_packed = _row_reader()  # the native ops reading embedding rows from packed blocks, where built
+    reads_packed = native_ops.ops()  # reads an embedding's rows back from packed blocks (``quant_rows``), where built
     for tensor in reader.tensors:
         release_freed_memory()  # the last tensor's buffers, before this one's
         kind, rows = tensor.tensor_type.name, int(tensor.shape[-1])
@@ -320,7 +321,6 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
             kind, blocks, is_packed = tied
             setattr(outputs, QUANT, blocks if is_packed else quant_pack(blocks, kind))  # one copy where packed
             done.native[kind] += 1
-            tied = None
     quantized = {id(m.weight) for m in linears.values() if getattr(m, QUANT, None) is not None}
     if any(p.device.type == "meta" and id(p) not in quantized for p in model.parameters()):
         return None  # a parameter the file does not hold
@@ -470,10 +470,3 @@ def _packed_from_file(reader: GGUFIndex, tensor: StoredTensor, perm: torch.Tenso
         _release(reader, tensor, (int(picked.min()), int(picked.max()) + 1))
     assert out is not None
     return out
-
-
-def _row_reader() -> ModuleType | None:
-    """The native ops where they are built (their ``quant_rows`` reads an embedding row from packed blocks)."""
-    from lattice_inference.targets import native_ops
-
-    return native_ops.ops() if native_ops.enabled() else None

@@ -131,7 +131,7 @@ class LeanTarget(TransformersTarget):
         self._heads, self._kv_heads = text.num_attention_heads, text.num_key_value_heads
         self._native = native_ops.ops() if native and self._native_fits(model) else None
         self._windowed = any(layer.window is not None for layer in self._layers)
-        self._rope_kinds = sorted({layer.rope for layer in self._layers}, key=str)
+        self._rope_kinds = _rope_kinds(self._layers)
         """The layers' rotary kinds (`_Layer.rope`): one table each per forward."""
         if self._windowed and self._native is None:
             raise ConfigError("the lean forward runs sliding-window layers on the native ops only, which are off here")
@@ -485,6 +485,11 @@ def _window_mask(mask: torch.Tensor | None, start: int, positions: torch.Tensor,
     return seen[None, None]
 
 
+def _rope_kinds(layers: list[_Layer]) -> list[str | None]:
+    """The distinct rotary kinds of ``layers`` (`_Layer.rope`), in a fixed order: the native loop's table order."""
+    return sorted({layer.rope for layer in layers}, key=str)
+
+
 def _windowed_spans(spans: torch.Tensor, window: int) -> torch.Tensor:
     """A chain's key spans (`_visible_keys`: row ``i`` sees key rows ``begin..end``, the keys being the cache
     positions in order) cut to the last ``window`` keys of each row."""
@@ -610,7 +615,7 @@ class _LayerLoop:
         eps = {e for layer in layers for e in (layer.input_weight[1], layer.post_weight[1])} | set(outs)
         if len(eps) != 1 or len({layer.qk_eps for layer in layers}) != 1 or len({la.gelu for la in layers}) != 1:
             return None
-        kinds = sorted({layer.rope for layer in layers}, key=str)
+        kinds = _rope_kinds(layers)
         counts = [len(parts) for parts in packed]
         extras = (
             out_norms if any(w is not None for w in out_norms) else [],
