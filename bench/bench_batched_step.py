@@ -53,14 +53,12 @@ class Setup:
         self.context = context
         self.sequences = [self.target.new_sequence(None) for _ in range(count)]
         for i, sequence in enumerate(self.sequences):
-            self.target.use(sequence)
-            self.target.prefill([(7 * j + 13 * i) % 40000 + 100 for j in range(context)])
+            self.target.prefill(sequence, [(7 * j + 13 * i) % 40000 + 100 for j in range(context)])
 
     def single(self, rows: int) -> Callable[[], None]:
         def run() -> None:
-            self.target.use(self.sequences[0])
-            self.target.forward([5] * rows)
-            self.target.rollback(self.context)
+            self.target.forward(self.sequences[0], [5] * rows)
+            self.target.rollback(self.sequences[0], self.context)
 
         return run
 
@@ -68,8 +66,7 @@ class Setup:
         def run() -> None:
             self.target.forward_batch([Segment(s, [5] * rows) for s in self.sequences[:count]])
             for s in self.sequences[:count]:
-                self.target.use(s)
-                self.target.rollback(self.context)
+                self.target.rollback(s, self.context)
 
         return run
 
@@ -79,10 +76,9 @@ class Setup:
         outputs = target.forward_batch([Segment(s, [5, 6]) for s in self.sequences[:4]])
         same = 0
         for sequence, output in zip(self.sequences[:4], outputs, strict=True):
-            target.use(sequence)
-            target.rollback(self.context)
-            same += torch.equal(target.forward([5, 6]), output.logits)
-            target.rollback(self.context)
+            target.rollback(sequence, self.context)
+            same += torch.equal(target.forward(sequence, [5, 6]), output.logits)
+            target.rollback(sequence, self.context)
         return same
 
 

@@ -35,6 +35,7 @@ from lattice_inference.cli import quiet_transformers
 from lattice_inference.cpu_features import has_native_bf16, isa_ceiling
 from lattice_inference.loading import load_model
 from lattice_inference.targets import native_ops
+from lattice_inference.targets.base import TargetSequence
 from lattice_inference.targets.lean import LeanTarget
 
 SHAPES = {  # SmolLM2 configurations (hidden, intermediate, layers, heads, kv heads)
@@ -86,11 +87,11 @@ def target_for(model: PreTrainedModel, config: str) -> LeanTarget:
         return LeanTarget(model, prefix_cache=False, packed_weights=config != "bf16 torch")
 
 
-def timed(target: LeanTarget, context: list[int], tokens: list[int]) -> float:
+def timed(target: LeanTarget, seq: TargetSequence, context: list[int], tokens: list[int]) -> float:
     start = time.perf_counter()
-    target.forward(tokens)
+    target.forward(seq, tokens)
     seconds = time.perf_counter() - start
-    target.rollback(len(context))
+    target.rollback(seq, len(context))
     return seconds
 
 
@@ -110,25 +111,27 @@ def main() -> None:
         f32 = model_for(shape, torch.float32)
         bf16 = model_for(shape, torch.bfloat16)
         targets = {c: target_for(f32 if c == "float32" else bf16, c) for c in CONFIGS}
+        seqs = {c: target.new_sequence() for c, target in targets.items()}
         vocab = int(f32.config.vocab_size)
         context = [(7 * i + 3) % vocab for i in range(args.context)]
         draft = [(11 * i + 5) % vocab for i in range(16)]
         times: dict[str, dict[str, list[float]]] = {c: {"step": [], "verify16": []} for c in CONFIGS}
         exact = {}
         for c, target in targets.items():
-            target.prefill(context)
-            wide = target.forward(draft)
-            target.rollback(len(context))
+            seq = seqs[c]
+            target.prefill(seq, context)
+            wide = target.forward(seq, draft)
+            target.rollback(seq, len(context))
             alone = []
             for token in draft:
-                alone.append(target.forward([token])[0])
-            target.rollback(len(context))
+                alone.append(target.forward(seq, [token])[0])
+            target.rollback(seq, len(context))
             exact[c] = all(torch.equal(wide[i], alone[i]) for i in range(16))
-            timed(target, context, draft[:1])  # warm
+            timed(target, seq, context, draft[:1])  # warm
         for _ in range(args.reps):
             for c, target in targets.items():  # taking turns
-                times[c]["step"].append(timed(target, context, draft[:1]))
-                times[c]["verify16"].append(timed(target, context, draft))
+                times[c]["step"].append(timed(target, seqs[c], context, draft[:1]))
+                times[c]["verify16"].append(timed(target, seqs[c], context, draft))
         rows = {}
         for c in CONFIGS:
             step = statistics.median(times[c]["step"]) * 1e3
@@ -146,7 +149,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps({"shape": shape, "cpu": cpu, "threads": args.threads, "rows": rows}) + "\n")
-        del targets, f32, bf16
+        del seqs, targets, f32, bf16
 
 
 if __name__ == "__main__":

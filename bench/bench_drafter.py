@@ -105,17 +105,17 @@ def measure(size: int, rng: random.Random, steps: int, linear_every: int, naive_
         history = make_history(size, rng)
         drafter = NgramDrafter(MAX_NGRAM, MIN_NGRAM, MAX_DRAFT, match="first")
         t0 = clock()
-        drafter.reset(history)
-        drafter.propose(MAX_DRAFT)  # warm-up: builds the index over the whole history
+        state = drafter.start(history)
+        state.propose(MAX_DRAFT)  # warm-up: builds the index over the whole history
         build_ms.append((clock() - t0) / 1e6)
         for _ in range(50):  # warm-up of the steady-state path
-            drafter.propose(MAX_DRAFT)
+            state.propose(MAX_DRAFT)
         appended = step_tokens(history, per_round, rng)
         for j, tok in enumerate(appended):
-            drafter.extend([tok])
+            state.extend([tok])
             history.append(tok)
             t0 = clock()
-            draft = drafter.propose(MAX_DRAFT)
+            draft = state.propose(MAX_DRAFT)
             ours.append(clock() - t0)
             drafted += bool(draft)
             if j % linear_every == 0:

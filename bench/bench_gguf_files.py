@@ -18,7 +18,7 @@ skipped with a one-line reason):
    One warm-up request each, then each prompt once, greedy then ngram; tok/s = new tokens / seconds of the whole
    ``generate`` calls (prompt processing included); whether each ngram output equals greedy's token for token.
    Then the 1-token step: a ``--step-context``-token prefill of ``gen.decoder.target``, then ``--step-reps``
-   timed ``target.forward([tok])``, each followed by ``target.rollback(n)`` (untimed), median ms.
+   timed ``target.forward(seq, [tok])``, each followed by ``target.rollback(seq, n)`` (untimed), median ms.
 3. llama-server (``--llama-bin``; its libraries from ``--llama-lib``), one at a time after our worker has ended:
    plain, then each n-gram speculation setting of ``--spec`` (`SPEC_SETTINGS`), ``-t T -tb T -c 4096 -np 1``;
    POST ``/completion`` with the same token ids, ``temperature 0``, ``cache_prompt false``; one warm-up request,
@@ -265,16 +265,17 @@ def ours_worker(args: argparse.Namespace) -> None:
     target = gen.decoder.target
     context = [t for ids in encoded for t in ids][: args.step_context]
     tok = context[-1]
+    seq = target.new_sequence()  # one sequence for every try, made outside the timed calls
 
     def steps() -> list[float]:
         """``--step-reps`` timed 1-token forwards after the context (3 untimed first), each rolled back."""
-        target.prefill(context)
+        target.prefill(seq, context)
         out = []
         for rep in range(args.step_reps + 3):
             t0 = time.perf_counter()
-            target.forward([tok])
+            target.forward(seq, [tok])
             seconds = time.perf_counter() - t0
-            target.rollback(len(context))
+            target.rollback(seq, len(context))
             if rep >= 3:
                 out.append(seconds)
         return out

@@ -21,16 +21,17 @@ import torch
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.loading import load_model
 from lattice_inference.targets import LeanTarget, lean, make_target
+from lattice_inference.targets.base import TargetSequence
 
 
-def prefill_seconds(target: LeanTarget, prompt: list[int], native: bool) -> float:
-    """One cold prefill of ``prompt`` (the target reuses no rows: ``prefix_cache=False``), natively (limit lifted
-    past it) or through the PyTorch path (limit 0)."""
+def prefill_seconds(target: LeanTarget, seq: TargetSequence, prompt: list[int], native: bool) -> float:
+    """One cold prefill of ``prompt`` into ``seq`` (the target reuses no rows: ``prefix_cache=False``), natively
+    (limit lifted past it) or through the PyTorch path (limit 0)."""
     saved = lean.NATIVE_PREFILL_MAX
     lean.NATIVE_PREFILL_MAX = len(prompt) if native else 0
     try:
         start = time.perf_counter()
-        target.prefill(prompt)
+        target.prefill(seq, prompt)
         return time.perf_counter() - start
     finally:
         lean.NATIVE_PREFILL_MAX = saved
@@ -50,6 +51,7 @@ def main() -> None:
     target = make_target(loaded.model, prefix_cache=False)
     if not isinstance(target, LeanTarget) or not target.native:
         raise SystemExit("this model or machine does not run the lean forward's native ops")
+    seq = target.new_sequence()
     generator = torch.Generator().manual_seed(0)
     vocab = loaded.model.config.vocab_size
     print(f"{'tokens':>7} {'native ms':>10} {'flash ms':>9} {'native/flash':>13}")
@@ -58,7 +60,7 @@ def main() -> None:
         times: dict[bool, list[float]] = {True: [], False: []}
         for rep in range(args.reps + 1):
             for native in (True, False):
-                seconds = prefill_seconds(target, prompt, native)
+                seconds = prefill_seconds(target, seq, prompt, native)
                 if rep:  # the first round warms up
                     times[native].append(seconds)
         nat, flash = (statistics.median(times[k]) * 1000 for k in (True, False))

@@ -271,16 +271,18 @@ def ours_worker(args: argparse.Namespace) -> None:
     })  # fmt: skip
 
     context, draft = context_ids(args.context), draft_ids(16)
-    target.prefill(context)
+    seq = target.new_sequence()
+    target.prefill(seq, context)
 
     def run(tokens: list[int]) -> float:
         t0 = time.perf_counter()
-        target.forward(tokens)
+        target.forward(seq, tokens)
         seconds = time.perf_counter() - t0
-        target.rollback(len(context))
+        target.rollback(seq, len(context))
         return seconds
 
     emit(forward_row(args, *timed_pairs(lambda: run(draft[:1]), lambda: run(draft), args.warmup, args.reps)))
+    target.release(seq)  # its cache goes before the generations make theirs
 
     if args.e2e_reps <= 0:
         return

@@ -44,7 +44,8 @@ def main() -> None:
     loaded = load_model(args.model)
     target = make_target(loaded.model)
     prompt = loaded.tokenizer("def add(a, b):\n    return a + b\n" * 8).input_ids
-    target.prefill(prompt)
+    seq = target.new_sequence()
+    target.prefill(seq, prompt)
     tokens = prompt[-1 : -1 - args.k - 1 : -1]
     variants = {
         "sampled T": SamplingOptions(temperature=args.temperature, seed=1),
@@ -65,13 +66,13 @@ def main() -> None:
 
     def round_with(choose) -> float:
         start = time.perf_counter()
-        position = target.length
-        choose(target.forward(tokens))
-        target.rollback(position)
+        position = seq.length
+        choose(target.forward(seq, tokens))
+        target.rollback(seq, position)
         return time.perf_counter() - start
 
-    logits = target.forward(tokens)
-    target.rollback(target.length - len(tokens))
+    logits = target.forward(seq, tokens)
+    target.rollback(seq, seq.length - len(tokens))
     times: dict[str, list[float]] = {}
     for _ in range(10):
         for choose in choosers.values():

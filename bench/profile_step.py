@@ -35,6 +35,7 @@ from lattice_inference.cli import quiet_transformers
 from lattice_inference.devices import placement
 from lattice_inference.loading import LoadedModel, load_model
 from lattice_inference.targets import LeanTarget, TransformersTarget, native_ops
+from lattice_inference.targets.base import TargetSequence
 from lattice_inference.targets.exactness import check_exactness
 from lattice_inference.targets.packed_linear import packed_linear, packed_operands, quant_inputs, quant_packed
 
@@ -51,34 +52,38 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"}
 
 
-def step_times(targets: dict[str, TransformersTarget], reps: int) -> dict[str, dict[int, float]]:
-    """Median seconds of a forward of each width per target, rolled back after each; the targets take turns
-    within every repetition so that a slow moment of the host hits them alike."""
+def step_times(
+    targets: dict[str, TransformersTarget], seqs: dict[str, TargetSequence], reps: int
+) -> dict[str, dict[int, float]]:
+    """Median seconds of a forward of each width per target (on its sequence in ``seqs``), rolled back after each;
+    the targets take turns within every repetition so that a slow moment of the host hits them alike."""
     times: dict[str, dict[int, list[float]]] = {name: {w: [] for w in WIDTHS} for name in targets}
     for rep in range(reps + 1):
         for width in WIDTHS:
             for name, target in targets.items():
-                length = target.length
+                seq = seqs[name]
+                length = seq.length
                 sync(target.device)
                 start = time.perf_counter()
-                target.forward([100] * width)
+                target.forward(seq, [100] * width)
                 sync(target.device)
                 elapsed = time.perf_counter() - start
-                target.rollback(length)
+                target.rollback(seq, length)
                 if rep:  # the first round warms up
                     times[name][width].append(elapsed)
     return {name: {w: statistics.median(ts) for w, ts in by_width.items()} for name, by_width in times.items()}
 
 
-def breakdown(target: TransformersTarget, steps: int, wall: float) -> dict[str, float]:
-    """Milliseconds per 1-token step by category (see the module docstring); ``wall``: the unprofiled step, ms."""
-    length = target.length
+def breakdown(target: TransformersTarget, seq: TargetSequence, steps: int, wall: float) -> dict[str, float]:
+    """Milliseconds per 1-token step of ``seq`` by category (see the module docstring); ``wall``: the unprofiled
+    step, ms."""
+    length = seq.length
     on_gpu = target.device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            target.forward([100])
-            target.rollback(length)
+            target.forward(seq, [100])
+            target.rollback(seq, length)
         sync(target.device)
     cats = {"matrix products": 0.0, "attention": 0.0, "other ops": 0.0}
     for event in prof.key_averages():  # on a GPU: the kernels' own time; on a CPU: the ops' own time
@@ -163,12 +168,13 @@ def prefill_times(model: torch.nn.Module, prompt: list[int], reps: int) -> dict[
     """Median ms of the lean target's prefill of ``prompt``: through the native ops and through its PyTorch path
     (`LeanTarget` with ``native=False``), taking turns."""
     targets = {"native ops": LeanTarget(model), "PyTorch path": LeanTarget(model, native=False)}
+    seqs = {name: target.new_sequence() for name, target in targets.items()}
     times: dict[str, list[float]] = {name: [] for name in targets}
     for rep in range(reps + 1):
         for name, target in targets.items():
             sync(target.device)
             start = time.perf_counter()
-            target.prefill(prompt)
+            target.prefill(seqs[name], prompt)
             sync(target.device)
             if rep:
                 times[name].append(time.perf_counter() - start)
@@ -199,11 +205,12 @@ def main() -> None:
         "lean": LeanTarget(packed_model),
     }
     exact = {name: check_exactness(target, WIDTHS[-1]) for name, target in targets.items()}
-    for target in targets.values():
-        target.prefill(prompt)
-    all_times = step_times(targets, args.reps)
+    seqs = {name: target.new_sequence() for name, target in targets.items()}
+    for name, target in targets.items():
+        target.prefill(seqs[name], prompt)
+    all_times = step_times(targets, seqs, args.reps)
     rows = {
-        name: (all_times[name], breakdown(target, args.steps, all_times[name][1] * 1e3))
+        name: (all_times[name], breakdown(target, seqs[name], args.steps, all_times[name][1] * 1e3))
         for name, target in targets.items()
     }
     print(f"\n{'forward of k tokens (ms)':<26}" + "".join(f"{w:>8}" for w in WIDTHS))

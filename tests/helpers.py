@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lattice_inference.drafters.base import Drafter, DrafterState, PlannedDraft, Proposal
-from lattice_inference.targets.base import Target
+from lattice_inference.targets.base import Target, TargetSequence
 from lattice_inference.targets.facts import ForwardCosts
 
 FLAT_COSTS = ForwardCosts((1, 64), (1.0, 1.0))
@@ -39,12 +39,6 @@ class OracleDrafter(Drafter):
 
     def new_state(self, prompt_ids: Sequence[int], sampler=None, suffix_index=None) -> OracleState:
         return OracleState(self, prompt_ids)
-
-    @property
-    def history(self) -> list[int]:
-        state = self._current()
-        assert isinstance(state, OracleState)
-        return state.history
 
     def draft(self, history: list[int], max_tokens: int) -> list[int]:
         n = len(history)
@@ -84,7 +78,9 @@ class OracleState(DrafterState):
 
 
 class RecordingTarget(Target):
-    """Wraps a `Target` and records every forward (start position, tokens) and rollback."""
+    """Wraps a `Target` and records every forward (start position, tokens) and rollback, of any sequence.
+
+    Each of its sequences holds the inner target's sequence it runs on (``seq.cache``)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -93,19 +89,41 @@ class RecordingTarget(Target):
 
     vocab_size = property(lambda self: self.inner.vocab_size)
     max_positions = property(lambda self: self.inner.max_positions)
-    length = property(lambda self: self.inner.length)
 
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def inner_sequence(self, seq: TargetSequence) -> TargetSequence:
+        """The inner target's sequence that ``seq`` runs on (made on first use)."""
+        if seq.cache is None:
+            seq.cache = self.inner.new_sequence(seq.owner, capture_hidden=seq.capture_hidden)
+        assert isinstance(seq.cache, TargetSequence)
+        return seq.cache
+
+    @staticmethod
+    def _sync(seq: TargetSequence) -> None:
+        inner = seq.cache
+        assert isinstance(inner, TargetSequence)
+        seq.length, seq.reused, seq.hidden = inner.length, inner.reused, inner.hidden
+
+    def prefill(self, seq: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:
         self.forwards.append((0, list(token_ids)))
-        return self.inner.prefill(token_ids)
+        out = self.inner.prefill(self.inner_sequence(seq), token_ids)
+        self._sync(seq)
+        return out
 
-    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
-        self.forwards.append((self.inner.length, list(token_ids)))
-        return self.inner.forward(token_ids)
+    def forward(self, seq: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:
+        self.forwards.append((seq.length, list(token_ids)))
+        out = self.inner.forward(self.inner_sequence(seq), token_ids)
+        self._sync(seq)
+        return out
 
-    def rollback(self, length: int) -> None:
+    def rollback(self, seq: TargetSequence, length: int) -> None:
         self.rollbacks.append(length)
-        self.inner.rollback(length)
+        self.inner.rollback(self.inner_sequence(seq), length)
+        self._sync(seq)
+
+    def release(self, seq: TargetSequence) -> None:
+        if isinstance(seq.cache, TargetSequence):
+            self.inner.release(seq.cache)
+        super().release(seq)
 
     def clear(self) -> None:
         """Forget the recorded forwards and rollbacks (before the next generation)."""
@@ -134,11 +152,9 @@ class ContextKeyedTarget(Target):
         self.vocab = vocab
         self.seed = seed
         self.forced = forced or {}
-        self.tokens: list[int] = []
 
     vocab_size = property(lambda self: self.vocab)
     max_positions = property(lambda self: None)
-    length = property(lambda self: len(self.tokens))
 
     def next_token(self, context: Sequence[int]) -> int:
         for n in range(len(context), 0, -1):
@@ -152,20 +168,26 @@ class ContextKeyedTarget(Target):
         out[self.next_token(context)] = 1.0
         return out
 
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
-        self.tokens = list(token_ids)
-        return self._logits(self.tokens)
+    def prefill(self, seq: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:
+        seq.cache = list(token_ids)  # the sequence's fed tokens
+        seq.length = len(seq.cache)
+        return self._logits(seq.cache)
 
-    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def forward(self, seq: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:
+        tokens = seq.cache
+        assert isinstance(tokens, list)
         rows = []
         for t in token_ids:
-            self.tokens.append(t)
-            rows.append(self._logits(self.tokens))
+            tokens.append(t)
+            rows.append(self._logits(tokens))
+        seq.length = len(tokens)
         return torch.stack(rows)
 
-    def rollback(self, length: int) -> None:
-        assert 0 <= length <= len(self.tokens)
-        del self.tokens[length:]
+    def rollback(self, seq: TargetSequence, length: int) -> None:
+        tokens = seq.cache
+        assert isinstance(tokens, list) and 0 <= length <= len(tokens)
+        del tokens[length:]
+        seq.length = length
 
     def greedy(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
         ctx, out = list(prompt), []

@@ -26,8 +26,9 @@ def test_generate_and_stream_equal_greedy(model):
     out = gen.generate(TEXT, max_new_tokens=30)
     assert out.token_ids == greedy.token_ids
     assert out.text == greedy.text == tok.decode(greedy.token_ids, skip_special_tokens=True)
-    assert "".join(gen.stream(TEXT, max_new_tokens=30)) == out.text
-    assert gen.metrics.target_forwards < greedy.metrics.target_forwards
+    streamed = gen.start(TEXT, max_new_tokens=30)
+    assert "".join(gen.text_stream(streamed)) == out.text
+    assert streamed.metrics.target_forwards < greedy.metrics.target_forwards
 
 
 def test_given_costs_decide_the_plans_on_every_cpu(model):

@@ -61,45 +61,46 @@ def test_batched_rows_equal_each_sequence_alone(arch, dtype, kv_cache):
     for round_ in range(2):  # a second step over the kept rows of the first
         alone = []
         for context, tokens, parents in zip(contexts, steps, trees, strict=True):
-            target.use(target.default_sequence)
-            target.prefill(context)
-            alone.append(target.forward(tokens) if parents is None else target.forward_tree(tokens, parents))
+            single = target.new_sequence(owner=None)  # computed alone: no rows reused from any other sequence
+            target.prefill(single, context)
+            if parents is None:
+                alone.append(target.forward(single, tokens))
+            else:
+                alone.append(target.forward_tree(single, tokens, parents))
+            target.release(single)
         if round_ == 0:
             sequences = [target.new_sequence() for _ in contexts]
             for sequence, context in zip(sequences, contexts, strict=True):
-                target.use(sequence)
-                target.prefill(context)
+                target.prefill(sequence, context)
         outputs = target.forward_batch([Segment(s, t, p) for s, t, p in zip(sequences, steps, trees, strict=True)])
         for i, (output, want) in enumerate(zip(outputs, alone, strict=True)):
             assert torch.equal(output.logits, want), (arch, dtype, round_, i)
         for sequence, context, tokens in zip(sequences, contexts, steps, strict=True):
-            target.use(sequence)
-            assert target.length == len(context) + len(tokens)
-            assert target._cache.layers[0].keys.dtype == target.kv_dtype
-            target.keep_rows(len(context), [0])  # keep the first row: the next step continues from it
+            assert sequence.length == len(context) + len(tokens)
+            assert sequence.cache.layers[0].keys.dtype == target.kv_dtype
+            target.keep_rows(sequence, len(context), [0])  # keep the first row: the next step continues from it
             context.append(tokens[0])
     for sequence in sequences:
         target.release(sequence)
-    assert target.current_sequence is target.default_sequence
+    assert all(sequence.released for sequence in sequences)
 
 
 def test_a_failed_batched_forward_leaves_every_sequence_as_it_was():
     target = LeanTarget(_model("llama"))
     first, second = target.new_sequence(), target.new_sequence()
     for sequence in (first, second):
-        target.use(sequence)
-        target.prefill([1, 2, 3])
+        target.prefill(sequence, [1, 2, 3])
     with pytest.raises(TokenError, match="outside the vocabulary"):
         target.forward_batch([Segment(first, [4, 5]), Segment(second, [TOY_VOCAB + 5])])
     for sequence in (first, second):
-        target.use(sequence)
-        assert target.length == 3
+        assert sequence.length == 3
     other = LeanTarget(_model("llama"))
     with pytest.raises(ValueError, match="another target"):
-        other.use(first)
+        other.forward(first, [4])
+    assert first.length == 3
     target.release(first)
     with pytest.raises(ValueError, match="released"):
-        target.use(first)
+        target.forward(first, [4])
 
 
 @pytest.mark.parametrize("kv_cache", ["model", "float16"])
@@ -129,7 +130,7 @@ def _run_batch(decoders, prompts, budgets, samplings, *, joins, max_batch, cance
         batch.step()
         step += 1
         assert step < 500
-    assert target.current_sequence is target.default_sequence
+    assert all(gen.sequence is not None and gen.sequence.released for gen in gens)  # the batch holds none
     return gens, batch
 
 

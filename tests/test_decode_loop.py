@@ -41,7 +41,8 @@ def test_output_equals_greedy_and_every_token_fed_once(prompt, max_new, seed, co
     dec = SpeculativeDecoder(
         rec, drafter, max_draft=max_draft, eos_token_ids=[] if eos is None else [eos], adaptive=False
     )
-    result = dec.generate(prompt, max_new)
+    gen = dec.start(prompt, max_new)
+    result = gen.result()
     assert result.token_ids == expected
     assert len(result.token_ids) <= max_new
     assert result.stop_reason == ("eos" if len(expected) < max_new else "length")
@@ -56,7 +57,7 @@ def test_output_equals_greedy_and_every_token_fed_once(prompt, max_new, seed, co
     assert [t for _, t in feeds][:n] == seq[:n]
     # The cache after each round holds the sequence minus the pending token (tokens accepted after an EOS
     # may remain when generation stops there; they are never emitted).
-    assert rec.inner.length == len(feeds)
+    assert gen.sequence is not None and gen.sequence.length == len(feeds)
     if result.stop_reason == "length":
         assert len(feeds) == len(seq) - 1
     m = result.metrics

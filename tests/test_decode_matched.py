@@ -124,12 +124,13 @@ def test_attention_rows_are_one_token_calls(dtype, cached):
 
 
 def _rows_match(target, context: list[int], tokens: list[int]) -> bool:
-    target.prefill(context)
-    alone = [target.forward([t])[-1].clone() for t in tokens]
-    target.rollback(len(context))
+    seq = target.new_sequence()
+    target.prefill(seq, context)
+    alone = [target.forward(seq, [t])[-1].clone() for t in tokens]
+    target.rollback(seq, len(context))
     for w in range(2, len(tokens) + 1):
-        wide = target.forward(tokens[:w])
-        target.rollback(len(context))
+        wide = target.forward(seq, tokens[:w])
+        target.rollback(seq, len(context))
         if not all(torch.equal(wide[i], alone[i]) for i in range(w)):
             return False
     return True
@@ -208,8 +209,9 @@ def test_low_precision_speculation_equals_plain_decoding(arch, dtype):
         for adaptive in (False, True):
             drafter = NgramDrafter(max_ngram=4, min_ngram=1, max_draft=8)
             dec = SpeculativeDecoder(target, drafter, max_draft=8, eos_token_ids=eos, adaptive=adaptive, costs=FLAT)
-            assert dec.generate(prompt, 32).token_ids == want, (arch, i, "ngram", adaptive)
-            assert dec.metrics.exact is True
+            out = dec.generate(prompt, 32)
+            assert out.token_ids == want, (arch, i, "ngram", adaptive)
+            assert out.metrics.exact is True
         oracle = SpeculativeDecoder(
             target, OracleDrafter(prompt + free, TOY_VOCAB, 0.3, seed=i), max_draft=6, eos_token_ids=eos, adaptive=False
         )

@@ -154,13 +154,16 @@ def test_the_loop_times_its_forwards_only_where_costs_were_measured() -> None:
     model = ContextKeyedTarget(vocab=12, seed=4)
     drafter = OracleDrafter([1, 2, *model.greedy([1, 2], 30)], vocab=12, corrupt=0.3)
     measured = SpeculativeDecoder(model, drafter, max_draft=4, adaptive=True)
-    measured.generate([1, 2], 30)
-    planner = measured.last.planner
+    gen = measured.start([1, 2], 30)
+    gen.result()
+    planner = gen.planner
     assert planner is not None and planner.forward_seconds(1) != planner.costs.seconds(1)
     given = SpeculativeDecoder(model, drafter, max_draft=4, adaptive=True, costs=STEEP)
-    given.generate([1, 2], 30)
-    assert given.last.planner.forward_seconds(1) == STEEP.seconds(1)
-    assert given.last.planner.relative(2) == STEEP.relative(2)
+    gen = given.start([1, 2], 30)
+    gen.result()
+    assert gen.planner is not None
+    assert gen.planner.forward_seconds(1) == STEEP.seconds(1)
+    assert gen.planner.relative(2) == STEEP.relative(2)
 
 
 def test_drafter_cost_makes_drafting_dearer() -> None:

@@ -77,36 +77,37 @@ def test_tree_rows_equal_each_paths_forward_and_a_kept_path_is_plain_decoding(ar
     model = toy_model(toy_config(arch), init_std=0.5, seed=3)
     target, ref = TransformersTarget(model), TransformersTarget(model)
     assert target.verifies_trees
-    target.capture_hidden = ref.capture_hidden = True
+    seq, ref_seq = target.new_sequence(capture_hidden=True), ref.new_sequence(capture_hidden=True)
     prompt = [random.Random(arch).randrange(256) for _ in range(17)]
     tokens, parents = [5, 6, 7, 8, 9, 10, 11], [-1, 0, 1, 0, 1, 3, 0]
-    target.prefill(prompt)
-    logits = target.forward_tree(tokens, parents)
-    hidden = target.last_hidden.clone()
+    target.prefill(seq, prompt)
+    logits = target.forward_tree(seq, tokens, parents)
+    hidden = seq.hidden.clone()
     for row in range(len(tokens)):
-        ref.prefill(prompt)
-        want = ref.forward(path_of(row, tokens, parents))[-1]
+        ref.prefill(ref_seq, prompt)
+        want = ref.forward(ref_seq, path_of(row, tokens, parents))[-1]
         torch.testing.assert_close(logits[row], want, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(hidden[row], ref.last_hidden[-1], atol=1e-4, rtol=1e-4)
-    target.keep_rows(len(prompt), [0, 3, 5])
-    assert target.length == len(prompt) + 3
-    after = target.forward([12, 13])
-    ref.prefill(prompt)
-    torch.testing.assert_close(after, ref.forward([5, 8, 10, 12, 13])[-2:], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(hidden[row], ref_seq.hidden[-1], atol=1e-4, rtol=1e-4)
+    target.keep_rows(seq, len(prompt), [0, 3, 5])
+    assert seq.length == len(prompt) + 3
+    after = target.forward(seq, [12, 13])
+    ref.prefill(ref_seq, prompt)
+    torch.testing.assert_close(after, ref.forward(ref_seq, [5, 8, 10, 12, 13])[-2:], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])
 def test_trees_are_refused_where_cache_rows_cannot_move(arch):
     target = TransformersTarget(toy_model(toy_config(arch), seed=1))
     assert not target.verifies_trees
-    target.prefill([1, 2, 3])
+    seq = target.new_sequence()
+    target.prefill(seq, [1, 2, 3])
     with pytest.raises(NotImplementedError, match="does not verify draft trees"):
-        target.forward_tree([4, 5, 6], [-1, 0, 0])
-    target.forward([4, 5, 6])
+        target.forward_tree(seq, [4, 5, 6], [-1, 0, 0])
+    target.forward(seq, [4, 5, 6])
     with pytest.raises(NotImplementedError, match="keeps only a prefix"):
-        target.keep_rows(3, [0, 2])
-    target.keep_rows(3, [0, 1])
-    assert target.length == 5
+        target.keep_rows(seq, 3, [0, 2])
+    target.keep_rows(seq, 3, [0, 1])
+    assert seq.length == 5
 
 
 def test_hybrid_targets_do_not_verify_trees():
@@ -115,18 +116,19 @@ def test_hybrid_targets_do_not_verify_trees():
 
 def test_malformed_trees_name_the_problem_and_change_nothing():
     target = TransformersTarget(toy_model(toy_config("llama"), seed=1))
-    target.prefill([1, 2, 3])
+    seq = target.new_sequence()
+    target.prefill(seq, [1, 2, 3])
     with pytest.raises(ValueError, match="row 0 is its only root"):
-        target.forward_tree([4, 5], [0, 0])
+        target.forward_tree(seq, [4, 5], [0, 0])
     with pytest.raises(ValueError, match="row 2 of a draft tree must follow an earlier row, got parent 2"):
-        target.forward_tree([4, 5, 6], [-1, 0, 2])
+        target.forward_tree(seq, [4, 5, 6], [-1, 0, 2])
     with pytest.raises(ValueError, match="3 tokens needs 3 parents, got 2"):
-        target.forward_tree([4, 5, 6], [-1, 0])
-    assert target.length == 3
-    target.forward_tree([4, 5, 6], [-1, 0, 0])
+        target.forward_tree(seq, [4, 5, 6], [-1, 0])
+    assert seq.length == 3
+    target.forward_tree(seq, [4, 5, 6], [-1, 0, 0])
     with pytest.raises(ValueError, match="must increase from 0"):
-        target.keep_rows(3, [0, 2, 1])
-    assert target.length == 6
+        target.keep_rows(seq, 3, [0, 2, 1])
+    assert seq.length == 6
 
 
 def _oracle_run(model, prompt, reference, eos, sampling, seed, new=30):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lattice_inference.drafters.base import Drafter, DrafterState, Proposal
-from lattice_inference.drafters.fallback import FallbackDrafter
+from lattice_inference.drafters.fallback import FallbackDrafter, FallbackState
 from lattice_inference.errors import ConfigError
 
 
@@ -23,14 +23,6 @@ class Scripted(Drafter):
 
     def new_state(self, prompt_ids, sampler=None, suffix_index=None):
         return ScriptedState(self, prompt_ids)
-
-    @property
-    def history(self) -> list[int]:
-        return self._current().history
-
-    @property
-    def observed(self) -> list[tuple[int, int]]:
-        return self._current().observed
 
 
 class ScriptedState(DrafterState):
@@ -59,20 +51,24 @@ def test_first_non_empty_proposal_wins_and_all_drafters_follow():
     second = Scripted([[5, 6, 8], []], hidden=True)
     fb = FallbackDrafter([first, second])
     assert fb.uses_hidden_states
-    fb.reset([4, 4])
-    assert fb.propose(4) == [1, 2]  # the second drafter is not asked
+    state = fb.start([4, 4])
+    assert isinstance(state, FallbackState)
+    assert state.propose(4) == [1, 2]  # the second drafter is not asked
     assert second.asked == 0
-    fb.extend([1, 3])
-    fb.observe(torch.zeros(2, 8), 2)
-    assert fb.propose(2) == [5, 6]  # first has nothing: the second drafts, capped at max_tokens
-    assert fb.propose(4) == []  # nobody proposes
-    assert fb.propose(4) == [7]
-    assert fb.proposals_by == [2, 1]
-    assert first.history == second.history == [4, 4, 1, 3]
-    assert second.observed == [(2, 2)] and first.observed == []
-    assert fb.forward_count == 3
-    fb.reset([1])
-    assert fb.proposals_by == [0, 0] and first.history == second.history == [1]
+    state.extend([1, 3])
+    state.observe(torch.zeros(2, 8), 2)
+    assert state.propose(2) == [5, 6]  # first has nothing: the second drafts, capped at max_tokens
+    assert state.propose(4) == []  # nobody proposes
+    assert state.propose(4) == [7]
+    assert state.proposals_by == [2, 1]
+    mine, theirs = state.states
+    assert isinstance(mine, ScriptedState) and isinstance(theirs, ScriptedState)
+    assert mine.history == theirs.history == [4, 4, 1, 3]
+    assert theirs.observed == [(2, 2)] and mine.observed == []
+    assert state.forward_count == 3
+    state = fb.start([1])
+    assert isinstance(state, FallbackState)
+    assert state.proposals_by == [0, 0] and [s.history for s in state.states] == [[1], [1]]
 
 
 def test_needs_a_drafter():
@@ -101,10 +97,11 @@ def test_planned_fallback_plans_each_drafter_under_its_own_key():
     lookup.proposal_key = 2
     model = Costly([[5, 6, 7, 8]])
     fb = FallbackDrafter([lookup, model])
-    fb.reset([0])
-    planned = fb.propose_planned(4, planner)
+    state = fb.start([0])
+    assert isinstance(state, FallbackState)
+    planned = state.propose_planned(4, planner)
     assert planned.skipped == [([9, 9, 9, 9], 2)]
-    assert planned.key == 100 and fb.proposal_key == 100 and fb.proposals_by == [0, 1]
+    assert planned.key == 100 and state.key == 100 and state.proposals_by == [0, 1]
     assert planned.verify == planned.proposal == [5, 6, 7, 8][: planner.choose(4, 100, free=False)]
     assert 1 <= len(planned.verify) < 4  # the second position fails: it is not worth the full width
 
@@ -125,10 +122,13 @@ def test_adaptive_fallback_uses_the_model_drafter_where_lookups_fail():
     good.proposes_for_free = False
     costs = ForwardCosts((1, 2, 9), (1.0, 1.1, 1.5))
     dec = SpeculativeDecoder(model, FallbackDrafter([bad, good]), max_draft=6, adaptive=True, costs=costs)
-    result = dec.generate(prompt, 80)
+    gen = dec.start(prompt, 80)
+    result = gen.result()
     assert result.token_ids == model.greedy(prompt, 80)
     assert result.metrics.accepted_tokens > 30
-    assert dec.drafter.proposals_by[1] > 2 * dec.drafter.proposals_by[0]
+    state = gen.drafter_state
+    assert isinstance(state, FallbackState)
+    assert state.proposals_by[1] > 2 * state.proposals_by[0]
 
 
 def test_a_fallback_passes_the_model_drafters_tree_on_under_its_key():
@@ -141,7 +141,8 @@ def test_a_fallback_passes_the_model_drafters_tree_on_under_its_key():
 
     tree = TreeOracleDrafter(list(range(40)), vocab=50, seed=4)
     fb = FallbackDrafter([Scripted([[]]), tree])
-    fb.reset([0, 1])
-    planned = fb.propose_planned(3, DraftPlanner(ForwardCosts((1, 8), (1.0, 1.0)), max_leaves=4))
-    assert planned.key == 100 + 1 and fb.proposals_by == [0, 1]
+    state = fb.start([0, 1])
+    assert isinstance(state, FallbackState)
+    planned = state.propose_planned(3, DraftPlanner(ForwardCosts((1, 8), (1.0, 1.0)), max_leaves=4))
+    assert planned.key == 100 + 1 and state.proposals_by == [0, 1]
     assert planned.alternatives and planned.alternatives == planned.runners_up[: len(planned.verify)]

@@ -163,10 +163,11 @@ def test_a_tree_over_sliding_window_layers_sees_each_rows_window_by_position(qua
     assert target.verifies_trees and [layer.window for layer in target._layers] == [24, None]
     prompt = [(7 * j + 3) % 250 for j in range(22)]  # the tree's rows at positions 22-25 cross the window of 24
     tokens, parents = [11, 12, 13, 21, 22, 23], [-1, 0, 1, 0, 3, 4]  # two branches after the root
-    target.prefill(prompt)
-    tree = target.forward_tree(tokens, parents).clone()
+    seq = target.new_sequence()
+    target.prefill(seq, prompt)
+    tree = target.forward_tree(seq, tokens, parents).clone()
     paths = {0: [0], 1: [0, 1], 2: [0, 1, 2], 3: [0, 3], 4: [0, 3, 4], 5: [0, 3, 4, 5]}
     for row, path in paths.items():
-        target.prefill(prompt)
-        chain = target.forward([tokens[r] for r in path])[-1]
+        target.prefill(seq, prompt)
+        chain = target.forward(seq, [tokens[r] for r in path])[-1]
         assert torch.allclose(tree[row], chain, atol=1e-4, rtol=1e-4), f"row {row} of the tree"

@@ -231,7 +231,7 @@ def test_draft_vocab_restricts_drafts_and_keeps_the_output(models, capsys):
 
 def test_ngram_plus_mtp_equals_greedy_and_uses_both_drafters(models, greedy_runs):
     """ngram+mtp: lookup where an n-gram matches, the MTP head elsewhere; both draft, the output is greedy's."""
-    from lattice_inference.drafters.fallback import FallbackDrafter
+    from lattice_inference.drafters.fallback import FallbackDrafter, FallbackState
 
     used = [0, 0]
     for kind, (greedy, expected) in greedy_runs.items():
@@ -248,11 +248,14 @@ def test_ngram_plus_mtp_equals_greedy_and_uses_both_drafters(models, greedy_runs
         drafter = both.decoder.drafter
         assert isinstance(drafter, FallbackDrafter) and drafter.uses_hidden_states
         for prompt, want in expected:
-            got = both.generate(prompt, max_new_tokens=NEW)
+            gen = both.start(prompt, max_new_tokens=NEW)
+            got = gen.result()
+            state = gen.drafter_state
+            assert isinstance(state, FallbackState)
             assert got.token_ids == want, (kind, prompt)
-            assert sum(drafter.proposals_by) == got.metrics.drafts
-            used = [u + n for u, n in zip(used, drafter.proposals_by, strict=True)]
-            assert got.metrics.drafter_forwards == drafter.drafters[1].forward_count
+            assert sum(state.proposals_by) == got.metrics.drafts
+            used = [u + n for u, n in zip(used, state.proposals_by, strict=True)]
+            assert got.metrics.drafter_forwards == state.states[1].forward_count
     assert used[0] > 0 and used[1] > 0, used
     with pytest.raises(ConfigError, match="'ngram\\+mtp' needs an MTP head"):
         Generator(greedy.model, greedy.tokenizer, method="ngram+mtp")
@@ -290,19 +293,19 @@ def test_planned_mtp_rounds_are_keyed_by_the_first_drafts_confidence(models):
     drafter.head._forward = lambda ids, *a, **k: rows.append(len(ids)) or forward(ids, *a, **k)
     torch.manual_seed(0)
     hidden, prompt = torch.randn(12, 64), [3, 5, 7, 11, 13, 17, 19, 23, 29, 31]
-    drafter.reset(prompt)
-    drafter.observe(hidden[:10], 0)
-    drafter.extend([37])
-    declined = drafter.propose_planned(2, plan := ScriptedPlan(0))
+    state = drafter.start(prompt)
+    state.observe(hidden[:10], 0)
+    state.extend([37])
+    declined = state.propose_planned(2, plan := ScriptedPlan(0))
     ref.prefill(hidden[:9], prompt[1:], 0)
     logits, own = ref.forward_one(37, 9, hidden[9])
     first, confidence = int(torch.argmax(logits)), float(torch.softmax(logits, 0).max())
     assert declined.proposal == [first] and declined.verify == [] and declined.key == confidence_key(confidence)
-    assert plan.calls == [(2, declined.key, False, 1)] and drafter.forward_count == 1
+    assert plan.calls == [(2, declined.key, False, 1)] and state.forward_count == 1
 
-    drafter.extend([41])
-    drafter.observe(hidden[10:11], 10)
-    wanted = drafter.propose_planned(2, ScriptedPlan(2))
+    state.extend([41])
+    state.observe(hidden[10:11], 10)
+    wanted = state.propose_planned(2, ScriptedPlan(2))
     logits, own = ref.forward_one(41, 10, hidden[10])
     second = int(torch.argmax(logits))
     third = int(torch.argmax(ref.forward_one(second, 11, own)[0]))
@@ -318,8 +321,8 @@ def test_planned_mtp_backs_off_while_every_round_is_declined(models):
     path = models["random-diverse"]
     drafter = MtpDrafter(load_mtp_head(path, dtype=torch.float32, draft_length=3))
     torch.manual_seed(1)
-    drafter.reset([1, 2, 3])
-    drafter.observe(torch.randn(3, 64), 0)
+    state = drafter.start([1, 2, 3])
+    state.observe(torch.randn(3, 64), 0)
 
     length = 3
 
@@ -327,10 +330,10 @@ def test_planned_mtp_backs_off_while_every_round_is_declined(models):
         nonlocal length
         drafted = []
         for _ in range(n):
-            drafter.extend([4])
-            planned = drafter.propose_planned(2, ScriptedPlan(answer))
+            state.extend([4])
+            planned = state.propose_planned(2, ScriptedPlan(answer))
             drafted.append(bool(planned.proposal))
-            drafter.observe(torch.randn(1, 64), length)
+            state.observe(torch.randn(1, 64), length)
             length += 1
         return drafted
 
@@ -350,25 +353,25 @@ def test_planned_mtp_drafts_only_probes_while_drafting_does_not_pay(models):
     ref = load_mtp_head(path, dtype=torch.float32, draft_length=3)
     torch.manual_seed(2)
     hidden, tokens = torch.randn(40, 64), [int(t) for t in torch.randint(0, 50, (41,))]
-    drafter.reset(tokens[:3])
-    drafter.observe(hidden[:3], 0)
+    state = drafter.start(tokens[:3])
+    state.observe(hidden[:3], 0)
     plan, drafted = ScriptedPlan(0, pays=False), []
     for position in range(3, 3 + 2 * BACK_OFF):
-        drafter.extend([tokens[position]])
-        planned = drafter.propose_planned(2, plan)
+        state.extend([tokens[position]])
+        planned = state.propose_planned(2, plan)
         drafted.append(planned.proposal)
-        drafter.observe(hidden[position : position + 1], position)
+        state.observe(hidden[position : position + 1], position)
     probes = [i for i, proposal in enumerate(drafted) if proposal]
-    assert probes == [BACK_OFF - 1, 2 * BACK_OFF - 1] and plan.timed == 0 and drafter.forward_count == 2
+    assert probes == [BACK_OFF - 1, 2 * BACK_OFF - 1] and plan.timed == 0 and state.forward_count == 2
     assert plan.asked == 2  # once at the start and once after the first probe
     probe = 2 + BACK_OFF  # the position of the first probe's pending token
     ref.prefill(hidden[: probe - 1], tokens[1:probe], 0)
     logits, _ = ref.forward_one(tokens[probe], probe - 1, hidden[probe - 1])
     assert drafted[BACK_OFF - 1] == [int(torch.argmax(logits))]
     plan.pays = True
-    drafter.extend([tokens[3 + 2 * BACK_OFF]])
-    assert drafter.propose_planned(2, plan).proposal  # paying again: a draft every round
-    drafter.observe(hidden[3 + 2 * BACK_OFF : 4 + 2 * BACK_OFF], 3 + 2 * BACK_OFF)
-    drafter.extend([tokens[4 + 2 * BACK_OFF]])
-    assert drafter.propose_planned(2, plan).proposal and plan.timed == 2
+    state.extend([tokens[3 + 2 * BACK_OFF]])
+    assert state.propose_planned(2, plan).proposal  # paying again: a draft every round
+    state.observe(hidden[3 + 2 * BACK_OFF : 4 + 2 * BACK_OFF], 3 + 2 * BACK_OFF)
+    state.extend([tokens[4 + 2 * BACK_OFF]])
+    assert state.propose_planned(2, plan).proposal and plan.timed == 2
     assert plan.asked == 3  # after the second probe; while drafting pays, every `ASK_EVERY`-th round only

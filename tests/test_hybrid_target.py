@@ -26,6 +26,7 @@ from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.drafters.base import Drafter, DrafterState, Proposal
 from lattice_inference.errors import ConfigError, TokenError, UnsupportedModelError
 from lattice_inference.targets import gdn_dispatch, hybrid
+from lattice_inference.targets.base import TargetSequence
 from lattice_inference.targets.hybrid import HybridTarget, is_hybrid, recurrent_gated_delta_rule_with_states
 from lattice_inference.targets.kv_cache import record_past
 
@@ -150,10 +151,11 @@ def test_transformers_crop_cannot_roll_back_the_recurrent_state_and_ours_does(
         assert hf_error > 0.5, f"transformers' crop happened to be right (error {hf_error}); the test shows nothing"
 
     target = HybridTarget(model)
-    target.prefill(prompt)
-    target.forward(draft)
-    target.rollback(len(prompt) + accepted)
-    ours = target.forward([nxt])[-1]
+    seq = target.new_sequence()
+    target.prefill(seq, prompt)
+    target.forward(seq, draft)
+    target.rollback(seq, len(prompt) + accepted)
+    ours = target.forward(seq, [nxt])[-1]
     torch.testing.assert_close(ours, fresh_logits, atol=LOGIT_ATOL, rtol=0)
 
 
@@ -219,8 +221,9 @@ def test_kernels_are_restored_after_forward(models: dict[str, PreTrainedModel]) 
 
     before = [getattr(modeling, name) for name in gdn_dispatch.KERNEL_NAMES]
     target = HybridTarget(models["qwen3_5"])
-    target.prefill([1, 2, 3])
-    target.forward([4, 5, 6])
+    seq = target.new_sequence()
+    target.prefill(seq, [1, 2, 3])
+    target.forward(seq, [4, 5, 6])
     assert [getattr(modeling, name) for name in gdn_dispatch.KERNEL_NAMES] == before
 
 
@@ -237,24 +240,27 @@ def test_failed_forward_restores_kernels_and_requires_prefill(
     monkeypatch.setattr(hybrid, "recurrent_gated_delta_rule_with_states", broken)
     monkeypatch.setattr(hybrid, "gated_delta_rule_window", broken)
     target = HybridTarget(models["qwen3_next"])
-    target.prefill([1, 2, 3])
+    seq = target.new_sequence()
+    target.prefill(seq, [1, 2, 3])
     with pytest.raises(ArithmeticError):
-        target.forward([4, 5])
+        target.forward(seq, [4, 5])
     assert [getattr(modeling, name) for name in gdn_dispatch.KERNEL_NAMES] == before
     with pytest.raises(RuntimeError):
-        target.forward([4])
+        target.forward(seq, [4])
     monkeypatch.undo()
-    target.prefill([1, 2, 3])
-    assert target.forward([4, 5]).shape == (2, VOCAB)
+    target.prefill(seq, [1, 2, 3])
+    assert target.forward(seq, [4, 5]).shape == (2, VOCAB)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Rollback exactness
 
 
-def fresh_target(model: PreTrainedModel, ids: Sequence[int]) -> tuple[HybridTarget, torch.Tensor]:
+def fresh_target(model: PreTrainedModel, ids: Sequence[int]) -> tuple[HybridTarget, TargetSequence, torch.Tensor]:
+    """A new target, a sequence prefilled with ``ids`` on it, and the prefill's logits."""
     target = HybridTarget(model)
-    return target, target.prefill(ids)
+    seq = target.new_sequence()
+    return target, seq, target.prefill(seq, ids)
 
 
 @pytest.mark.parametrize("kernel", hybrid.KERNELS)
@@ -271,19 +277,20 @@ def test_rollback_state_and_logits_equal_a_fresh_run(
         a = rng.randrange(0, k + 1)
         draft, nxt = random_ids(rng, k), rng.randrange(VOCAB)
         target = HybridTarget(model, kernel=kernel)
-        target.prefill(prompt)
-        logits = target.forward(draft)
+        seq = target.new_sequence()
+        target.prefill(seq, prompt)
+        logits = target.forward(seq, draft)
         assert logits.shape == (k, VOCAB)
-        target.rollback(len(prompt) + a)
-        assert target.length == len(prompt) + a
+        target.rollback(seq, len(prompt) + a)
+        assert seq.length == len(prompt) + a
 
         accepted = [*prompt, *draft[:a]]
-        fresh, _ = fresh_target(model, accepted)
-        assert target.cache is not None and fresh.cache is not None
-        assert target.cache.get_seq_length() == len(accepted)
-        assert_same_cache(target.cache, fresh.cache, STATE_ATOL)
-        ours = target.forward([nxt])
-        theirs = fresh.forward([nxt])
+        fresh, fresh_seq, _ = fresh_target(model, accepted)
+        assert seq.cache is not None and fresh_seq.cache is not None
+        assert seq.cache.get_seq_length() == len(accepted)
+        assert_same_cache(seq.cache, fresh_seq.cache, STATE_ATOL)
+        ours = target.forward(seq, [nxt])
+        theirs = fresh.forward(fresh_seq, [nxt])
         torch.testing.assert_close(ours, theirs, atol=LOGIT_ATOL, rtol=0)
 
 
@@ -297,11 +304,13 @@ def test_k_token_forward_equals_k_one_token_forwards(
     rng = random.Random(7)
     prompt, draft = random_ids(rng, 9), random_ids(rng, 8)
     wide = HybridTarget(model, kernel=kernel)
-    wide.prefill(prompt)
-    together = wide.forward(draft)
+    wide_seq = wide.new_sequence()
+    wide.prefill(wide_seq, prompt)
+    together = wide.forward(wide_seq, draft)
     steps = HybridTarget(model)
-    steps.prefill(prompt)
-    one_by_one = torch.cat([steps.forward([t]) for t in draft])
+    steps_seq = steps.new_sequence()
+    steps.prefill(steps_seq, prompt)
+    one_by_one = torch.cat([steps.forward(steps_seq, [t]) for t in draft])
     torch.testing.assert_close(together, one_by_one, atol=LOGIT_ATOL, rtol=0)
     # transformers' plain decoding (no recording: fused conv update, its own recurrent kernel), as generate() runs
     plain = DynamicCache(config=model.config)
@@ -312,10 +321,10 @@ def test_k_token_forward_equals_k_one_token_forwards(
             pos = torch.tensor([[len(prompt) + i]])
             plain_logits.append(model(input_ids=torch.tensor([[t]]), position_ids=pos, cache=plain).logits[0])
     torch.testing.assert_close(together, torch.cat(plain_logits), atol=LOGIT_ATOL, rtol=0)
-    assert wide.cache is not None and steps.cache is not None
-    wide.rollback(wide.length)  # commit: trims the conv history the forward kept for rollback
-    steps.rollback(steps.length)
-    assert_same_cache(wide.cache, steps.cache, STATE_ATOL)
+    assert wide_seq.cache is not None and steps_seq.cache is not None
+    wide.rollback(wide_seq, wide_seq.length)  # commit: trims the conv history the forward kept for rollback
+    steps.rollback(steps_seq, steps_seq.length)
+    assert_same_cache(wide_seq.cache, steps_seq.cache, STATE_ATOL)
 
 
 def test_snapshot_replay_for_forwards_longer_than_max_recorded(models: dict[str, PreTrainedModel]) -> None:
@@ -324,13 +333,14 @@ def test_snapshot_replay_for_forwards_longer_than_max_recorded(models: dict[str,
     prompt, draft, nxt = random_ids(rng, 6), random_ids(rng, 7), rng.randrange(VOCAB)
     for a in (0, 3, 7):
         target = HybridTarget(model, max_recorded=2)
-        target.prefill(prompt)
-        target.forward(draft)
-        target.rollback(len(prompt) + a)
-        fresh, _ = fresh_target(model, [*prompt, *draft[:a]])
-        assert target.cache is not None and fresh.cache is not None
-        assert_same_cache(target.cache, fresh.cache, STATE_ATOL)
-        torch.testing.assert_close(target.forward([nxt]), fresh.forward([nxt]), atol=LOGIT_ATOL, rtol=0)
+        seq = target.new_sequence()
+        target.prefill(seq, prompt)
+        target.forward(seq, draft)
+        target.rollback(seq, len(prompt) + a)
+        fresh, fresh_seq, _ = fresh_target(model, [*prompt, *draft[:a]])
+        assert seq.cache is not None and fresh_seq.cache is not None
+        assert_same_cache(seq.cache, fresh_seq.cache, STATE_ATOL)
+        torch.testing.assert_close(target.forward(seq, [nxt]), fresh.forward(fresh_seq, [nxt]), atol=LOGIT_ATOL, rtol=0)
 
 
 def test_rollback_to_before_the_last_forward_reprefills(models: dict[str, PreTrainedModel]) -> None:
@@ -338,37 +348,39 @@ def test_rollback_to_before_the_last_forward_reprefills(models: dict[str, PreTra
     rng = random.Random(4)
     prompt, first, second = random_ids(rng, 8), random_ids(rng, 3), random_ids(rng, 4)
     target = HybridTarget(model)
-    target.prefill(prompt)
-    target.forward(first)
-    target.rollback(target.length)
-    target.forward(second)
+    seq = target.new_sequence()
+    target.prefill(seq, prompt)
+    target.forward(seq, first)
+    target.rollback(seq, seq.length)
+    target.forward(seq, second)
     for length in (10, 5):  # inside the first forward, then inside the prompt
-        target.rollback(length)
-        fresh, _ = fresh_target(model, [*prompt, *first][:length])
-        assert target.cache is not None and fresh.cache is not None
-        assert_same_cache(target.cache, fresh.cache, STATE_ATOL)
-    target.rollback(0)
-    assert target.length == 0
-    logits = target.forward(prompt[:3])
-    _, want = fresh_target(model, prompt[:3])
+        target.rollback(seq, length)
+        _, fresh_seq, _ = fresh_target(model, [*prompt, *first][:length])
+        assert seq.cache is not None and fresh_seq.cache is not None
+        assert_same_cache(seq.cache, fresh_seq.cache, STATE_ATOL)
+    target.rollback(seq, 0)
+    assert seq.length == 0
+    logits = target.forward(seq, prompt[:3])
+    _, _, want = fresh_target(model, prompt[:3])
     torch.testing.assert_close(logits[-1], want, atol=LOGIT_ATOL, rtol=0)
 
 
 def test_bounds_and_errors(models: dict[str, PreTrainedModel]) -> None:
     target = HybridTarget(models["qwen3_5"])
+    seq = target.new_sequence()
     with pytest.raises(RuntimeError):
-        target.forward([1])
+        target.forward(seq, [1])
     with pytest.raises(TokenError):
-        target.prefill([])
+        target.prefill(seq, [])
     with pytest.raises(TokenError):
-        target.prefill([VOCAB])
-    target.prefill([1, 2, 3])
+        target.prefill(seq, [VOCAB])
+    target.prefill(seq, [1, 2, 3])
     with pytest.raises(ValueError):
-        target.rollback(4)
+        target.rollback(seq, 4)
     with pytest.raises(ValueError):
-        target.rollback(-1)
+        target.rollback(seq, -1)
     with pytest.raises(TokenError):
-        target.forward([])
+        target.forward(seq, [])
     assert target.vocab_size == VOCAB and target.max_positions == 512
     with pytest.raises(ConfigError):
         HybridTarget(models["qwen3_5"], kernel="chunk")
@@ -400,24 +412,26 @@ def test_multimodal_qwen3_5_wrapper_rolls_back_exactly() -> None:
                 p.normal_(0.0, INIT_STD)
     assert is_hybrid(model)
     target = HybridTarget(model)
-    target.prefill([1, 2, 3, 4])
-    target.forward([5, 6, 7])
-    target.rollback(5)
-    fresh, _ = fresh_target(model, [1, 2, 3, 4, 5])
-    assert target.cache is not None and fresh.cache is not None
-    assert_same_cache(target.cache, fresh.cache, STATE_ATOL)
-    torch.testing.assert_close(target.forward([9]), fresh.forward([9]), atol=LOGIT_ATOL, rtol=0)
+    seq = target.new_sequence()
+    target.prefill(seq, [1, 2, 3, 4])
+    target.forward(seq, [5, 6, 7])
+    target.rollback(seq, 5)
+    fresh, fresh_seq, _ = fresh_target(model, [1, 2, 3, 4, 5])
+    assert seq.cache is not None and fresh_seq.cache is not None
+    assert_same_cache(seq.cache, fresh_seq.cache, STATE_ATOL)
+    torch.testing.assert_close(target.forward(seq, [9]), fresh.forward(fresh_seq, [9]), atol=LOGIT_ATOL, rtol=0)
 
 
 def test_bfloat16_rollback_keeps_fp32_state_and_runs(models: dict[str, PreTrainedModel]) -> None:
     model = build_model("qwen3_5", seed=5).to(torch.bfloat16)
     target = HybridTarget(model)
-    target.prefill([5, 6, 7, 8])
-    assert target.forward([1, 2, 3, 4]).dtype == torch.bfloat16
-    target.rollback(6)
-    assert target.cache is not None
-    for i in linear_layers(target.cache):
-        assert target.cache.layers[i].recurrent_states[0].dtype == torch.float32
+    seq = target.new_sequence()
+    target.prefill(seq, [5, 6, 7, 8])
+    assert target.forward(seq, [1, 2, 3, 4]).dtype == torch.bfloat16
+    target.rollback(seq, 6)
+    assert seq.cache is not None
+    for i in linear_layers(seq.cache):
+        assert seq.cache.layers[i].recurrent_states[0].dtype == torch.float32
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -491,7 +505,7 @@ def test_speculative_decoding_is_lossless(models: dict[str, PreTrainedModel], ar
         )
         result = decoder.generate(prompt, new_tokens)
         assert result.token_ids == reference[len(prompt) :], f"prompt {p} diverged"
-        m = decoder.metrics
+        m = result.metrics
         assert m.accepted_tokens == sum(a for _, a in drafter.outcomes)
         assert m.drafted_tokens == sum(d for d, _ in drafter.outcomes)
         outcomes += drafter.outcomes

@@ -1,7 +1,8 @@
 """The package's import graph has no cycle: every module imports only modules below it.
 
 Imports are read from the source with `ast` (module-level and function-level ones alike, since a lazy import
-closes a circle too; those under ``if TYPE_CHECKING:`` do not run and are left out). ``from pkg import name``
+closes a circle too). Those under ``if TYPE_CHECKING:`` do not run, but a circle through them still knots the
+modules' design, so the graph is checked with and without them. ``from pkg import name``
 counts as an import of ``pkg.name`` where that is a module, else of ``pkg``.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 import lattice_inference
 
@@ -33,13 +36,13 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(name: str, path: Path, is_package: bool, modules: set[str]) -> set[str]:
-    """The package's modules that ``name`` imports."""
+def _imports(name: str, path: Path, is_package: bool, modules: set[str], type_only: bool) -> set[str]:
+    """The package's modules that ``name`` imports (``type_only``: those under ``if TYPE_CHECKING:`` too)."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if isinstance(child, ast.If) and _is_type_checking(child) and not type_only:
                 for other in child.orelse:
                     visit(other)
                 continue
@@ -58,10 +61,12 @@ def _imports(name: str, path: Path, is_package: bool, modules: set[str]) -> set[
     return {m for m in found if m in modules and m != name}
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Each module of the package and the package modules it imports."""
+def import_graph(type_only: bool = False) -> dict[str, set[str]]:
+    """Each module of the package and the package modules it imports (``type_only``: counting type-only ones)."""
     modules = _modules()
-    return {name: _imports(name, path, is_package, set(modules)) for name, (path, is_package) in modules.items()}
+    return {
+        name: _imports(name, path, is_package, set(modules), type_only) for name, (path, is_package) in modules.items()
+    }
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -109,6 +114,13 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_no_import_cycle():
-    found = cycles(import_graph())
+def test_type_only_imports_are_read_where_asked():
+    graph, typed = import_graph(), import_graph(type_only=True)
+    assert f"{ROOT}.sampling" not in graph[f"{ROOT}.drafters.base"]  # under `if TYPE_CHECKING:` there
+    assert f"{ROOT}.sampling" in typed[f"{ROOT}.drafters.base"]
+
+
+@pytest.mark.parametrize("type_only", [False, True])
+def test_no_import_cycle(type_only: bool):
+    found = cycles(import_graph(type_only))
     assert found == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in found)

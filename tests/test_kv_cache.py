@@ -44,8 +44,9 @@ def test_crop_errors_and_reset():
 
 def test_targets_use_it_for_full_attention_only():
     target = TransformersTarget(toy_model(toy_config("gemma2")))
-    target.prefill([1, 2, 3])
-    kinds = {type(layer).__name__ for layer in target.cache.layers}
+    seq = target.new_sequence()
+    target.prefill(seq, [1, 2, 3])
+    kinds = {type(layer).__name__ for layer in seq.cache.layers}
     assert kinds == {"GrowableLayer", "DynamicSlidingWindowLayer"}
 
 

@@ -41,30 +41,31 @@ def test_every_path_gives_the_models_own_logits(arch, dtype, matched, native):
     lean = LeanTarget(model, decode_matched=matched, native=native)
     plain = TransformersTarget(model, decode_matched=matched)
     assert lean.native == (native and native_ops.ops() is not None)
-    lean.capture_hidden = plain.capture_hidden = True
+    ls, ps = lean.new_sequence(capture_hidden=True), plain.new_sequence(capture_hidden=True)
     prefilled = _close(dtype) if lean.native else torch.equal  # the native ops prefill too
     same = _close(dtype) if matched else prefilled  # unmatched rows after a native prefill: over its cache
     rng = random.Random(arch)
     context = [rng.randrange(256) for _ in range(60)]
-    assert prefilled(lean.prefill(context), plain.prefill(context))
-    assert prefilled(lean.last_hidden, plain.last_hidden)
+    assert prefilled(lean.prefill(ls, context), plain.prefill(ps, context))
+    assert prefilled(ls.hidden, ps.hidden)
     for tokens in ([5], [6, 7, 8], [9] * 6, [10]):
-        assert same(lean.forward(tokens), plain.forward(tokens)), tokens
-        assert same(lean.last_hidden, plain.last_hidden)
+        assert same(lean.forward(ls, tokens), plain.forward(ps, tokens)), tokens
+        assert same(ls.hidden, ps.hidden)
     for length in range(len(context) + 11, len(context) - 1, -3):  # rollback to many positions, then continue
-        lean.rollback(length)
-        plain.rollback(length)
-        assert same(lean.forward([3, 4]), plain.forward([3, 4])), length
-    start = lean.length
+        lean.rollback(ls, length)
+        plain.rollback(ps, length)
+        assert same(lean.forward(ls, [3, 4]), plain.forward(ps, [3, 4])), length
+    start = ls.length
     tokens, parents = [1, 2, 3, 4, 5, 6], [-1, 0, 1, 0, 3, 1]
-    assert same(lean.forward_tree(tokens, parents), plain.forward_tree(tokens, parents))
-    lean.keep_rows(start, [0, 3, 4])
-    plain.keep_rows(start, [0, 3, 4])
-    assert same(lean.forward([7, 8]), plain.forward([7, 8]))
+    assert same(lean.forward_tree(ls, tokens, parents), plain.forward_tree(ps, tokens, parents))
+    lean.keep_rows(ls, start, [0, 3, 4])
+    plain.keep_rows(ps, start, [0, 3, 4])
+    assert same(lean.forward(ls, [7, 8]), plain.forward(ps, [7, 8]))
     fused_lean, fused_plain = LeanTarget(model, decode_matched=False), TransformersTarget(model, decode_matched=False)
     fused_same = _close(dtype) if fused_lean.native else torch.equal
     assert fused_same(
-        fused_lean.prefill_with_draft(context, [1, 2, 3]), fused_plain.prefill_with_draft(context, [1, 2, 3])
+        fused_lean.prefill_with_draft(fused_lean.new_sequence(), context, [1, 2, 3]),
+        fused_plain.prefill_with_draft(fused_plain.new_sequence(), context, [1, 2, 3]),
     )
 
 
@@ -75,10 +76,11 @@ def test_long_prompts_prefill_through_the_pytorch_path(monkeypatch):
     model = _model("llama", torch.bfloat16)
     lean, plain = LeanTarget(model), TransformersTarget(model)
     context = list(range(3, 63))
+    ls, ps = lean.new_sequence(), plain.new_sequence()
     monkeypatch.setattr(lean_module, "NATIVE_PREFILL_MAX", len(context) - 1)
-    assert torch.equal(lean.prefill(context), plain.prefill(context))
+    assert torch.equal(lean.prefill(ls, context), plain.prefill(ps, context))
     monkeypatch.setattr(lean_module, "NATIVE_PREFILL_MAX", len(context))
-    assert _close(torch.bfloat16)(lean.prefill(context), plain.prefill(context))
+    assert _close(torch.bfloat16)(lean.prefill(ls, context), plain.prefill(ps, context))
 
 
 @pytest.mark.parametrize("path", ["native loop", "native ops", "unmatched", "long prompt"])
@@ -104,16 +106,17 @@ def test_a_float16_cache_on_every_path(path, monkeypatch):
 
     rng = random.Random(path)
     context = [rng.randrange(256) for _ in range(40)]
-    assert near(half.prefill(context), wide.prefill(context))
-    assert half._cache.layers[0].keys.dtype == torch.float16
+    hs, ws = half.new_sequence(), wide.new_sequence()
+    assert near(half.prefill(hs, context), wide.prefill(ws, context))
+    assert hs.cache.layers[0].keys.dtype == torch.float16
     for tokens in ([5], [6, 7, 8], [9] * 5):
-        start = half.length
-        rows = half.forward(tokens)
-        assert near(rows, wide.forward(tokens))
+        start = hs.length
+        rows = half.forward(hs, tokens)
+        assert near(rows, wide.forward(ws, tokens))
         if matched:
-            half.rollback(start)
+            half.rollback(hs, start)
             for i, token in enumerate(tokens):
-                assert torch.equal(half.forward([token])[0], rows[i]), (tokens, i)
+                assert torch.equal(half.forward(hs, [token])[0], rows[i]), (tokens, i)
 
 
 def test_kv_cache_float16_is_refused_where_it_cannot_run():
@@ -153,17 +156,17 @@ def test_matched_rows_equal_its_own_one_token_steps(arch, dtype, path):
     lean = LeanTarget(_model(arch, dtype), native=path != "pytorch")
     if path == "native ops":
         lean._loop = None  # the Python loop over the same ops: where products are not one packed matrix each
-    lean.capture_hidden = True
+    seq = lean.new_sequence(capture_hidden=True)
     rng = random.Random(arch)
-    lean.prefill([rng.randrange(256) for _ in range(29)])
+    lean.prefill(seq, [rng.randrange(256) for _ in range(29)])
     for width in (2, 3, 5, 8, 11, 16):
-        start, tokens = lean.length, [rng.randrange(256) for _ in range(width)]
-        wide, hidden = lean.forward(tokens), lean.last_hidden
-        lean.rollback(start)
+        start, tokens = seq.length, [rng.randrange(256) for _ in range(width)]
+        wide, hidden = lean.forward(seq, tokens), seq.hidden
+        lean.rollback(seq, start)
         for i, token in enumerate(tokens):
-            assert torch.equal(lean.forward([token])[0], wide[i]), (width, i)
-            assert torch.equal(lean.last_hidden[0], hidden[i]), (width, i)
-        lean.rollback(start + rng.randrange(width + 1))  # keep some, as an accepted prefix would
+            assert torch.equal(lean.forward(seq, [token])[0], wide[i]), (width, i)
+            assert torch.equal(seq.hidden[0], hidden[i]), (width, i)
+        lean.rollback(seq, start + rng.randrange(width + 1))  # keep some, as an accepted prefix would
 
 
 @pytest.mark.parametrize("arch", LEAN_ARCHES)

@@ -69,7 +69,7 @@ def test_ngram_equals_greedy(arch, models, std, match):
         result = dec.generate(prompt, NEW_TOKENS)
         assert result.token_ids == expected, f"{arch} std={std} prompt {i}"
     if std == 0.02:
-        assert dec.metrics.accepted_tokens > 0, "a looping model should accept some n-gram drafts"
+        assert result.metrics.accepted_tokens > 0, "a looping model should accept some n-gram drafts"
 
 
 def test_oracle_drafts_full_partial_rejected_and_eos(arch, models):
@@ -117,17 +117,20 @@ def test_cache_length_after_each_round(arch, models):
             rec or target, NgramDrafter(max_ngram=3, min_ngram=1, max_draft=4), max_draft=4, adaptive=False
         )
         emitted, chunks = 0, []
-        for chunk in dec.stream(prompt, NEW_TOKENS):
+        gen = dec.start(prompt, NEW_TOKENS)
+        for chunk in gen:
             emitted += len(chunk)
             chunks.append(chunk)
-            # Every emitted token but the pending last one is in the cache.
-            assert target.length == len(prompt) + emitted - 1
-            assert target.cache.get_seq_length() == len(prompt) + emitted - 1
+            # Every emitted token but the pending last one is in the cache (of the generation's sequence).
+            assert gen.sequence is not None
+            seq = gen.sequence if rec is None else rec.inner_sequence(gen.sequence)
+            assert gen.sequence.length == seq.length == len(prompt) + emitted - 1
+            assert seq.cache.get_seq_length() == len(prompt) + emitted - 1
         assert emitted == NEW_TOKENS
-        runs[fused] = ([t for c in chunks for t in c], dec.metrics)
+        runs[fused] = ([t for c in chunks for t in c], gen.metrics)
         if not fused:
             assert len(chunks[0]) == 1
-            assert len(rec.rollbacks) == dec.metrics.target_forwards
+            assert len(rec.rollbacks) == gen.metrics.target_forwards
     (fused_ids, fused_m), (plain_ids, plain_m) = runs[True], runs[False]
     assert fused_ids == plain_ids
     # The prefill forward verified a draft: one more drafted round, no more target forwards.

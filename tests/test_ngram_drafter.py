@@ -81,17 +81,17 @@ def drafter_scenarios(draw):
 def test_drafter_matches_brute_force(scenario):
     options, eos, prompt, ops = scenario
     drafter = NgramDrafter(**options, eos_token_ids=eos)
-    drafter.reset(prompt)
+    state = drafter.start(prompt)
     history = list(prompt)
     for op, arg in [*ops, ("propose", 8)]:
         if op == "extend":
-            drafter.extend(arg)
+            state.extend(arg)
             history.extend(arg)
         else:
             expected = brute_force_propose(history, eos=eos, max_tokens=arg, **options)
-            assert drafter.propose(arg) == expected
-        assert list(drafter.history) == history
-        assert len(drafter) == len(history)
+            assert state.propose(arg) == expected
+        assert list(state.history) == history
+        assert len(state.history) == len(history)
 
 
 @settings(max_examples=200, deadline=None)
@@ -124,46 +124,44 @@ def test_first_and_recent_policies():
     history = [7, 1, 2, 3, 9, 1, 2, 4, 8, 1, 2]
     first = NgramDrafter(max_ngram=3, min_ngram=2, max_draft=2, match="first")
     recent = NgramDrafter(max_ngram=3, min_ngram=2, max_draft=2, match="recent")
-    first.reset(history)
-    recent.reset(history)
-    assert first.propose(10) == [3, 9]
-    assert recent.propose(10) == [4, 8]
+    first_state = first.start(history)
+    recent_state = recent.start(history)
+    assert first_state.propose(10) == [3, 9]
+    assert recent_state.propose(10) == [4, 8]
     # max_tokens caps the draft below max_draft; non-positive asks for nothing.
-    assert first.propose(1) == [3]
-    assert first.propose(0) == []
-    assert first.propose(-3) == []
+    assert first_state.propose(1) == [3]
+    assert first_state.propose(0) == []
+    assert first_state.propose(-3) == []
 
 
 def test_longest_ngram_wins_and_self_match_ignored():
     drafter = NgramDrafter(max_ngram=4, min_ngram=1, max_draft=3)
-    drafter.reset([5, 6, 5, 6, 7, 1, 2, 6, 7])
+    state = drafter.start([5, 6, 5, 6, 7, 1, 2, 6, 7])
     # Suffix [6, 7] occurs at end 4 (before the last position): continuation [1, 2, 6].
-    assert drafter.propose(4) == [1, 2, 6]
-    drafter.reset([1, 2, 3])  # Only the trailing self-match: no draft.
-    assert drafter.propose(4) == []
+    assert state.propose(4) == [1, 2, 6]
+    state = drafter.start([1, 2, 3])  # Only the trailing self-match: no draft.
+    assert state.propose(4) == []
 
 
 def test_draft_truncated_before_eos():
     drafter = NgramDrafter(max_ngram=2, min_ngram=2, max_draft=4, eos_token_ids=[99])
-    drafter.reset([1, 2, 3, 99, 5, 1, 2])
-    assert drafter.propose(4) == [3]
-    drafter.reset([1, 2, 99, 5, 1, 2])
-    assert drafter.propose(4) == []
+    assert drafter.start([1, 2, 3, 99, 5, 1, 2]).propose(4) == [3]
+    assert drafter.start([1, 2, 99, 5, 1, 2]).propose(4) == []
 
 
 def test_accepts_numpy_and_extends_incrementally():
     drafter = NgramDrafter(max_ngram=3, min_ngram=2, max_draft=4)
-    drafter.reset(np.array([4, 5, 6, 7, 8], dtype=np.int64))
-    assert drafter.propose(4) == []
-    drafter.extend([4])
-    assert drafter.propose(4) == []  # min_ngram 2: [8, 4] not seen before
-    drafter.extend(np.array([5]))
-    assert drafter.propose(4) == [6, 7, 8, 4]
-    assert all(type(t) is int for t in drafter.history)
+    state = drafter.start(np.array([4, 5, 6, 7, 8], dtype=np.int64))
+    assert state.propose(4) == []
+    state.extend([4])
+    assert state.propose(4) == []  # min_ngram 2: [8, 4] not seen before
+    state.extend(np.array([5]))
+    assert state.propose(4) == [6, 7, 8, 4]
+    assert all(type(t) is int for t in state.history)
 
 
-def test_propose_before_reset_is_empty():
-    assert NgramDrafter().propose(4) == []
+def test_propose_on_an_empty_history_is_empty():
+    assert NgramDrafter().start([]).propose(4) == []
 
 
 @pytest.mark.parametrize(
@@ -202,11 +200,11 @@ def test_index_option_validation():
 def test_token_validation(tokens, message):
     drafter = NgramDrafter()
     with pytest.raises(TokenError, match=message):
-        drafter.reset(tokens)
-    drafter.reset([1, 2])
+        drafter.start(tokens)
+    state = drafter.start([1, 2])
     with pytest.raises(TokenError, match=message):
-        drafter.extend(tokens)
-    assert list(drafter.history) == [1, 2]  # a failed extend appends nothing
+        state.extend(tokens)
+    assert list(state.history) == [1, 2]  # a failed extend appends nothing
     with pytest.raises(TokenError, match=message):
         NgramIndex().extend(tokens)
     with pytest.raises(TokenError, match="eos_token_ids"):

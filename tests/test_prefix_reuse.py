@@ -32,7 +32,7 @@ def _model(arch: str, dtype: torch.dtype, seed: int = 1):
 def _reuses(target: LeanTarget, prompt_length: int) -> bool:
     """Whether ``target`` computes a fresh prefill of this length as it computes every later row (where not, as
     with oneDNN's products, it must reuse nothing)."""
-    return target._row_key(prompt_length) is not None
+    return target._row_key("", prompt_length) is not None
 
 
 def test_cached_rows_follow_feeds_rollbacks_and_kept_paths():
@@ -89,26 +89,27 @@ def test_a_reused_prefix_gives_a_fresh_prefills_logits_and_steps(arch, dtype, kv
     fresh = LeanTarget(model, prefix_cache=False, kv_cache=kv_cache)
     rng = random.Random(arch)
     context = [rng.randrange(256) for _ in range(70)]
-    lean.prefill(context)
-    lean.forward([5])
-    lean.forward([6, 7, 8, 9])
-    start = lean.length
-    lean.forward_tree([1, 2, 3, 4, 5], [-1, 0, 1, 0, 3])
-    lean.keep_rows(start, [0, 3, 4])
-    lean.rollback(lean.length - 1)
+    seq, fresh_seq = lean.new_sequence(), fresh.new_sequence()  # each prefill reuses what this sequence's last left
+    lean.prefill(seq, context)
+    lean.forward(seq, [5])
+    lean.forward(seq, [6, 7, 8, 9])
+    start = seq.length
+    lean.forward_tree(seq, [1, 2, 3, 4, 5], [-1, 0, 1, 0, 3])
+    lean.keep_rows(seq, start, [0, 3, 4])
+    lean.rollback(seq, seq.length - 1)
     cached = [*context, 5, 6, 7, 8, 9, 1, 4]  # the ids of the rows left
-    assert lean.length == len(cached)
+    assert seq.length == len(cached)
     for prompt in ([*cached, 11, 12, 13], [*context[:40], 3, 3], cached, [*context[:1], 2]):
-        logits = lean.prefill(prompt)
+        logits = lean.prefill(seq, prompt)
         expected = 0
         if _reuses(lean, len(prompt)):
             expected = next((i for i, (a, b) in enumerate(zip(cached, prompt, strict=False)) if a != b), None)
             expected = min(len(cached) if expected is None else expected, len(prompt) - 1)
-        assert lean.prefix_reused == expected, prompt
-        assert torch.equal(logits, fresh.prefill(prompt)), prompt
-        assert fresh.prefix_reused == 0
+        assert seq.reused == expected, prompt
+        assert torch.equal(logits, fresh.prefill(fresh_seq, prompt)), prompt
+        assert fresh_seq.reused == 0
         for tokens in ([7], [8, 9, 10]):
-            assert torch.equal(lean.forward(tokens), fresh.forward(tokens))
+            assert torch.equal(lean.forward(seq, tokens), fresh.forward(fresh_seq, tokens))
         cached = [*prompt, 7, 8, 9, 10]
     if dtype == torch.bfloat16 and lean_module.native_ops.rows() is not None:
         assert _reuses(lean, 10)  # where our products run (tiles, else rows from bfloat16 bytes), rows are reusable
@@ -122,33 +123,44 @@ def test_nothing_is_reused_under_other_settings_or_past_the_native_prefill(monke
     if not _reuses(lean, 10):
         pytest.skip("this CPU computes bfloat16 prefills with row-count-dependent products: nothing is reused")
     prompt = list(range(40, 100))
-    lean.prefill(prompt)
-    lean.prefill(prompt)
-    assert lean.prefix_reused == len(prompt) - 1
-    lean.capture_hidden = True  # an MTP head reads every prompt row's hidden state
-    lean.prefill(prompt)
-    assert lean.prefix_reused == 0 and lean.last_hidden is not None and lean.last_hidden.shape[0] == len(prompt)
-    lean.capture_hidden = False
+    seq = lean.new_sequence()
+    lean.prefill(seq, prompt)
+    lean.prefill(seq, prompt)
+    assert seq.reused == len(prompt) - 1
+    captured = lean.new_sequence(capture_hidden=True)  # an MTP head reads every prompt row's hidden state
+    for _ in range(2):  # not even its own rows
+        lean.prefill(captured, prompt)
+        assert captured.reused == 0 and captured.hidden is not None and captured.hidden.shape[0] == len(prompt)
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
     try:
-        lean.prefill(prompt)
-        assert lean.prefix_reused == 0
+        lean.prefill(seq, prompt)
+        assert seq.reused == 0
     finally:
         torch.set_num_threads(threads)
-    lean.prefill(prompt)
-    assert lean.prefix_reused == 0  # rows of the other thread count
-    lean.prefill(prompt)
-    assert lean.prefix_reused == len(prompt) - 1
+    lean.prefill(seq, prompt)
+    assert seq.reused == 0  # rows of the other thread count
+    lean.prefill(seq, prompt)
+    assert seq.reused == len(prompt) - 1
     lean.forget_prefix()
-    lean.prefill(prompt)
-    assert lean.prefix_reused == 0
+    lean.prefill(seq, prompt)
+    assert seq.reused == 0
     monkeypatch.setattr(lean_module, "NATIVE_PREFILL_MAX", len(prompt) - 1)
-    lean.prefill(prompt)
-    assert lean.prefix_reused == 0  # a fresh prefill would take the other attention kernel
+    lean.prefill(seq, prompt)
+    assert seq.reused == 0  # a fresh prefill would take the other attention kernel
     monkeypatch.setattr(lean_module, "NATIVE_PREFILL_MAX", len(prompt))
-    lean.prefill(prompt)
-    assert lean.prefix_reused == 0  # the cached rows came from that other kernel
+    lean.prefill(seq, prompt)
+    assert seq.reused == 0  # the cached rows came from that other kernel
+    kept = LeanTarget(model)  # a released sequence's rows, kept: a capturing prefill does not take them either
+    first = kept.new_sequence()
+    kept.prefill(first, prompt)
+    kept.release(first)
+    captured = kept.new_sequence(capture_hidden=True)
+    kept.prefill(captured, prompt)
+    assert captured.reused == 0 and captured.hidden is not None and captured.hidden.shape[0] == len(prompt)
+    plain = kept.new_sequence()
+    kept.prefill(plain, prompt)
+    assert plain.reused == len(prompt) - 1  # they were there to take
 
 
 @pytest.mark.parametrize("method", ["greedy", "ngram", "suffix"])
@@ -185,20 +197,28 @@ def test_alternating_sequences_find_their_own_kept_rows():
     system = [rng.randrange(256) for _ in range(30)]
     talks = {name: [*system, *(rng.randrange(256) for _ in range(20))] for name in "ab"}
     cached = {"a": 0, "b": len(system)}  # b's first turn: the system prompt of a's
+    seq = None
     for turn in range(3):
         for name, talk in talks.items():
-            logits = lean.prefill(talk)
-            assert lean.prefix_reused == cached[name], (turn, name)
-            assert torch.equal(logits, fresh.prefill(talk))
+            if seq is not None:
+                lean.release(seq)  # the turn before ended: its rows are kept
+            seq, fresh_seq = lean.new_sequence(), fresh.new_sequence()
+            logits = lean.prefill(seq, talk)
+            assert seq.reused == cached[name], (turn, name)
+            assert torch.equal(logits, fresh.prefill(fresh_seq, talk))
             answer = [rng.randrange(256) for _ in range(3)]
             for token in answer:
-                assert torch.equal(lean.forward([token]), fresh.forward([token]))
-            assert lean.length == len(talk) + len(answer) == len(lean._rows.tokens)
-            cached[name] = lean.length
+                assert torch.equal(lean.forward(seq, [token]), fresh.forward(fresh_seq, [token]))
+            assert seq.length == len(talk) + len(answer) == len(seq.rows.tokens)
+            cached[name] = seq.length
+            fresh.release(fresh_seq)
             talk += [*answer, *(rng.randrange(256) for _ in range(4))]
-    assert len(lean._kept) == 1  # the other conversation; the live cache holds this one
-    lean.prefill([*system, 1])  # the shared prompt: copied out, its sources stay whole
-    assert lean.prefix_reused == len(system) and len(lean._kept) == 2
+    assert len(lean._kept) == 1  # the other conversation; the live sequence holds this one
+    lean.release(seq)
+    assert len(lean._kept) == 2
+    shared = lean.new_sequence()
+    lean.prefill(shared, [*system, 1])  # the shared prompt: copied out, its sources stay whole
+    assert shared.reused == len(system) and len(lean._kept) == 2
     assert max(len(rows.tokens) for rows, _ in lean._kept._kept) > len(system) + 20
 
 
@@ -209,7 +229,7 @@ def _toy_loaded() -> LoadedModel:
 def test_the_server_reuses_a_prefix_within_a_tenant_only():
     loaded = _toy_loaded()
     probe = LeanTarget(loaded.model)
-    if not probe._row_key(10):
+    if not probe._row_key("", 10):
         pytest.skip("this CPU computes bfloat16 prefills with row-count-dependent products: nothing is reused")
 
     def cached(base: str, key: str, prompt: str) -> tuple[str, int]:

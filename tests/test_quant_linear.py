@@ -206,9 +206,10 @@ def test_a_quantized_toy_model_decodes_speculatively_as_it_decodes_plainly(ops, 
     # close to the file dequantized to float32 (its inputs rounded to 8 bits), not equal to it
     prompts = [[(7 * i + j * j) % 250 for j in range(12 + i)] for i in range(4)]
     reference = LeanTarget(dense)
-    reference.prefill(prompts[0][:-1])
-    lean.prefill(prompts[0][:-1])
-    ours, theirs = lean.forward(prompts[0][-1:]), reference.forward(prompts[0][-1:])
+    their_seq, our_seq = reference.new_sequence(), lean.new_sequence()
+    reference.prefill(their_seq, prompts[0][:-1])
+    lean.prefill(our_seq, prompts[0][:-1])
+    ours, theirs = lean.forward(our_seq, prompts[0][-1:]), reference.forward(their_seq, prompts[0][-1:])
     assert not torch.equal(ours, theirs)
     assert torch.nn.functional.cosine_similarity(ours, theirs).min() > 0.999
     plain = SpeculativeDecoder(lean, None)

@@ -80,8 +80,9 @@ def test_a_file_loads_as_stored_as_it_attaches_by_content(fmt, tmp_path, monkeyp
     assert tokenizer.encode("Hello, world") == their_tokenizer.encode("Hello, world")
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
     mine, theirs = make_target(built, prefix_cache=False), make_target(reference, prefix_cache=False)
-    assert torch.equal(mine.prefill(ids), theirs.prefill(ids)), "the same model must give the same logits"
-    assert torch.equal(mine.forward(ids[:5]), theirs.forward(ids[:5]))
+    ours, their = mine.new_sequence(), theirs.new_sequence()
+    assert torch.equal(mine.prefill(ours, ids), theirs.prefill(their, ids)), "the same model must give the same logits"
+    assert torch.equal(mine.forward(ours, ids[:5]), theirs.forward(their, ids[:5]))
     attention, mlp = built.model.layers[0].self_attn, built.model.layers[0].mlp
     for members in ((attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)):
         storages = {getattr(m, QUANT).untyped_storage().data_ptr() for m in members}
@@ -111,8 +112,9 @@ def test_a_q4_k_m_file_loads_as_stored_and_names_what_it_dequantizes(tmp_path, m
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
     mine, theirs = make_target(built, prefix_cache=False), make_target(reference, prefix_cache=False)
     assert mine.native and mine._loop is not None  # q/k/v fused over Q4_K and Q6_K: the native loop runs
-    assert torch.equal(mine.prefill(ids), theirs.prefill(ids))
-    assert torch.equal(mine.forward(ids[:5]), theirs.forward(ids[:5]))
+    ours, their = mine.new_sequence(), theirs.new_sequence()
+    assert torch.equal(mine.prefill(ours, ids), theirs.prefill(their, ids))
+    assert torch.equal(mine.forward(ours, ids[:5]), theirs.forward(their, ids[:5]))
 
 
 def test_packing_slice_by_slice_from_the_mapped_file_gives_the_whole_tensors_blocks(tmp_path, monkeypatch):

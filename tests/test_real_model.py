@@ -166,6 +166,7 @@ def test_shipped_head_drafts_trees_losslessly_and_its_hiddens_follow_the_kept_pa
     tree) every round; output equals greedy's, leaves are accepted, and the hidden states the head was handed are
     the target's own along the accepted path (a full forward of the output, to float32 noise)."""
     from lattice_inference.api import mtp_head_for
+    from lattice_inference.drafters.mtp import MtpState
     from lattice_inference.targets.facts import ForwardCosts
     from lattice_inference.targets.transformers import final_norm
 
@@ -178,11 +179,13 @@ def test_shipped_head_drafts_trees_losslessly_and_its_hiddens_follow_the_kept_pa
     for prompt in ("Write two sentences about the sea.", "Give me three tips for sleeping well."):
         ids = gen.encode(prompt, chat=True)
         reference = generators["greedy"].generate(ids, max_new_tokens=BUDGET)
-        out = gen.generate(ids, max_new_tokens=BUDGET)
+        started = gen.start(ids, max_new_tokens=BUDGET)
+        out = started.result()
         assert out.token_ids == reference.token_ids
         assert out.metrics.leaves > 0
         on_leaf += out.metrics.accepted_leaves
-        drafter = gen.decoder.drafter
+        state = started.drafter_state
+        assert isinstance(state, MtpState)
         seq = ids + out.token_ids
         kept: list[torch.Tensor] = []
         hook = final_norm(loaded.model).register_forward_hook(lambda m, a, o, kept=kept: kept.append(o[0]))
@@ -191,8 +194,9 @@ def test_shipped_head_drafts_trees_losslessly_and_its_hiddens_follow_the_kept_pa
                 loaded.model(torch.tensor([seq[:-1]]))
         finally:
             hook.remove()
-        rows = drafter._hidden
-        start = drafter._hidden_start
+        rows = state._gather()
+        start = state._hidden_start
+        assert rows is not None
         torch.testing.assert_close(rows, kept[0][start : start + rows.shape[0]], atol=2e-3, rtol=2e-3)
         assert start + rows.shape[0] == len(seq) - 1
     assert on_leaf > 0

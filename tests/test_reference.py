@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lattice_inference import reference
-from lattice_inference.drafters.ngram import NgramDrafter
+from lattice_inference.drafters.base import Proposal
+from lattice_inference.drafters.ngram import NgramDrafter, NgramState
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.reference import NgramSpeculator, argmax, generate_with_speculation, verify_draft
 
@@ -80,18 +81,28 @@ def copy_prompt_model(prompt: Sequence[int], vocab: int = 100) -> Callable[[tupl
     return logits
 
 
+class RecordingState(NgramState):
+    """An `NgramState` that records each proposal and whether EOS truncated it (in `RecordingDrafter.log`)."""
+
+    drafter: NgramDrafter
+
+    def propose(self, max_tokens: int) -> Proposal:
+        draft = super().propose(max_tokens)
+        drafter = self.drafter
+        eos, drafter.eos_token_ids = drafter.eos_token_ids, frozenset()
+        untruncated = super().propose(max_tokens)
+        drafter.eos_token_ids = eos
+        RecordingDrafter.log.append((draft, len(untruncated) > len(draft)))
+        return draft
+
+
 class RecordingDrafter(NgramDrafter):
-    """NgramDrafter that records each proposal and whether EOS truncated it."""
+    """NgramDrafter whose generations record each proposal and whether EOS truncated it."""
 
     log: ClassVar[list[tuple[list[int], bool]]] = []
 
-    def propose(self, max_tokens: int) -> list[int]:
-        draft = super().propose(max_tokens)
-        eos, self.eos_token_ids = self.eos_token_ids, frozenset()
-        untruncated = super().propose(max_tokens)
-        self.eos_token_ids = eos
-        RecordingDrafter.log.append((draft, len(untruncated) > len(draft)))
-        return draft
+    def new_state(self, prompt_ids, sampler=None, suffix_index=None) -> RecordingState:
+        return RecordingState(self, list(super().new_state(prompt_ids, sampler, suffix_index).history))
 
 
 @pytest.fixture

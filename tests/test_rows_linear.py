@@ -127,12 +127,13 @@ def test_a_bfloat16_lean_target_without_bfloat16_dot_products_runs_its_layers_on
     model = toy_model(toy_config("qwen3", hidden_size=128, intermediate_size=512, head_dim=32), seed=1).bfloat16()
     lean = LeanTarget(model, prefix_budget=0)
     assert lean._loop is not None and lean._loop.runs(torch.empty(0, dtype=torch.bfloat16))
-    lean.prefill(list(range(20)))
-    wide = lean.forward([5, 6, 7])
-    lean.rollback(20)
-    assert all(torch.equal(lean.forward([token])[0], wide[i]) for i, token in enumerate([5, 6, 7]))
-    lean.prefill([*range(20), 5, 9])
-    assert lean.prefix_reused == 21
+    seq = lean.new_sequence()
+    lean.prefill(seq, list(range(20)))
+    wide = lean.forward(seq, [5, 6, 7])
+    lean.rollback(seq, 20)
+    assert all(torch.equal(lean.forward(seq, [token])[0], wide[i]) for i, token in enumerate([5, 6, 7]))
+    lean.prefill(seq, [*range(20), 5, 9])
+    assert seq.reused == 21
     prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4] * 3
     plain = SpeculativeDecoder(lean, None, adaptive=False).generate(prompt, 40).token_ids
     drafter = NgramDrafter(max_ngram=4, min_ngram=1, max_draft=6)
@@ -155,12 +156,13 @@ def test_a_float32_lean_target_runs_its_layers_on_them_and_its_rows_are_reusable
     lean = LeanTarget(model, prefix_budget=0)
     runs = lean._loop is not None and lean._loop.runs(torch.empty(0))
     assert runs == on if isa_ceiling() == "avx512" else runs or not on
-    lean.prefill(list(range(20)))
-    wide = lean.forward([5, 6, 7])
-    lean.rollback(20)
-    assert all(torch.equal(lean.forward([token])[0], wide[i]) for i, token in enumerate([5, 6, 7]))
-    lean.prefill([*range(20), 5, 9])
-    assert lean.prefix_reused == (21 if runs else 0)
+    seq = lean.new_sequence()
+    lean.prefill(seq, list(range(20)))
+    wide = lean.forward(seq, [5, 6, 7])
+    lean.rollback(seq, 20)
+    assert all(torch.equal(lean.forward(seq, [token])[0], wide[i]) for i, token in enumerate([5, 6, 7]))
+    lean.prefill(seq, [*range(20), 5, 9])
+    assert seq.reused == (21 if runs else 0)
 
 
 def test_the_avx2_build_equals_the_avx512_build(rows):

@@ -76,22 +76,20 @@ class FixedLogitsTarget(Target):
 
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = logits
-        self.n = 0
 
     vocab_size = property(lambda self: self.logits.shape[0])
     max_positions = property(lambda self: None)
-    length = property(lambda self: self.n)
 
-    def prefill(self, token_ids):
-        self.n = len(token_ids)
+    def prefill(self, seq, token_ids):
+        seq.length = len(token_ids)
         return self.logits.clone()
 
-    def forward(self, token_ids):
-        self.n += len(token_ids)
+    def forward(self, seq, token_ids):
+        seq.length += len(token_ids)
         return self.logits.expand(len(token_ids), -1).clone()
 
-    def rollback(self, length):
-        self.n = length
+    def rollback(self, seq, length):
+        seq.length = length
 
 
 def test_speculative_path_draws_the_processed_softmax():
@@ -174,16 +172,32 @@ def test_seeds_api(model_dir):
         gen.generate(PROMPT, 4, temperature=1.0, top_p=2.0)
 
 
-def test_generations_in_turn(model_dir):
-    """Per-generation state: an abandoned stream cannot corrupt the next generation, nor continue after it."""
+def _interleaved(gens) -> None:
+    """Iterate the generations ``gens`` one chunk each in turn until all are done."""
+    running = list(gens)
+    while running:
+        for gen in list(running):
+            if next(gen, None) is None:
+                running.remove(gen)
+
+
+def test_generations_interleave(model_dir):
+    """Per-generation state: an abandoned stream cannot corrupt the next generation, and two generations of one
+    decoder iterated in turn each give exactly what they give alone."""
     gen = Generator.from_pretrained(model_dir, dtype="float32", method="ngram")
     want = gen.generate(PROMPT, 16, temperature=0.8, seed=9)
+    alone = gen.generate(PROMPT, 16, temperature=0.8, seed=1)
+    other = gen.generate("hello world, hello world", 16, temperature=0.8, seed=9)
     first = gen.start(PROMPT, 16, temperature=0.8, seed=1)
     next(first)
     again = gen.generate(PROMPT, 16, temperature=0.8, seed=9)
     assert again.token_ids == want.token_ids and again.metrics.new_tokens == want.metrics.new_tokens
-    with pytest.raises(RuntimeError, match="another generation"):
-        list(first)
+    assert first.result().token_ids == alone.token_ids  # it continues after another generation ran to the end
+    a = gen.start(PROMPT, 16, temperature=0.8, seed=1)
+    b = gen.start("hello world, hello world", 16, temperature=0.8, seed=9)
+    _interleaved([a, b])
+    assert a.token_ids == alone.token_ids and a.stop_reason == alone.stop_reason
+    assert b.token_ids == other.token_ids and b.stop_reason == other.stop_reason
 
 
 def run_json(capsys, *args: str) -> dict:

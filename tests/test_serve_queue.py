@@ -1,77 +1,60 @@
-"""The bounded worker: arrival order, one job at a time, a bounded wait list, cancellation, errors."""
+"""The server's admission: arrival order, a bounded wait list, the depth it reports, each job's items and its end."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import queue
 
 import pytest
 
-from lattice_inference.serve.queue import GenerationQueue, QueueFull
+from lattice_inference.serve.queue import AdmissionQueue, QueueFull
 
 
-def test_jobs_run_in_order_one_at_a_time_and_the_wait_list_is_bounded():
-    gate = threading.Event()
-    log: list[str] = []
+def test_jobs_are_taken_in_arrival_order_and_the_wait_list_is_bounded():
+    depths: list[tuple[int, int]] = []
 
-    def job(name: str, wait: bool = False):
-        def run():
-            log.append(f"start {name}")
-            if wait:
-                gate.wait(10)
-            yield name
-            log.append(f"end {name}")
+    async def main() -> None:
+        admission = AdmissionQueue(max_queue=2, capacity=1, on_depth=lambda w, r: depths.append((w, r)))
+        jobs = [admission.submit(lambda name=name: name) for name in "abc"]  # one may run, two wait
+        with pytest.raises(QueueFull, match="3 requests are waiting"):
+            admission.submit(lambda: "d")
+        first = admission.take(block=False)
+        assert first is jobs[0]
+        admission.started(first)
+        assert (admission.waiting, admission.running) == (2, 1)
+        with pytest.raises(QueueFull):  # still full: one runs, two wait
+            admission.submit(lambda: "d")
+        admission.finish(first, None)
+        assert (admission.waiting, admission.running) == (2, 0)
+        late = admission.submit(lambda: "d")  # room again
+        assert [admission.take(block=False) for _ in range(3)] == [jobs[1], jobs[2], late]
+        with pytest.raises(queue.Empty):
+            admission.take(block=False)
+        admission.close()
+        assert admission.take(block=True) is None
+        assert [item async for item in first.results()] == []  # ended with no items and no error
 
-        return run
-
-    async def main():
-        queue = GenerationQueue(max_queue=2)
-        first = queue.submit(job("a", wait=True))
-        while not first.started.is_set():
-            await asyncio.sleep(0.001)
-        rest = [queue.submit(job("b")), queue.submit(job("c"))]
-        with pytest.raises(QueueFull):
-            queue.submit(job("d"))
-        assert (queue.waiting, queue.running) == (2, 1)
-        gate.set()
-        outs = [[item async for item in j.results()] for j in (first, *rest)]
-        queue.close()
-        return outs
-
-    assert asyncio.run(main()) == [["a"], ["b"], ["c"]]
-    assert log == ["start a", "end a", "start b", "end b", "start c", "end c"]
+    asyncio.run(main())
+    assert depths[:3] == [(1, 0), (2, 0), (3, 0)] and depths[3:5] == [(2, 1), (2, 0)]
 
 
-def test_cancel_closes_the_iterator_after_the_item_in_flight_and_errors_reach_the_caller():
-    closed = threading.Event()
-
-    def endless():
-        try:
-            n = 0
-            while True:
-                n += 1
-                yield n
-        finally:
-            closed.set()
-
-    def broken():
-        yield 1
-        raise RuntimeError("boom")
-
-    async def main():
-        queue = GenerationQueue(max_queue=4)
-        job = queue.submit(endless)
-        got = []
-        async for item in job.results():
-            got.append(item)
-            if item == 3:
+def test_a_jobs_items_reach_its_request_and_its_error_is_raised_there_unless_cancelled():
+    async def main() -> None:
+        admission = AdmissionQueue(max_queue=4, capacity=1)
+        ok, failing, cancelled = (admission.submit(lambda: None) for _ in range(3))
+        for job, error in ((ok, None), (failing, RuntimeError("boom")), (cancelled, RuntimeError("late"))):
+            assert admission.take(block=False) is job
+            admission.started(job)
+            for item in (1, 2):
+                job._put(item)
+            if job is cancelled:
                 job.cancel()
-        failing = queue.submit(broken)
+            admission.finish(job, error)
+        assert [item async for item in ok.results()] == [1, 2]
         with pytest.raises(RuntimeError, match="boom"):
             async for _ in failing.results():
                 pass
-        queue.close()
-        return got
+        assert [item async for item in cancelled.results()] == []  # its client went away: nothing, no error
+        assert admission.pending == 0
 
-    got = asyncio.run(main())
-    assert closed.is_set() and got == [1, 2, 3]
+    asyncio.run(main())

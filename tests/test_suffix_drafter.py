@@ -15,6 +15,7 @@ from lattice_inference.drafters.suffix import LOOKUP, SuffixDrafter, match_key, 
 from lattice_inference.drafters.suffix_index import SuffixIndex, SuffixMatch
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets import TransformersTarget
+from lattice_inference.targets.base import TargetSequence
 from lattice_inference.targets.facts import ForwardCosts
 from lattice_inference.testing.toy import TOY_ARCHITECTURES, byte_tokenizer, toy_config, toy_model
 
@@ -79,31 +80,41 @@ def test_suffix_equals_keyed_sampling_across_requests(arch):
     assert accepted > 0
 
 
+class TreeSequence(TargetSequence):
+    """A `TreeKeyedTarget`'s sequence: its fed tokens (``cache``) and its last forward's draft tree, if any."""
+
+    tree: tuple[list[int], list[list[int]]] | None = None
+
+
 class TreeKeyedTarget(ContextKeyedTarget):
     """`ContextKeyedTarget` verifying draft trees row by row (each row's logits from its own path)."""
 
     verifies_trees = True
     fuses_prefill_and_draft = False
 
-    def forward_tree(self, token_ids, parents):
+    def new_sequence(self, owner="", *, capture_hidden=False):
+        return TreeSequence(self, owner, capture_hidden=capture_hidden)
+
+    def forward_tree(self, seq, token_ids, parents):
         import torch
 
-        base, paths, rows = list(self.tokens), [], []
+        base, paths, rows = list(seq.cache), [], []
         for token, parent in zip(token_ids, parents, strict=True):
             paths.append(([] if parent < 0 else paths[parent]) + [token])
             rows.append(self._logits(base + paths[-1]))
-        self._tree = (base, paths)
+        seq.tree = (base, paths)
         return torch.stack(rows)
 
-    def forward(self, token_ids):
-        self._tree = None
-        return super().forward(token_ids)
+    def forward(self, seq, token_ids):
+        seq.tree = None
+        return super().forward(seq, token_ids)
 
-    def keep_rows(self, start, rows):
-        if self._tree is None:
-            return super().keep_rows(start, rows)
-        base, paths = self._tree
-        self.tokens = base + paths[rows[-1]]
+    def keep_rows(self, seq, start, rows):
+        if seq.tree is None:
+            return super().keep_rows(seq, start, rows)
+        base, paths = seq.tree
+        seq.cache = base + paths[rows[-1]]
+        seq.length = len(seq.cache)
 
 
 def test_trees_from_branching_continuations_step_onto_a_leaf():
@@ -156,9 +167,8 @@ def test_suffix_plus_mtp_drafts_with_the_index_first():
     drafter = FallbackDrafter([SuffixDrafter(100), NgramDrafter()])
     index = SuffixIndex(100)
     index.begin([7, 8, 9, 10])
-    drafter.use_suffix_index(index)
-    drafter.reset([7, 8])
-    assert drafter.propose(4) == [9, 10] and drafter.proposals_by == [1, 0]
+    state = drafter.start([7, 8], suffix_index=index)
+    assert state.propose(4) == [9, 10] and state.proposals_by == [1, 0]
     assert drafter.proposes_trees
 
 

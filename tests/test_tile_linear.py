@@ -103,7 +103,8 @@ def test_a_bfloat16_lean_target_runs_its_layers_on_the_tiles_or_on_onednn(tiles,
     lean = LeanTarget(model.to(torch.bfloat16))
     assert lean._loop is not None
     assert all(tile_packed(packed) == on for packed in lean._loop.operands[0])
-    lean.prefill(list(range(20)))
-    wide = lean.forward([5, 6, 7])
-    lean.rollback(20)
-    assert all(torch.equal(lean.forward([token])[0], wide[i]) for i, token in enumerate([5, 6, 7]))
+    seq = lean.new_sequence()
+    lean.prefill(seq, list(range(20)))
+    wide = lean.forward(seq, [5, 6, 7])
+    lean.rollback(seq, 20)
+    assert all(torch.equal(lean.forward(seq, [token])[0], wide[i]) for i, token in enumerate([5, 6, 7]))

@@ -30,7 +30,6 @@ from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
 from lattice_inference.generation import Generation, GenerationResult
 from lattice_inference.loading import LoadedModel, eos_token_ids_of, load_model
-from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.mtp import MtpHead, load_mtp_head
 from lattice_inference.mtp.head_file import load_head_file, shipped_head
 from lattice_inference.options import (
@@ -373,8 +372,3 @@ class Generator:
         for result in results:
             result.text = cast(str, self.tokenizer.decode(result.token_ids, skip_special_tokens=True))
         return results
-
-    @property
-    def metrics(self) -> GenerationMetrics:
-        """Metrics of the most recent generation."""
-        return self.decoder.metrics

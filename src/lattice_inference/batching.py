@@ -1,12 +1,13 @@
 """Several generations in one forward: continuous batching, each request with its own speculation.
 
-A `Batch` runs the generations that share one target, each on its own target sequence (`Target.new_sequence`:
-its cache, length and rows). A `step` plans every running generation's round (`SpeculativeDecoder.plan`: its draft,
-weighed against the rows the other sequences already put in the step, so drafts shrink as the batch grows, down to
-none), runs one forward over all their rows where the target batches sequences (`Target.forward_batch`), else each
-generation's forward in turn, and finishes each round (`SpeculativeDecoder.finish`: verification, rollback of its
-own sequence, emitted tokens). Generations join (`add`, which prefills at once) and leave (`remove`, or when they
-stop) between steps; every running generation advances every step, so none starves.
+A `Batch` runs the generations that share one target, each on its own target sequence (`Target.new_sequence`: its
+cache, length and rows, owned by its `Generation`). A `step` plans every running generation's round
+(`SpeculativeDecoder.plan`: its draft, weighed against the rows the other sequences already put in the step, so
+drafts shrink as the batch grows, down to none), runs one forward over all their rows where the target batches
+sequences (`Target.forward_batch`), else each generation's round in turn (`SpeculativeDecoder.round`), and
+finishes each round (`SpeculativeDecoder.finish`: verification, rollback of its own sequence, emitted tokens).
+Generations join (`add`, which prefills at once) and leave (`remove`, or when they stop) between steps; every
+running generation advances every step, so none starves.
 
 Why each request's output does not depend on the batch: in a batched forward every row is computed by the same
 instructions as in its sequence's own forward (row-exact products over all rows, rotary embedding, cache writes and
@@ -24,7 +25,7 @@ from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.errors import ConfigError
 from lattice_inference.generation import Generation
 from lattice_inference.options import MAX_BATCH_ROWS, check_max_batch
-from lattice_inference.targets.base import Segment, Target, TargetSequence
+from lattice_inference.targets.base import Segment, Target
 from lattice_inference.targets.forward_cost import forward_costs
 
 __all__ = ["Batch", "Driver"]
@@ -69,16 +70,13 @@ class Batch:
             raise ConfigError("a batch runs generations of one target; this decoder verifies with another")
         if len(self._members) >= self.max_rows:
             raise ConfigError(f"a batch of at most {self.max_rows} rows per step is full")
-        target = self.target
         if gen.max_new_tokens == 0:
             gen.stop_reason = "length"
             return []
-        gen.sequence = target.new_sequence(owner)
-        target.use(gen.sequence)
         member = _Member(decoder, gen)
         try:
             self.prepare(decoder)
-            first = decoder.open(gen)
+            first = decoder.open(gen, owner)
         except BaseException:
             self._end(member)
             raise
@@ -91,8 +89,8 @@ class Batch:
 
     def prepare(self, decoder: SpeculativeDecoder) -> float:
         """Measure the target's forward costs up to a full step's rows (``max_rows``), once per target, where
-        ``decoder`` plans its drafts by them: the planner weighs a round's rows against the step's. Measuring runs
-        on the target's current sequence (resetting it). Returns the seconds spent (next to nothing when done)."""
+        ``decoder`` plans its drafts by them: the planner weighs a round's rows against the step's (measured on a
+        scratch sequence). Returns the seconds spent (next to nothing when done)."""
         start = time.perf_counter()
         if decoder.adaptive and decoder.drafter is not None and decoder.costs is None:
             forward_costs(self.target, max(self.max_rows, decoder.widest()))
@@ -124,8 +122,6 @@ class Batch:
                 chunks = self._batched(members)
             else:
                 for member in members:
-                    target.use(_sequence(member.gen))
-                    self._capture(member.decoder.wants_hidden())
                     chunks[member.gen] = member.decoder.round(member.gen)
                     member.gen.token_ids.extend(chunks[member.gen])
         except BaseException:
@@ -141,11 +137,9 @@ class Batch:
     def _batched(self, members: list[_Member]) -> dict[Generation, list[int]]:
         """Plan every member's round, run them in one forward, finish each."""
         target, rounds = self.target, []
-        self._capture(any(m.decoder.wants_hidden() for m in members))
         planned = 0  # rows planned so far
         for i, member in enumerate(members):
             later = len(members) - i - 1  # one row each, at least
-            target.use(_sequence(member.gen))
             rounds.append(
                 member.decoder.plan(
                     member.gen,
@@ -155,33 +149,24 @@ class Batch:
                 )
             )
             planned += len(rounds[-1].tokens)
-        segments = [Segment(_sequence(m.gen), r.tokens, r.parents) for m, r in zip(members, rounds, strict=True)]
+        segments = []
+        for member, planned_round in zip(members, rounds, strict=True):
+            assert member.gen.sequence is not None
+            segments.append(Segment(member.gen.sequence, planned_round.tokens, planned_round.parents))
         start = time.perf_counter()
         outputs = target.forward_batch(segments)
         seconds = time.perf_counter() - start
         self.batched_rows += planned
         chunks = {}
         for member, planned_round, output in zip(members, rounds, outputs, strict=True):
-            target.use(_sequence(member.gen))
             chunk = member.decoder.finish(member.gen, planned_round, output.logits, output.hidden, planned, seconds)
             member.gen.token_ids.extend(chunk)
             chunks[member.gen] = chunk
         return chunks
 
-    def _capture(self, on: bool) -> None:
-        if self.target.capture_hidden != on:
-            self.target.capture_hidden = on
-
-    def _end(self, member: _Member) -> None:
-        member.decoder.close(member.gen)
-        if member.gen.sequence is not None:
-            self.target.release(member.gen.sequence)
-
-
-def _sequence(gen: Generation) -> TargetSequence:
-    """The target sequence of a generation in a batch."""
-    assert gen.sequence is not None
-    return gen.sequence
+    @staticmethod
+    def _end(member: _Member) -> None:
+        member.decoder.close(member.gen)  # releases its sequence
 
 
 class Driver:

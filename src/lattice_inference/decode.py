@@ -1,7 +1,8 @@
 """The speculative decode loop: drafter -> target forward -> choices -> accepted tokens -> drafter.
 
-Invariant: after prefill, the target's cache holds every token of the sequence except the newest one, the
-*pending* token, which sits at position ``p = target.length``. Each round feeds ``[pending] + draft`` in one
+Invariant: after prefill, the generation's target sequence (`Generation.sequence`, its own cache slot) holds
+every token of the sequence except the newest one, the *pending* token, which sits at position
+``p = sequence.length``. Each round feeds ``[pending] + draft`` in one
 forward (positions ``p .. p+k``); row ``i`` of its logits chooses the token at sequence index ``p + 1 + i``
 (greedy argmax, or the keyed sampler of `lattice_inference.sampling`, whose choice depends only on that row's
 logits, the seed and that index). The longest draft prefix equal to those choices is accepted (``a`` tokens),
@@ -32,10 +33,9 @@ from lattice_inference.drafters.base import Drafter, PlannedDraft
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.generation import Generation, GenerationResult, row_logprob
-from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.options import MAX_LEAVES, DecodeOptions
 from lattice_inference.sampling import SamplingOptions
-from lattice_inference.targets.base import Target
+from lattice_inference.targets.base import Target, TargetSequence
 from lattice_inference.targets.exactness import exactness
 from lattice_inference.targets.facts import Exactness, ForwardCosts
 from lattice_inference.targets.forward_cost import forward_costs
@@ -71,11 +71,11 @@ class SpeculativeDecoder:
     planner forward costs instead of measuring them (they stand as given; measured ones are corrected by each
     generation's timed forwards).
     The decoder holds no per-generation state: each call of `start` (or `stream`, `generate`) makes a new
-    `Generation`; ``metrics`` and ``stop_reason`` are the most recent generation's. Across generations it keeps
-    only what its planner learned about acceptance (rates by drafter key, never text), per *scope*: each
-    generation's planner starts from the previous one's of its scope (`lattice_inference.acceptance`; `MAX_SCOPES`
-    most recent scopes kept; ``lattice serve`` gives each tenant its own). Generations run in turn:
-    starting one ends any earlier one still being iterated.
+    `Generation`, which owns its sequence on the target, so generations of one decoder may be iterated in any
+    interleaving. Across generations it keeps only what its planner learned about acceptance (rates by drafter
+    key, never text), per *scope*: each generation's planner starts from the previous one's of its scope
+    (`lattice_inference.acceptance`; `MAX_SCOPES` most recent scopes kept; ``lattice serve`` gives each tenant its
+    own).
     """
 
     def __init__(
@@ -98,7 +98,6 @@ class SpeculativeDecoder:
         self.costs = costs
         self.max_leaves = max_leaves
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.last: Generation | None = None
         self.exactness: Exactness | None = None
         """The target's self-check (`prepare`, or the first drafted generation); None before, or not claimed."""
         wants_hidden = drafter is not None and drafter.uses_hidden_states
@@ -107,16 +106,6 @@ class SpeculativeDecoder:
             raise ConfigError(f"the drafter needs hidden states, which {name} cannot provide")
         self._wants_hidden = wants_hidden
         self._learned: OrderedDict[str, AcceptanceStats] = OrderedDict()  # scope -> its last planner's stats
-
-    @property
-    def metrics(self) -> GenerationMetrics:
-        """Metrics of the most recent generation."""
-        return self.last.metrics if self.last is not None else GenerationMetrics()
-
-    @property
-    def stop_reason(self) -> str:
-        """Stop reason of the most recent generation."""
-        return self.last.stop_reason if self.last is not None else ""
 
     def _validate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         if not prompt_ids:
@@ -143,9 +132,8 @@ class SpeculativeDecoder:
         suffix_index: SuffixIndex | None = None,
         scope: str | None = "",
     ) -> Generation:
-        """A validated `Generation` of this decoder, not started (`start` starts one on the target's current
-        sequence; a `lattice_inference.batching.Batch` runs several, each on its own sequence). The arguments are
-        `start`'s."""
+        """A validated `Generation` of this decoder, not started (`start` starts it alone; a
+        `lattice_inference.batching.Batch` runs several in one forward). The arguments are `start`'s."""
         prompt_ids = [int(t) for t in prompt_ids]
         self._validate(prompt_ids, max_new_tokens)
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
@@ -176,7 +164,6 @@ class SpeculativeDecoder:
         """
         gen = self.new_generation(prompt_ids, max_new_tokens, sampling, logprobs, suffix_index, scope)
         gen._chunks = self._run(gen)
-        self.last = gen
         return gen
 
     def stream(
@@ -212,8 +199,8 @@ class SpeculativeDecoder:
         return tokens
 
     def _run(self, gen: Generation) -> Generator[list[int], None, None]:
-        """A generation on the target's current sequence: `open`, then rounds (`plan`, the target's forward,
-        `finish`) until it stops, then `close`."""
+        """A generation alone: `open` (on a new sequence of the target), then rounds (`plan`, the target's
+        forward, `finish`) until it stops, then `close`."""
         if gen.max_new_tokens == 0:
             gen.stop_reason = "length"
             return
@@ -222,7 +209,6 @@ class SpeculativeDecoder:
             if first:
                 yield first
             while not gen.stop_reason:
-                self._check_current(gen)
                 chunk = self.round(gen)
                 if chunk:
                     yield chunk
@@ -233,13 +219,12 @@ class SpeculativeDecoder:
         """Whether this decoder's drafter reads the target's hidden states (the target must capture them)."""
         return self._wants_hidden
 
-    def open(self, gen: Generation) -> list[int]:
-        """Start ``gen`` on the target's current sequence: the self-check and cost measurement where not done yet,
-        the planner, the prefill; returns the first emitted tokens (`close` must follow, whatever happens)."""
+    def open(self, gen: Generation, owner: str | None = "") -> list[int]:
+        """Start ``gen`` on a new sequence of the target (`Generation.sequence`, whose prefill may reuse ``owner``'s
+        earlier rows): the self-check and cost measurement where not done yet, the planner, the prefill; returns
+        the first emitted tokens (`close` must follow, whatever happens: it releases the sequence)."""
         m = gen.metrics
-        target, drafter = self.target, self.drafter
-        if target.capture_hidden != self._wants_hidden:  # a target shared with another decoder may have it on
-            target.capture_hidden = self._wants_hidden
+        drafter = self.drafter
         if drafter is not None:
             start = time.perf_counter()
             costs = self._calibrate()  # once per target: a no-op here where `prepare` ran at load
@@ -251,6 +236,7 @@ class SpeculativeDecoder:
                 learned = learned.carried() if learned is not None else None
                 priors = self.drafter.key_priors if self.drafter is not None else None
                 gen.planner = DraftPlanner(costs, max_leaves=self._leaves(), learned=learned, priors=priors)
+        gen.sequence = self.target.new_sequence(owner, capture_hidden=self._wants_hidden)
         start = time.perf_counter()
         first, hidden, rows = self._prefill(gen)
         m.prefill_s = time.perf_counter() - start
@@ -272,7 +258,7 @@ class SpeculativeDecoder:
         if gen.planner is not None:
             gen.planner.share(shared_rows, shared_tokens)
         planned = self._draft(gen, room)
-        pending, position = gen.pending, self.target.length
+        pending, position = gen.pending, _sequence(gen).length
         if planned.alternatives and self.target.verifies_trees:  # a draft tree: leaves beside the draft
             tree = DraftTree(planned.verify, planned.alternatives)
             tokens, parents, depths = tree.rows(pending)
@@ -280,17 +266,17 @@ class SpeculativeDecoder:
         return Round(planned, [pending, *planned.verify], position)
 
     def round(self, gen: Generation) -> list[int]:
-        """One round of ``gen`` on the target's current sequence (`plan`, the forward, `finish`); returns the
-        tokens it emits."""
-        planned = self.plan(gen)
+        """One round of ``gen`` alone (`plan`, the forward of its sequence, `finish`); returns the tokens it
+        emits."""
+        planned, seq = self.plan(gen), _sequence(gen)
         forward_start = time.perf_counter()
         if planned.tree is not None:
             assert planned.parents is not None
-            logits = self.target.forward_tree(planned.tokens, planned.parents)
+            logits = self.target.forward_tree(seq, planned.tokens, planned.parents)
         else:
-            logits = self.target.forward(planned.tokens)
+            logits = self.target.forward(seq, planned.tokens)
         seconds = time.perf_counter() - forward_start
-        return self.finish(gen, planned, logits, self.target.last_hidden, len(planned.tokens), seconds)
+        return self.finish(gen, planned, logits, seq.hidden, len(planned.tokens), seconds)
 
     def finish(
         self,
@@ -302,7 +288,7 @@ class SpeculativeDecoder:
         seconds: float,
     ) -> list[int]:
         """Verify ``planned``'s rows against their ``logits`` (and ``hidden`` states, for a drafter that reads
-        them), keep the accepted rows on the target's current sequence (``gen``'s), learn from the round and
+        them), keep the accepted rows of ``gen``'s sequence, learn from the round and
         return the tokens it emits. ``width``: rows of the forward that ran it (more than ``planned``'s in a
         batch), which took ``seconds``."""
         sampler, target, draft = gen.sampler, self.target, planned.planned.verify
@@ -317,7 +303,7 @@ class SpeculativeDecoder:
         if gen.planner is not None and self.costs is None:  # given costs stand as given
             gen.planner.observe_forward_seconds(width, seconds)
         rows = self._path_hidden(hidden, verdict.path)
-        target.keep_rows(planned.position, verdict.path)
+        target.keep_rows(_sequence(gen), planned.position, verdict.path)
         leaves = len(planned.tokens) - len(draft) - 1
         gen.metrics.record_round(len(draft), verdict.accepted, leaves=leaves, on_leaf=verdict.rows is not None)
         self._learn(gen, planned.planned, verdict)
@@ -327,9 +313,11 @@ class SpeculativeDecoder:
         return out
 
     def close(self, gen: Generation) -> None:
-        """End ``gen`` (finished or not): leave what its planner learned to its scope, and fill in its decode time
-        and drafter forwards."""
+        """End ``gen`` (finished or not): release its sequence, leave what its planner learned to its scope, and
+        fill in its decode time and drafter forwards."""
         m = gen.metrics
+        if gen.sequence is not None:
+            self.target.release(gen.sequence)
         if gen.planner is not None and gen.scope is not None:
             self._keep_learned(gen.scope, gen.planner.stats)
         now = time.perf_counter()
@@ -356,8 +344,7 @@ class SpeculativeDecoder:
         """Run now what the first drafted generation would otherwise run before its prefill: the target's
         exactness self-check (where it is decode-matched) and, when adaptive, the measurement of its forward costs
         (unless given). Both are kept per target, so calling this at load takes them off the first request.
-        Returns the seconds spent (next to nothing when already done). Measuring resets the target's cache, so no
-        generation may be running.
+        Returns the seconds spent (next to nothing when already done). Both run on scratch sequences of the target.
         """
         if self.drafter is None:
             return 0.0
@@ -412,10 +399,6 @@ class SpeculativeDecoder:
         if depth < len(planned.runners_up) and planned.proposal[depth] != verdict.tokens[depth]:
             planner.record_runners_up(planned.runners_up, depth, verdict.tokens[depth], planned.key)
 
-    def _check_current(self, gen: Generation) -> None:
-        if self.last is not gen:
-            raise RuntimeError("another generation started on this decoder; this one cannot continue")
-
     def _prefill(self, gen: Generation) -> tuple[list[int], torch.Tensor | None, torch.Tensor]:
         """Prefill the prompt; return the first emitted tokens, (if wanted) the prompt's hidden states, and the
         logits rows that chose the tokens.
@@ -424,21 +407,21 @@ class SpeculativeDecoder:
         inside the prefill forward and the drafter needs no hidden states, the first draft is proposed from the
         prompt alone and verified there (rows choose indices ``len(prompt) ..``), saving one forward.
         """
-        target, drafter, prompt = self.target, self.drafter, gen.prompt_ids
+        target, drafter, prompt, seq = self.target, self.drafter, gen.prompt_ids, _sequence(gen)
         if drafter is not None:
             gen.drafter_state = drafter.start(prompt, sampler=gen.sampler, suffix_index=gen.suffix_index)
         budget = gen.max_new_tokens
         if drafter is None or self._wants_hidden or not target.fuses_prefill_and_draft or budget < 2:
-            logits = target.prefill(prompt).unsqueeze(0)
-            gen.metrics.cached_prompt_tokens = target.prefix_reused
+            logits = target.prefill(seq, prompt).unsqueeze(0)
+            gen.metrics.cached_prompt_tokens = seq.reused
             first = gen.sampler.choose(gen.penalised(logits, prompt[-1:]), len(prompt))
             gen.pending = first[-1]
-            return first, self._path_hidden(self.target.last_hidden, len(prompt)), logits
+            return first, self._path_hidden(seq.hidden, len(prompt)), logits
         planned = self._draft(gen, budget - 1)
         draft = planned.verify
-        logits = target.prefill_with_draft(prompt, draft)
+        logits = target.prefill_with_draft(seq, prompt, draft)
         verdict = verify_prefix(draft, gen.sampler.choose(gen.penalised(logits, [prompt[-1], *draft]), len(prompt)))
-        target.rollback(len(prompt) + verdict.accepted)
+        target.rollback(seq, len(prompt) + verdict.accepted)
         self._learn(gen, planned, verdict)
         if draft:
             gen.metrics.record_round(len(draft), verdict.accepted, in_prefill=True)
@@ -465,3 +448,10 @@ class SpeculativeDecoder:
         state.extend(tokens)
         if hidden is not None:
             state.observe(hidden, position)
+
+
+def _sequence(gen: Generation) -> TargetSequence:
+    """The target sequence of an opened generation."""
+    if gen.sequence is None:
+        raise RuntimeError("this generation has not been opened (SpeculativeDecoder.open)")
+    return gen.sequence

@@ -107,8 +107,8 @@ class Generation:
         self.opened_at: float | None = None
         """When the prefill ended (`SpeculativeDecoder.open`; None: not started)."""
         self.sequence: TargetSequence | None = None
-        """The target sequence this generation runs on in a batch (`lattice_inference.batching`; None: the target's
-        current one, a single generation)."""
+        """This generation's own sequence on the target (its cache slot, length and what its forwards produced):
+        made when it opens (`SpeculativeDecoder.open`), released when it closes."""
         self._chunks: Generator[list[int], None, None] = _no_chunks()
 
     def penalised(

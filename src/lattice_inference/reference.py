@@ -222,13 +222,13 @@ def generate_with_speculation(
         eos = tuple(validate_token_ids([eos_token], "eos_token"))
 
     drafter = NgramDrafter(max_ngram=max_ngram, min_ngram=2, max_draft=max_draft, eos_token_ids=eos)
-    drafter.reset(tokens)
+    state = drafter.start(tokens)
     out: list[int] = []
     while len(out) < budget:
         pending = len(tokens) - 1  # position (== index) of the last, not yet fed, token
         nxt = argmax(forward_fn(tokens[-1], pending))
         # A step emits the accepted draft plus one model token, so at most (budget left - 1) draft tokens.
-        draft = drafter.propose(budget - len(out) - 1)
+        draft = state.propose(budget - len(out) - 1)
         if draft and draft[0] == nxt:
             accepted, logits = verify_draft(draft, pending + 1, forward_fn)
             new = [*draft[:accepted], argmax(logits[accepted - 1])]
@@ -239,5 +239,5 @@ def generate_with_speculation(
                 return out
             out.append(token)
             tokens.append(token)
-        drafter.extend(new)
+        state.extend(new)
     return out

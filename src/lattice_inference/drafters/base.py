@@ -142,10 +142,7 @@ class Drafter(Protocol):
 
     Per generation the decode loop calls ``start(prompt, sampler=..., suffix_index=...)`` once and then drives the
     returned state (see `DrafterState`). The drafter itself keeps configuration only, so generations started on
-    it never share what they learn.
-
-    For a single sequence driven by hand (tests, the reference implementation) ``reset`` / ``extend`` /
-    ``propose`` / ``propose_planned`` / ``observe`` act on the most recently started state, ``last``.
+    it never share what they learn; it holds no request's state, not even the latest one's.
     """
 
     uses_hidden_states: bool = False
@@ -165,13 +162,6 @@ class Drafter(Protocol):
     """Acceptance the planner assumes for a planner key before that key's own rounds are seen, where the drafter
     knows better than its drafter-wide estimate (a suffix match 32 tokens deep continues as before); keys not
     here start from that estimate (`lattice_inference.acceptance`)."""
-
-    _reset_sampler: Sampler | None = None
-    _reset_index: SuffixIndex | None = None
-
-    last: DrafterState | None = None
-    """The most recently started state (as `SpeculativeDecoder.last`): what the single-sequence conveniences
-    act on and what ``forward_count`` reports. Nothing reads it to draft a generation."""
 
     def new_state(
         self, prompt_ids: Sequence[int], sampler: Sampler | None, suffix_index: SuffixIndex | None
@@ -193,48 +183,4 @@ class Drafter(Protocol):
         cross-request index, earlier requests' tokens in its scope, which a drafter that reads them may draft from
         and add the generation's tokens to (None: this request's tokens only). Drafters that use neither ignore
         them."""
-        state = self.new_state(prompt_ids, sampler, suffix_index)
-        self.last = state
-        return state
-
-    @property
-    def forward_count(self) -> int:
-        """Model forwards drafted in the most recently started generation (0 for lookup drafters)."""
-        return self.last.forward_count if self.last is not None else 0
-
-    # Single-sequence conveniences: the most recent state, started by `reset` (with what `use_sampler` and
-    # `use_suffix_index` gave) or, on first use, over an empty history.
-
-    def use_sampler(self, sampler: Sampler | None) -> None:
-        """The sampler the next `reset` starts with (the decode loop passes its own to `start`)."""
-        self._reset_sampler = sampler
-
-    def use_suffix_index(self, index: SuffixIndex | None) -> None:
-        """The cross-request index the next `reset` starts with (the decode loop passes its own to `start`)."""
-        self._reset_index = index
-
-    def reset(self, prompt_ids: Sequence[int]) -> None:
-        """`start` a state over ``prompt_ids``, for the conveniences below."""
-        self.start(prompt_ids, sampler=self._reset_sampler, suffix_index=self._reset_index)
-
-    def _current(self) -> DrafterState:
-        if self.last is None:
-            self.reset([])
-        assert self.last is not None
-        return self.last
-
-    def extend(self, token_ids: Sequence[int]) -> None:
-        """`DrafterState.extend` on the most recent state."""
-        self._current().extend(token_ids)
-
-    def propose(self, max_tokens: int) -> Proposal:
-        """`DrafterState.propose` on the most recent state."""
-        return self._current().propose(max_tokens)
-
-    def propose_planned(self, max_tokens: int, plan: Plan) -> PlannedDraft:
-        """`DrafterState.propose_planned` on the most recent state."""
-        return self._current().propose_planned(max_tokens, plan)
-
-    def observe(self, hidden_states: torch.Tensor, start_position: int) -> None:
-        """`DrafterState.observe` on the most recent state."""
-        self._current().observe(hidden_states, start_position)
+        return self.new_state(prompt_ids, sampler, suffix_index)

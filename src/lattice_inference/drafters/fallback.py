@@ -43,21 +43,6 @@ class FallbackDrafter(Drafter):
         states = [d.start(prompt_ids, sampler=sampler, suffix_index=suffix_index) for d in self.drafters]
         return FallbackState(self, states)
 
-    def _state(self) -> FallbackState:
-        state = self._current()
-        assert isinstance(state, FallbackState)
-        return state
-
-    @property
-    def proposals_by(self) -> list[int]:
-        """Rounds each drafter drafted for in the most recently started generation."""
-        return self._state().proposals_by
-
-    @property
-    def proposal_key(self) -> int:
-        """The planner key of the most recent generation's latest proposal (inspection only)."""
-        return self._state().key
-
 
 class FallbackState(DrafterState):
     """One generation's fallback drafting: a state per drafter (every one sees every accepted token and hidden

@@ -61,21 +61,6 @@ class MtpDrafter(Drafter):
         coupled = sampler if self.coupled and sampler is not None and not sampler.greedy else None
         return MtpState(self, list(prompt_ids), coupled)
 
-    def _state(self) -> MtpState:
-        state = self._current()
-        assert isinstance(state, MtpState)
-        return state
-
-    # The most recent generation's target hiddens (inspection: tests check them against the model's own).
-
-    @property
-    def _hidden(self) -> torch.Tensor | None:
-        return self._state()._gather()
-
-    @property
-    def _hidden_start(self) -> int:
-        return self._state()._hidden_start
-
 
 class MtpState(DrafterState):
     """One generation's MTP drafting: its history, the target hiddens not yet built into the head's cache, that

@@ -201,20 +201,6 @@ class NgramDrafter(Drafter):
         """
         return NgramState(self, validate_token_ids(prompt_ids, "prompt_ids"))
 
-    def _state(self) -> NgramState:
-        state = self._current()
-        assert isinstance(state, NgramState)
-        return state
-
-    @property
-    def history(self) -> TokenView:
-        """The most recent generation's token history: prompt followed by accepted tokens (read-only view)."""
-        return self._state().history
-
-    def __len__(self) -> int:
-        """Length of the most recent generation's history."""
-        return len(self._state().history)
-
 
 class NgramState(DrafterState):
     """One generation's n-gram lookup: its history and the incremental index over it (the settings are the

@@ -1,4 +1,4 @@
-"""The ASGI application: OpenAI-compatible routes over one `Engine`, a bounded `GenerationQueue`, metrics.
+"""The ASGI application: OpenAI-compatible routes over one `Engine`, a `Scheduler` with a bounded queue, metrics.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``. With an API key, every route but ``/health`` needs ``Authorization: Bearer KEY``.

@@ -1,8 +1,8 @@
-"""One worker thread per loaded model: jobs run one at a time, in arrival order, from a bounded queue.
+"""The server's admission: a bounded wait list of jobs in arrival order, and each job's items as they arrive.
 
-A job is a function returning an iterator (a generation); the worker runs it off the event loop and hands each
-item to the job's asyncio queue. Cancelling a job (its client went away) makes the worker close the iterator
-after the item in flight, so a generation stops within one decode round and the next job starts.
+A job is a request's function, run on the `lattice_inference.serve.scheduler.Scheduler`'s worker thread, off the
+event loop; the worker hands each of its items to the job's asyncio queue, where the request reads them
+(`Job.results`). Cancelling a job (its client went away) makes the worker drop it before its next round.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 
@@ -57,24 +57,23 @@ class Job:
                 yield item
 
 
-class GenerationQueue:
-    """Runs submitted jobs one at a time on a daemon thread; at most ``max_queue`` may wait."""
+class AdmissionQueue:
+    """The server's wait list: jobs in arrival order, at most ``max_queue`` waiting beside the ``capacity`` running
+    (`QueueFull` past that: a 429), with the depth reported on every change. It only admits: the `Scheduler`'s
+    worker takes jobs from it (`take`), says when one starts (`started`) and hands each its end (`finish`)."""
 
-    capacity = 1
-    """Jobs that run at once (the rest wait)."""
-
-    def __init__(self, max_queue: int, on_depth: Callable[[int, int], None] | None = None) -> None:
+    def __init__(self, max_queue: int, capacity: int, on_depth: Callable[[int, int], None] | None = None) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be non-negative, got {max_queue}")
         self.max_queue = max_queue
+        self.capacity = capacity
+        """Jobs that run at once (the rest wait)."""
         self._on_depth = on_depth
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.pending = 0
-        """Jobs submitted and not finished: the one running plus those waiting."""
+        """Jobs submitted and not finished: those running plus those waiting."""
         self.running = 0
-        self._thread = threading.Thread(target=self._work, name="lattice-generation", daemon=True)
-        self._thread.start()
 
     def submit(self, run: Callable[[], Any]) -> Job:
         """Queue ``run`` (called on the worker thread); raise `QueueFull` when ``max_queue`` jobs wait already."""
@@ -93,45 +92,29 @@ class GenerationQueue:
         return self.pending - self.running
 
     def close(self) -> None:
-        """Stop the worker after the job in flight."""
+        """No more jobs: `take` returns None once the jobs queued before are taken."""
         self._jobs.put(None)
+
+    def take(self, block: bool) -> Job | None:
+        """The next waiting job in arrival order (None: the queue was closed); waits for one where ``block``, else
+        raises ``queue.Empty`` when none waits."""
+        return self._jobs.get(block=block)
+
+    def started(self, job: Job) -> None:
+        """``job`` was taken and runs now."""
+        job.started.set()
+        with self._lock:
+            self.running += 1
+            self._report()
+
+    def finish(self, job: Job, error: BaseException | None) -> None:
+        """``job`` ended (with ``error``, handed to its request, or None): its end goes out and it leaves the count."""
+        job._put(JobEnd(error))
+        with self._lock:
+            self.running -= 1
+            self.pending -= 1
+            self._report()
 
     def _report(self) -> None:
         if self._on_depth is not None:
             self._on_depth(self.waiting, self.running)
-
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            with self._lock:
-                self.running = 1
-                self._report()
-            try:
-                self._run(job)
-            finally:
-                with self._lock:
-                    self.running = 0
-                    self.pending -= 1
-                    self._report()
-
-    @staticmethod
-    def _run(job: Job) -> None:
-        job.started.set()
-        error: BaseException | None = None
-        items: Iterator[Any] | None = None
-        try:
-            if not job.cancelled.is_set():
-                items = job.run()
-                for item in items:
-                    job._put(item)
-                    if job.cancelled.is_set():
-                        break
-        except Exception as exc:  # handed to the request that owns the job
-            error = exc
-        finally:
-            close = getattr(items, "close", None)
-            if close is not None:
-                try:
-                    close()
-                except Exception as exc:
-                    error = error or exc
-            job._put(JobEnd(error))

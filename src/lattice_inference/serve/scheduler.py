@@ -1,14 +1,14 @@
 """Continuous batching for the server: up to ``max_batch`` generations running at once on one worker thread.
 
-The `Scheduler` is the server's `GenerationQueue` (the same bounded wait list, 429 past ``max_queue``, arrival order,
-cancellation, errors handed to the request) with a different worker: instead of running one job to its end, it keeps
-a running set (a `lattice_inference.batching.Driver`, the loop `Generator.generate_many` drives too). Between steps it
-admits waiting requests in arrival order while fewer than ``max_batch`` run (each one's prefill runs at once, and its
-first tokens go out), drops those whose clients went away, and then runs one step of each
-`lattice_inference.batching.Batch` (one per target: requests whose speculation settings verify with another target
-run in its own batch), every running request advancing one round per step, so none starves. Each round's tokens go to
-its request as a `Delta`; a request that ends (EOS, its length, a stop string) gets its `Finish` and leaves, and the
-next waiting one takes its place. ``max_batch`` 1 runs requests one at a time.
+The `Scheduler` takes requests from the server's `AdmissionQueue` (a bounded wait list, 429 past ``max_queue``,
+arrival order) on its worker thread and keeps a running set (a `lattice_inference.batching.Driver`, the loop
+`Generator.generate_many` drives too). Between steps it admits waiting requests in arrival order while fewer than
+``max_batch`` run (each one's prefill runs at once, and its first tokens go out), drops those whose clients went
+away, and then runs one step of each `lattice_inference.batching.Batch` (one per target: requests whose speculation
+settings verify with another target run in its own batch), every running request advancing one round per step, so
+none starves. Each round's tokens go to its request as a `Delta`; a request that ends (EOS, its length, a stop
+string) gets its `Finish` and leaves, and the next waiting one takes its place. Errors are handed to the request
+they belong to. ``max_batch`` 1 runs requests one at a time.
 
 A request's tokens do not depend on what else runs: see `lattice_inference.batching`.
 """
@@ -16,13 +16,15 @@ A request's tokens do not depend on what else runs: see `lattice_inference.batch
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from lattice_inference.batching import Batch, Driver
 from lattice_inference.generation import Generation
 from lattice_inference.serve.engine import Reply
-from lattice_inference.serve.queue import GenerationQueue, Job, JobEnd
+from lattice_inference.serve.queue import AdmissionQueue, Job
 
 
 @dataclass(eq=False)
@@ -34,16 +36,36 @@ class _Running:
     batch: Batch
 
 
-class Scheduler(GenerationQueue):
-    """Runs submitted replies (each job's ``run`` returns a `Reply`) up to ``max_batch`` at once; see the module
-    docstring."""
+class Scheduler:
+    """Runs submitted replies (each job's ``run`` returns a `Reply`) up to ``max_batch`` at once on its worker
+    thread; see the module docstring."""
 
     def __init__(self, max_queue: int, max_batch: int, on_depth: Callable[[int, int], None] | None = None) -> None:
         self._driver = Driver(max_batch)
         """The running generations, a `Batch` per target: the loop `Generator.generate_many` drives too."""
-        self.max_batch = self.capacity = self._driver.max_batch
+        self.max_batch = self._driver.max_batch
+        self.admission = AdmissionQueue(max_queue, self.max_batch, on_depth)
         self._running: list[_Running] = []
-        super().__init__(max_queue, on_depth)
+        self._thread = threading.Thread(target=self._work, name="lattice-generation", daemon=True)
+        self._thread.start()
+
+    def submit(self, run: Callable[[], Any]) -> Job:
+        """Queue a request (`AdmissionQueue.submit`; ``run`` returns its `Reply`, on the worker thread)."""
+        return self.admission.submit(run)
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not started yet."""
+        return self.admission.waiting
+
+    @property
+    def running(self) -> int:
+        """Requests being generated."""
+        return self.admission.running
+
+    def close(self) -> None:
+        """Stop the worker once the requests running and queued have ended."""
+        self.admission.close()
 
     @property
     def batched_rows(self) -> int:
@@ -65,7 +87,7 @@ class Scheduler(GenerationQueue):
         the queue was closed."""
         while not closing and len(self._running) < self.max_batch:
             try:
-                job = self._jobs.get(block=not self._running)
+                job = self.admission.take(block=not self._running)
             except queue.Empty:
                 break
             if job is None:
@@ -74,10 +96,7 @@ class Scheduler(GenerationQueue):
         return closing
 
     def _start(self, job: Job) -> None:
-        job.started.set()
-        with self._lock:
-            self.running += 1
-            self._report()
+        self.admission.started(job)
         if job.cancelled.is_set():
             self._done(job, None)
             return
@@ -134,8 +153,4 @@ class Scheduler(GenerationQueue):
         self._done(run.job, None)
 
     def _done(self, job: Job, error: BaseException | None) -> None:
-        job._put(JobEnd(error))
-        with self._lock:
-            self.running -= 1
-            self.pending -= 1
-            self._report()
+        self.admission.finish(job, error)

@@ -1,9 +1,11 @@
 """The target protocol: the model being accelerated.
 
-A target owns the model's cache and the position of the next write. ``forward`` feeds tokens at explicit,
-contiguous positions starting at ``length`` and returns logits for every one of them; ``rollback`` moves the
-write position back so that rejected draft tokens leave no trace. Positions are never implicit: the token at
-index ``i`` of the sequence is always fed at position ``i``.
+A target is a runner over explicit sequences: it holds the weights, its buffers and measured facts, and each
+request's state lives in a `TargetSequence` the request owns (its cache, its length, what its last forward
+produced), passed to every call. ``forward(seq, ids)`` feeds tokens at explicit, contiguous positions starting at
+``seq.length`` and returns logits for every one of them; ``rollback(seq, n)`` moves the write position back so
+that rejected draft tokens leave no trace. Positions are never implicit: the token at index ``i`` of the sequence
+is always fed at position ``i``.
 
 Subclass `Target` to inherit the defaults of its optional parts (no hidden-state capture, no fused
 prefill+draft); the decode loop reads them directly, never by probing.
@@ -21,15 +23,29 @@ from lattice_inference.targets.facts import TargetFacts
 
 
 class TargetSequence:
-    """One sequence's state on a target (its cache, its length, the ids of its rows, whose rows they are), held
-    here while another sequence is the target's current one. A `Generation` that shares a target with others owns
-    one (`Target.new_sequence`); `Target.use` makes it current, so the target's single-sequence methods (`prefill`,
-    `forward`, `rollback`, ...) act on it."""
+    """One sequence on a target: its cache slot and everything a forward of it produced. A `Generation` owns one
+    (`Target.new_sequence`) and passes it to every call of the target (`prefill`, `forward`, `rollback`, ...), so
+    the target holds no request's state: only weights, buffers and measured facts. Targets with more to keep per
+    sequence (the ids of its cached rows, a recurrent model's rollback window) subclass it."""
 
-    def __init__(self, target: object, state: dict[str, object]) -> None:
+    def __init__(self, target: Target, owner: str | None = "", *, capture_hidden: bool = False) -> None:
         self.target = target
-        self.state = state
-        """The saved attributes (`Target.sequence_fields`) while not current; empty while current."""
+        self.owner = owner
+        """Whose earlier sequences its prefill may reuse rows of, and who may reuse its rows once released: only
+        sequences of the same owner (``lattice serve`` gives each tenant's requests its tenant); None: it reuses
+        none, and none of its rows are kept for later."""
+        self.capture_hidden = capture_hidden
+        """Whether its forwards keep the post-final-norm hidden states of their rows in `hidden` (an MTP drafter
+        reads them; only where the target ``provides_hidden_states``)."""
+        self.cache: object = None
+        """The target's cache of this sequence (its own type; None before the first `prefill`)."""
+        self.length = 0
+        """Tokens in the cache: the next token fed goes to this position."""
+        self.reused = 0
+        """How many leading rows of its last `prefill` came from a cache as it stood instead of being computed
+        (only where bit for bit what a fresh prefill computes: `lattice_inference.targets.prefix_reuse`)."""
+        self.hidden: torch.Tensor | None = None
+        """The hidden states ``[rows, hidden]`` of its last forward's rows, where ``capture_hidden``; else None."""
         self.released = False
 
 
@@ -57,13 +73,8 @@ class Target(Protocol):
     """A causal LM that can score several tokens in one forward and roll its cache back."""
 
     provides_hidden_states: bool = False
-    """Whether setting ``capture_hidden = True`` fills `last_hidden` (MTP drafting needs it)."""
-
-    capture_hidden: bool = False
-    """When true (and ``provides_hidden_states``), every `prefill`/`forward` keeps the post-final-norm hidden
-    states of all fed positions in `last_hidden` (``[n, hidden]``)."""
-
-    last_hidden: torch.Tensor | None = None
+    """Whether a sequence made with ``capture_hidden=True`` gets its rows' hidden states (`TargetSequence.hidden`;
+    MTP drafting needs them)."""
 
     fuses_prefill_and_draft: bool = False
     """Whether `prefill_with_draft` is offered (where rolling back into a prefill is cheap)."""
@@ -77,83 +88,49 @@ class Target(Protocol):
     1-token `forward` at that position (`lattice_inference.targets.exactness` checks it before the first drafted
     generation), so that verification is lossless in any dtype."""
 
-    prefix_reused: int = 0
-    """How many leading rows of the last `prefill` came from the cache as it stood (the earlier sequence's rows
-    for the same tokens) instead of being computed: only where they equal bit for bit what a fresh prefill would
-    compute (`lattice_inference.targets.prefix_reuse`); 0 for targets that never reuse."""
-
-    prefix_owner: str | None = ""
-    """Whose earlier sequences a `prefill` may reuse rows of: only those prefilled under the same owner (``lattice
-    serve`` sets each request's tenant); None: reuse none, and keep none of this one's for later."""
-
-    sequence_fields: tuple[str, ...] = ()
-    """The attributes that hold the current sequence's state, which `use` saves and restores (empty: the target
-    holds one sequence only, and `new_sequence` is refused)."""
-
     batches_sequences: bool = False
     """Whether `forward_batch` computes the rows of several sequences in one forward, each row bit for bit what the
     sequence's forward alone computes (else a batch runs its sequences' forwards one after the other)."""
 
-    def _fresh_sequence(self) -> dict[str, object]:
-        """The `sequence_fields` of an empty sequence (subclasses add theirs)."""
-        return {}
-
-    def new_sequence(self, owner: str | None = "") -> TargetSequence:
-        """A new, empty sequence on this target (current once `use`d; its first call is `prefill`). ``owner``:
-        whose earlier sequences its prefill may reuse rows of (`prefix_owner`)."""
-        if not self.sequence_fields:
-            raise NotImplementedError(f"{type(self).__name__} holds one sequence only")
-        return TargetSequence(self, {**self._fresh_sequence(), "prefix_owner": owner})
-
-    @property
-    def default_sequence(self) -> TargetSequence:
-        """The sequence a target starts with, which single generations (`SpeculativeDecoder.start`) run on."""
-        default = self.__dict__.get("_default_sequence")
-        if default is None:
-            default = self.__dict__["_default_sequence"] = TargetSequence(self, {})
-            self.__dict__.setdefault("_current_sequence", default)
-        return default
-
-    @property
-    def current_sequence(self) -> TargetSequence:
-        """The sequence the single-sequence methods act on now."""
-        default = self.default_sequence
-        current = self.__dict__.get("_current_sequence", default)
-        assert isinstance(current, TargetSequence)
-        return current
-
-    def use(self, sequence: TargetSequence) -> None:
-        """Make ``sequence`` the current one: the current one's state is saved in its `TargetSequence`, and
-        ``sequence``'s restored (a few attribute assignments; no tensor is copied)."""
-        current = self.current_sequence
-        if sequence is current:
-            return
-        if sequence.target is not self or sequence.released:
-            raise ValueError("this sequence belongs to another target, or was released")
-        current.state = {name: getattr(self, name) for name in self.sequence_fields}
-        for name, value in sequence.state.items():
-            setattr(self, name, value)
-        sequence.state = {}
-        self.__dict__["_current_sequence"] = sequence
+    def new_sequence(self, owner: str | None = "", *, capture_hidden: bool = False) -> TargetSequence:
+        """A new, empty sequence on this target (its first call is `prefill`). ``owner``: whose earlier sequences
+        its prefill may reuse rows of (`TargetSequence.owner`); ``capture_hidden``: keep its rows' hidden states."""
+        if capture_hidden and not self.provides_hidden_states:
+            raise ValueError(f"{type(self).__name__} does not provide hidden states")
+        return TargetSequence(self, owner, capture_hidden=capture_hidden)
 
     def release(self, sequence: TargetSequence) -> None:
-        """Done with ``sequence`` (its generation ended): the default sequence becomes current if it was, and its
-        cache is dropped, or kept for later prefills to reuse where the target does (`_retire`)."""
-        if sequence.released or sequence is self.default_sequence:
+        """Done with ``sequence`` (its generation ended): its cache is dropped, or kept for later prefills of the same
+        owner to reuse where the target does (`_retire`). Releasing twice does nothing."""
+        if sequence.released:
             return
-        self.use(sequence)
-        self._retire()
-        self.use(self.default_sequence)
-        sequence.state, sequence.released = {}, True
+        self._own(sequence)
+        self._retire(sequence)
+        sequence.cache, sequence.hidden, sequence.released = None, None, True
 
-    def _retire(self) -> None:
-        """The current sequence ends (`release`): keep what a later prefill may reuse (the default keeps none)."""
+    def _retire(self, sequence: TargetSequence) -> None:
+        """``sequence`` ends (`release`): keep what a later prefill may reuse (the default keeps none)."""
+
+    def _own(self, sequence: TargetSequence) -> None:
+        """Refuse a sequence of another target, or one already released."""
+        if sequence.target is not self:
+            raise ValueError("this sequence belongs to another target")
+        if sequence.released:
+            raise ValueError("this sequence was released")
 
     def forward_batch(self, segments: Sequence[Segment]) -> list[SegmentOutput]:
-        """Feed each segment's rows after its sequence's cache (as `forward`, or `forward_tree` with ``parents``),
-        all in one forward, every row bit for bit what its sequence's own forward computes. Only where
-        ``batches_sequences``; afterwards the current sequence is the last segment's."""
-        raise NotImplementedError(f"{type(self).__name__} does not batch sequences")
+        """Feed each segment's rows after its sequence's cache (as `forward`, or `forward_tree` with ``parents``):
+        where ``batches_sequences``, all in one forward, every row bit for bit what its sequence's own forward
+        computes; else (this default) each sequence's forward in turn."""
+        outputs = []
+        for segment in segments:
+            seq, tokens = segment.sequence, segment.tokens
+            if segment.parents is None:
+                logits = self.forward(seq, tokens)
+            else:
+                logits = self.forward_tree(seq, tokens, segment.parents)
+            outputs.append(SegmentOutput(logits, seq.hidden))
+        return outputs
 
     @property
     def kv_cache(self) -> str:
@@ -179,44 +156,43 @@ class Target(Protocol):
         """Largest sequence length the model supports, or ``None`` when unbounded or unknown."""
         ...
 
-    @property
-    def length(self) -> int:
-        """Number of tokens in the cache; the next token fed goes to this position."""
-        ...
-
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Reset the cache, feed ``token_ids`` at positions ``0..n-1`` and return the last position's logits
+    def prefill(self, sequence: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:
+        """Reset ``sequence``'s cache, feed ``token_ids`` at positions ``0..n-1`` and return the last position's logits
         as a float tensor of shape ``[vocab]``."""
         ...
 
-    def prefill_with_draft(self, token_ids: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
+    def prefill_with_draft(
+        self, sequence: TargetSequence, token_ids: Sequence[int], draft: Sequence[int]
+    ) -> torch.Tensor:
         """Prefill ``token_ids`` and feed ``draft`` after them in one forward: logits ``[len(draft) + 1, vocab]``
         for the last prompt position and every draft position; the caller rolls back to
         ``len(token_ids) + accepted``. Only where ``fuses_prefill_and_draft``."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse prefill and draft")
 
-    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Feed ``token_ids`` at positions ``length..length+k-1`` and return logits ``[k, vocab]``."""
+    def forward(self, sequence: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:
+        """Feed ``token_ids`` after ``sequence``'s cache, at positions ``length..length+k-1``, and return logits
+        ``[k, vocab]``."""
         ...
 
-    def rollback(self, length: int) -> None:
-        """Discard every cached token at position ``>= length`` (``0 <= length <= self.length``)."""
+    def rollback(self, sequence: TargetSequence, length: int) -> None:
+        """Discard every cached token of ``sequence`` at position ``>= length`` (``0 <= length <= sequence.length``)."""
         ...
 
-    def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
-        """Feed a draft tree after the cache: row ``i`` holds ``token_ids[i]`` at position ``length + depth(i)``
-        and attends to the cache and its ancestors only (``parents[i]``, the earlier row it follows; -1 for row 0,
-        the only root). Returns logits ``[n, vocab]``; `keep_rows` must follow. Only where ``verifies_trees``."""
+    def forward_tree(self, sequence: TargetSequence, token_ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Feed a draft tree after ``sequence``'s cache: row ``i`` holds ``token_ids[i]`` at position
+        ``length + depth(i)`` and attends to the cache and its ancestors only (``parents[i]``, the earlier row it
+        follows; -1 for row 0, the only root). Returns logits ``[n, vocab]``; `keep_rows` must follow. Only where
+        ``verifies_trees``."""
         raise NotImplementedError(f"{type(self).__name__} does not verify draft trees")
 
     def forget_prefix(self, owner: str | None = None) -> None:
         """Make later prefills compute every row instead of reusing those of the sequences cached so far (every
         owner's, or only ``owner``'s). A no-op where nothing is reused."""
 
-    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
-        """After a forward (or `forward_tree`) that fed rows at ``start``, keep the rows ``rows`` (increasing,
-        a path from row 0) as positions ``start ..`` and drop the rest. A prefix of the fed rows is a rollback,
-        which every target does; other paths only where ``verifies_trees``."""
+    def keep_rows(self, sequence: TargetSequence, start: int, rows: Sequence[int]) -> None:
+        """After ``sequence``'s forward (or `forward_tree`) that fed rows at ``start``, keep the rows ``rows``
+        (increasing, a path from row 0) as positions ``start ..`` and drop the rest. A prefix of the fed rows is a
+        rollback, which every target does; other paths only where ``verifies_trees``."""
         if list(rows) != list(range(len(rows))):
             raise NotImplementedError(f"{type(self).__name__} keeps only a prefix of the rows it fed, got {list(rows)}")
-        self.rollback(start + len(rows))
+        self.rollback(sequence, start + len(rows))

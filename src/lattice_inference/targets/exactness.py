@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from lattice_inference.process import release_freed_memory
-from lattice_inference.targets.base import Segment, Target
+from lattice_inference.targets.base import Segment, Target, TargetSequence
 from lattice_inference.targets.facts import Exactness
 
 CHECK_CONTEXT = 48
@@ -33,28 +33,32 @@ def _first_difference(wide: torch.Tensor, rows: list[torch.Tensor]) -> tuple[int
 
 def check_exactness(target: Target, max_width: int) -> Exactness:
     """Compare forwards of widths ``2..max_width`` (and one draft tree, where offered) with one-token forwards of
-    the same tokens after a scratch context. This resets the target's cache."""
+    the same tokens after a scratch context, on scratch sequences of the target (released after)."""
     vocab = target.vocab_size
     context = _tokens(CHECK_CONTEXT, vocab, 1)
     sequence = _tokens(max_width, vocab, 2)
-    target.prefill(context)
-    alone = []
-    for token in sequence:
-        alone.append(target.forward([token])[-1].clone())
-    target.rollback(CHECK_CONTEXT)
-    failures = []
-    widths = tuple(range(2, max_width + 1))
-    for w in widths:
-        wide = target.forward(sequence[:w])
-        target.rollback(CHECK_CONTEXT)
-        diff = _first_difference(wide, alone[:w])
-        if diff is not None:
-            failures.append(f"width {w}, row {diff[0]}: max |diff| {diff[1]:.3g} in {locate(target, sequence[:w])}")
-            target.rollback(CHECK_CONTEXT)
-            break
-    trees = bool(target.verifies_trees) and max_width >= 3 and not failures
-    if trees:
-        failures += _check_tree(target, sequence[: max_width // 2 + 1], alone, vocab)
+    seq = target.new_sequence(None)
+    try:
+        target.prefill(seq, context)
+        alone = []
+        for token in sequence:
+            alone.append(target.forward(seq, [token])[-1].clone())
+        target.rollback(seq, CHECK_CONTEXT)
+        failures = []
+        widths = tuple(range(2, max_width + 1))
+        for w in widths:
+            wide = target.forward(seq, sequence[:w])
+            target.rollback(seq, CHECK_CONTEXT)
+            diff = _first_difference(wide, alone[:w])
+            if diff is not None:
+                where = locate(target, seq, sequence[:w])
+                failures.append(f"width {w}, row {diff[0]}: max |diff| {diff[1]:.3g} in {where}")
+                break
+        trees = bool(target.verifies_trees) and max_width >= 3 and not failures
+        if trees:
+            failures += _check_tree(target, seq, sequence[: max_width // 2 + 1], alone, vocab)
+    finally:
+        target.release(seq)
     batched = BATCH_SEQUENCES if target.batches_sequences and max_width >= 3 and not failures else 0
     if batched:
         failures += _check_batch(target, context, sequence, alone)
@@ -69,8 +73,7 @@ BATCH_SEQUENCES = 3
 def _check_batch(target: Target, context: list[int], sequence: list[int], alone: list[torch.Tensor]) -> list[str]:
     """One batched forward (`Target.forward_batch`) of three sequences, each over its own context: the checked
     sequence's chain of ``len(sequence) // 2`` tokens, a one-token step of a second sequence, and a draft tree (or
-    a chain) of a third, against each sequence's forwards alone. The current sequence is left as it was."""
-    current = target.current_sequence
+    a chain) of a third, against each sequence's forwards alone."""
     vocab = target.vocab_size
     others = [_tokens(CHECK_CONTEXT // 2 + 5, vocab, 3), _tokens(CHECK_CONTEXT + 7, vocab, 4)]
     steps = [sequence[:1], _tokens(4, vocab, 5)]
@@ -79,15 +82,13 @@ def _check_batch(target: Target, context: list[int], sequence: list[int], alone:
     try:
         expected = [alone[: max(2, len(sequence) // 2)]]
         for seq, prompt, tokens in zip(sequences[1:], others, steps, strict=True):
-            target.use(seq)
-            target.prefill(prompt)
+            target.prefill(seq, prompt)
             if tokens is steps[-1] and parents is not None:
-                expected.append(list(target.forward_tree(tokens, parents).clone()))
+                expected.append(list(target.forward_tree(seq, tokens, parents).clone()))
             else:
-                expected.append(list(target.forward(tokens).clone()))
-            target.rollback(len(prompt))
-        target.use(sequences[0])
-        target.prefill(context)
+                expected.append(list(target.forward(seq, tokens).clone()))
+            target.rollback(seq, len(prompt))
+        target.prefill(sequences[0], context)
         segments = [
             Segment(sequences[0], sequence[: len(expected[0])]),
             Segment(sequences[1], steps[0]),
@@ -102,35 +103,37 @@ def _check_batch(target: Target, context: list[int], sequence: list[int], alone:
     finally:
         for seq in sequences:
             target.release(seq)
-        target.use(current)
 
 
-def _check_tree(target: Target, chain: list[int], alone: list[torch.Tensor], vocab: int) -> list[str]:
-    """One tree: the chain, and one leaf beside each of its drafted tokens (at depth ``d``, path ``chain[:d] +
-    [leaf]``), against one-token forwards along each leaf's path."""
+def _check_tree(
+    target: Target, seq: TargetSequence, chain: list[int], alone: list[torch.Tensor], vocab: int
+) -> list[str]:
+    """One tree after ``seq``'s context: the chain, and one leaf beside each of its drafted tokens (at depth ``d``,
+    path ``chain[:d] + [leaf]``), against one-token forwards along each leaf's path."""
     leaves = [(t + 1) % vocab for t in chain[1:]]
     tokens = [*chain, *leaves]
     parents = [-1, *range(len(chain) - 1), *range(len(leaves))]
-    wide = target.forward_tree(tokens, parents)
-    target.rollback(CHECK_CONTEXT)
+    wide = target.forward_tree(seq, tokens, parents)
+    target.rollback(seq, CHECK_CONTEXT)
     rows = list(alone[: len(chain)])
     for depth, leaf in enumerate(leaves):
-        target.forward(chain[: depth + 1])
-        rows.append(target.forward([leaf])[-1].clone())
-        target.rollback(CHECK_CONTEXT)
+        target.forward(seq, chain[: depth + 1])
+        rows.append(target.forward(seq, [leaf])[-1].clone())
+        target.rollback(seq, CHECK_CONTEXT)
     diff = _first_difference(wide, rows)
     if diff is None:
         return []
     return [f"draft tree of {len(tokens)} rows, row {diff[0]}: max |diff| {diff[1]:.3g}"]
 
 
-def locate(target: Target, tokens: list[int]) -> str:
+def locate(target: Target, seq: TargetSequence, tokens: list[int]) -> str:
     """The first module (in execution order) whose output rows in a forward of ``tokens`` differ from those of
-    one-token forwards: names the operation that breaks decode matching. Rolls back to where it started."""
+    one-token forwards of ``seq``: names the operation that breaks decode matching. Rolls back to where it
+    started."""
     model = getattr(target, "model", None)
     if not isinstance(model, torch.nn.Module):
         return "the target's forward"
-    start = target.length
+    start = seq.length
     names = {module: name for name, module in model.named_modules()}
     calls: list[tuple[str, torch.Tensor]] = []
 
@@ -141,18 +144,18 @@ def locate(target: Target, tokens: list[int]) -> str:
 
     handles = [m.register_forward_hook(keep) for m in names if m is not model]
     try:
-        target.forward(tokens)
+        target.forward(seq, tokens)
         wide, calls[:] = list(calls), []
-        target.rollback(start)
+        target.rollback(seq, start)
         singles = []
         for token in tokens:
-            target.forward([token])
+            target.forward(seq, [token])
             singles.append(list(calls))
             calls.clear()
     finally:
         for handle in handles:
             handle.remove()
-        target.rollback(start)
+        target.rollback(seq, start)
     previous = "the embedding"
     for index, (name, out) in enumerate(wide):
         if out.shape[1] != len(tokens):

@@ -35,21 +35,25 @@ def measure_forward_costs(
 ) -> ForwardCosts:
     """Time forwards of each width on ``target`` after a scratch prefill of ``context`` tokens (one untimed
     forward of the widest width first warms the kernels up), the widths taking turns within each repeat so that a
-    busy moment of the machine hits them alike; the fastest of each width's ``repeats`` is kept. This resets the
-    target's cache."""
+    busy moment of the machine hits them alike; the fastest of each width's ``repeats`` is kept. It runs on a
+    scratch sequence of the target (released after)."""
     widths = sorted(set(widths) | {1})
     vocab = target.vocab_size
-    target.prefill([(7 * i + 3) % vocab for i in range(context)])
-    warm = [(11 * i + 5) % vocab for i in range(widths[-1])]
-    target.forward(warm)
-    target.rollback(context)
-    best = [float("inf")] * len(widths)
-    for _ in range(repeats):
-        for i, w in enumerate(widths):
-            start = time.perf_counter()
-            target.forward(warm[:w])
-            best[i] = min(best[i], time.perf_counter() - start)
-            target.rollback(context)
+    seq = target.new_sequence(None)
+    try:
+        target.prefill(seq, [(7 * i + 3) % vocab for i in range(context)])
+        warm = [(11 * i + 5) % vocab for i in range(widths[-1])]
+        target.forward(seq, warm)
+        target.rollback(seq, context)
+        best = [float("inf")] * len(widths)
+        for _ in range(repeats):
+            for i, w in enumerate(widths):
+                start = time.perf_counter()
+                target.forward(seq, warm[:w])
+                best[i] = min(best[i], time.perf_counter() - start)
+                target.rollback(seq, context)
+    finally:
+        target.release(seq)
     return ForwardCosts(tuple(widths), tuple(best))
 
 

@@ -14,7 +14,7 @@ How rollback works here:
   which runs a kernel of `gated_deltanet` that can rebuild the recurrent state after any of its positions:
   ``kernel="window"`` (closed form over the window) or ``kernel="recurrent"`` (token by token, op for op
   transformers' one-token decode arithmetic).
-* ``rollback(length)`` has one method per case: nothing to drop (`_keep_everything`); a length inside the last
+* ``rollback(seq, length)`` has one method per case: nothing to drop (`_commit`); a length inside the last
   forward, with recorded states (`_restore_recorded_state`: writes the state after position ``length - 1`` into
   each GDN layer's cache slot and crops the conv states and attention KV with ``Cache.crop``, exact for those since
   the cache records conv history) or with a snapshot (`_restore_snapshot_and_replay`: a forward longer than
@@ -36,6 +36,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from lattice_inference.errors import ConfigError, UnsupportedModelError
 from lattice_inference.hybrid_models import HYBRID_MODEL_TYPES
 from lattice_inference.targets import gdn_dispatch
+from lattice_inference.targets.base import Target, TargetSequence
 from lattice_inference.targets.gated_deltanet import (
     KeptStates,
     StateSource,
@@ -141,6 +142,18 @@ class _Window:
     """Per GDN cache layer, a copy of the recurrent state before the forward (used when ``sources`` is None)."""
 
 
+class HybridSequence(TargetSequence):
+    """A sequence of a `HybridTarget`: also its token ids (to prefill again where a rollback reaches before the last
+    forward), the last forward's rollback window, and whether conv history from it is still kept."""
+
+    def __init__(self, target: Target, owner: str | None = "", *, capture_hidden: bool = False) -> None:
+        super().__init__(target, owner, capture_hidden=capture_hidden)
+        self.tokens: list[int] = []
+        self.window: _Window | None = None
+        self.uncommitted = False
+        """True while linear layers keep conv history from the last forward (trimmed by ``crop(0)``)."""
+
+
 class HybridTarget(CausalLMTarget):
     """A `Target` over a Qwen3-Next / Qwen3.5 / Qwen3.5-MoE causal LM, rolling back attention KV, conv *and*
     recurrent Gated DeltaNet state exactly.
@@ -154,8 +167,6 @@ class HybridTarget(CausalLMTarget):
     snapshot-and-replay; with it, every forward after the prefill runs the recurrent loop (its buffers grow to the
     widest forward). See the module docstring and `CausalLMTarget` for ``decode_matched``.
     """
-
-    sequence_fields = (*CausalLMTarget.sequence_fields, "_tokens", "_window", "_uncommitted")
 
     def __init__(
         self,
@@ -192,147 +203,148 @@ class HybridTarget(CausalLMTarget):
         self.kernel = kernel
         self.max_recorded = max_recorded
         self._modules = sorted(modules, key=lambda m: m.__name__)
-        self._tokens: list[int] = []
-        self._window: _Window | None = None
         self._buffers: dict[int, torch.Tensor] = {}
-        """Per GDN cache layer, storage for the per-position states of a forward (grows to the widest one)."""
-        self._uncommitted = False
-        """True while linear layers keep conv history from the last forward (trimmed by ``crop(0)``)."""
+        """Per GDN cache layer, storage for the per-position states of a forward (grows to the widest one); the
+        window of the last forward of any sequence reads it until that sequence's rollback."""
 
-    # -- Target protocol (vocab_size, max_positions, length, cache: see CausalLMTarget) ------------------
+    # -- Target protocol (vocab_size, max_positions, cache: see CausalLMTarget) ----------------------------------
 
-    def _fresh_sequence(self) -> dict[str, object]:
-        return {**super()._fresh_sequence(), "_tokens": [], "_window": None, "_uncommitted": False}
+    def new_sequence(self, owner: str | None = "", *, capture_hidden: bool = False) -> HybridSequence:
+        return HybridSequence(self, owner, capture_hidden=capture_hidden)
 
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
-        self._check_prefill(token_ids)
-        self._reset()
+    def _hybrid(self, seq: TargetSequence) -> HybridSequence:
+        self._own(seq)
+        assert isinstance(seq, HybridSequence)
+        return seq
+
+    def prefill(self, seq: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:
+        self._check_prefill(seq, token_ids)
+        seq = self._hybrid(seq)
+        self._reset(seq)
         try:
-            logits = self._run(token_ids, logits_to_keep=1)[-1]
+            logits = self._run(seq, token_ids, logits_to_keep=1, prefill=True)[-1]
         except BaseException:
-            self._invalidate()
+            self._invalidate(seq)
             raise
-        self._tokens = [int(t) for t in token_ids]
-        self._uncommitted = True
-        self._commit()
+        seq.tokens = [int(t) for t in token_ids]
+        seq.uncommitted = True
+        self._commit(seq)
         return logits
 
-    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
-        self._check_forward(token_ids)
-        self._commit()
+    def forward(self, seq: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:
+        self._check_forward(seq, token_ids)
+        seq = self._hybrid(seq)
+        self._commit(seq)
         try:
-            logits = self._forward_keeping_window(token_ids)
+            logits = self._forward_keeping_window(seq, token_ids)
         except BaseException:
-            self._invalidate()  # the cache may hold a partial update
+            self._invalidate(seq)  # the cache may hold a partial update
             raise
-        self._tokens.extend(int(t) for t in token_ids)
-        self._uncommitted = True
+        seq.tokens.extend(int(t) for t in token_ids)
+        seq.uncommitted = True
         return logits
 
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise ValueError(f"cannot roll back to length {length}: the cache holds {self._length} tokens")
-        if self._cache is None:
+    def rollback(self, seq: TargetSequence, length: int) -> None:
+        seq = self._hybrid(seq)
+        if not 0 <= length <= seq.length:
+            raise ValueError(f"cannot roll back to length {length}: the cache holds {seq.length} tokens")
+        if seq.cache is None:
             return
-        window = self._window
-        if length == self._length:
-            self._keep_everything()
+        window = seq.window
+        if length == seq.length:
+            self._commit(seq)  # keep every token and forget the last forward's window
         elif window is not None and length >= window.start and window.sources is not None:
-            self._restore_recorded_state(window, window.sources, length)
+            self._restore_recorded_state(seq, window, window.sources, length)
         elif window is not None and length >= window.start:
-            self._restore_snapshot_and_replay(window, length)
+            self._restore_snapshot_and_replay(seq, window, length)
         else:
-            self._reprefill(length)
+            self._reprefill(seq, length)
 
     # -- the four rollback cases -------------------------------------------------------------------------------
 
-    def _keep_everything(self) -> None:
-        """Rollback to the current length: keep every token and forget the last forward's window."""
-        self._commit()
-
-    def _restore_recorded_state(self, window: _Window, sources: dict[int, StateSource], length: int) -> None:
+    def _restore_recorded_state(
+        self, seq: HybridSequence, window: _Window, sources: dict[int, StateSource], length: int
+    ) -> None:
         """Rollback into the last forward, whose kernel recorded every position: write the recurrent state after
         position ``length - 1`` into each GDN layer and crop the conv states and attention KV."""
-        assert self._cache is not None
         with torch.inference_mode():
             for layer, source in sources.items():
-                self._recurrent(layer).copy_(source.state_at(length - window.start))
-            self._crop(length - self._length)
-        self._set_length(length)
+                self._recurrent(seq, layer).copy_(source.state_at(length - window.start))
+            self._crop(seq, length - seq.length)
+        self._set_length(seq, length)
 
-    def _restore_snapshot_and_replay(self, window: _Window, length: int) -> None:
+    def _restore_snapshot_and_replay(self, seq: HybridSequence, window: _Window, length: int) -> None:
         """Rollback into the last forward, which was too wide to record: restore the recurrent states it
         snapshotted, crop to its start and run the accepted tokens again."""
-        assert self._cache is not None
-        replay = self._tokens[window.start : length]
+        replay = seq.tokens[window.start : length]
         with torch.inference_mode():
             for layer, state in window.snapshot.items():
-                self._recurrent(layer).copy_(state)
-            self._crop(window.start - self._length)
-        self._set_length(window.start)
+                self._recurrent(seq, layer).copy_(state)
+            self._crop(seq, window.start - seq.length)
+        self._set_length(seq, window.start)
         if replay:
-            self.forward(replay)
-            self._commit()
+            self.forward(seq, replay)
+            self._commit(seq)
 
-    def _reprefill(self, length: int) -> None:
+    def _reprefill(self, seq: HybridSequence, length: int) -> None:
         """Rollback to before the last forward (no state kept there): prefill the first ``length`` tokens again."""
-        history = self._tokens[:length]
-        self._reset()
+        history = seq.tokens[:length]
+        self._reset(seq)
         if history:
             try:
-                self._run(history, logits_to_keep=1)
+                self._run(seq, history, logits_to_keep=1, prefill=True)
             except BaseException:
-                self._invalidate()
+                self._invalidate(seq)
                 raise
-            self._tokens = history
-            self._uncommitted = True
-            self._commit()
+            seq.tokens = history
+            seq.uncommitted = True
+            self._commit(seq)
 
     # -- internals -------------------------------------------------------------------------------------------
 
-    def _forward_keeping_window(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def _forward_keeping_window(self, seq: HybridSequence, token_ids: Sequence[int]) -> torch.Tensor:
         """Run ``token_ids`` and set the window that rollback will use (recorded states or a snapshot)."""
-        start = self._length
+        start = seq.length
         if start == 0:  # nothing cached (after rollback(0)): no state to record from; rollback re-prefills
-            return self._run(token_ids, logits_to_keep=0)
+            return self._run(seq, token_ids, logits_to_keep=0)
         if len(token_ids) > self.max_recorded and not self.decode_matched:
             with torch.inference_mode():
-                snapshot = {i: self._recurrent(i).clone() for i in self._linear_layers()}
-            logits = self._run(token_ids, logits_to_keep=0)
-            self._window = _Window(start=start, snapshot=snapshot)
+                snapshot = {i: self._recurrent(seq, i).clone() for i in self._linear_layers(seq)}
+            logits = self._run(seq, token_ids, logits_to_keep=0)
+            seq.window = _Window(start=start, snapshot=snapshot)
             return logits
-        recorder = _Recorder(self._layer_of_state(), self._buffers, self.kernel, len(token_ids))
+        recorder = _Recorder(self._layer_of_state(seq), self._buffers, self.kernel, len(token_ids))
         with gdn_dispatch.routed_to(recorder, self._modules):
-            logits = self._run(token_ids, logits_to_keep=0, matched=True)
-        if set(recorder.sources) != set(self._linear_layers()):
+            logits = self._run(seq, token_ids, logits_to_keep=0, matched=True)
+        if set(recorder.sources) != set(self._linear_layers(seq)):
             raise RuntimeError("not every Gated DeltaNet layer ran the recording kernel")
-        self._window = _Window(start=start, sources=recorder.sources)
+        seq.window = _Window(start=start, sources=recorder.sources)
         return logits
 
-    def _invalidate(self) -> None:
-        """Drop the cache after a failed forward; the next call must be ``prefill``."""
-        self._cache = None
-        self._length = 0
-        self._tokens = []
-        self._window = None
-        self._uncommitted = False
+    def _invalidate(self, seq: HybridSequence) -> None:
+        """Drop ``seq``'s cache after a failed forward; its next call must be ``prefill``."""
+        seq.cache = None
+        seq.length = 0
+        seq.tokens = []
+        seq.window = None
+        seq.uncommitted = False
 
-    def _reset(self) -> None:
-        """Start from an empty cache that records conv history so that it can be cropped."""
-        self._new_cache()
-        self._tokens = []
-        self._window = None
-        self._uncommitted = False
+    def _reset(self, seq: HybridSequence) -> None:
+        """Give ``seq`` an empty cache that records conv history so that it can be cropped."""
+        self._new_cache(seq)
+        seq.tokens = []
+        seq.window = None
+        seq.uncommitted = False
 
-    def _commit(self) -> None:
-        """Forget the rollback window of the last forward and trim the conv history it needed."""
-        if self._cache is not None and self._uncommitted:
+    def _commit(self, seq: HybridSequence) -> None:
+        """Forget the rollback window of ``seq``'s last forward and trim the conv history it needed."""
+        if seq.cache is not None and seq.uncommitted:
             with torch.inference_mode():
-                self._crop(0)
-        self._uncommitted = False
-        self._window = None
+                self._crop(seq, 0)
+        seq.uncommitted = False
+        seq.window = None
 
-    def _crop(self, tokens: int) -> None:
+    def _crop(self, seq: HybridSequence, tokens: int) -> None:
         """``Cache.crop(tokens)`` (``tokens <= 0``) of the conv states and attention KV that leaves each GDN layer's
         recurrent state as the rollback has just written it.
 
@@ -340,31 +352,31 @@ class HybridTarget(CausalLMTarget):
         intermediate states (and replaces the state tensor, which `_layer_of_state` keys on): we hand it the current
         state as that history, so its crop keeps it. 5.24 has no such history and ignores the field.
         """
-        assert self._cache is not None
-        for i in self._linear_layers() if tokens < 0 else []:  # crop(0) only trims conv history
-            layer = self._cache.layers[i]
+        cache = self.cache_of(seq)
+        for i in self._linear_layers(seq) if tokens < 0 else []:  # crop(0) only trims conv history
+            layer = cache.layers[i]
             assert isinstance(layer, LinearAttentionCacheLayerMixin)
             kept = [layer.recurrent_states[s] for s in range(layer.number_of_states)]
             vars(layer)["recurrent_states_history"] = {s: [state] * -tokens for s, state in enumerate(kept)}
-        self._cache.crop(tokens)
+        cache.crop(tokens)
 
-    def _set_length(self, length: int) -> None:
-        self._length = length
-        del self._tokens[length:]
-        self._window = None
-        self._uncommitted = False
+    @staticmethod
+    def _set_length(seq: HybridSequence, length: int) -> None:
+        seq.length = length
+        del seq.tokens[length:]
+        seq.window = None
+        seq.uncommitted = False
 
-    def _linear_layers(self) -> list[int]:
-        assert self._cache is not None
-        return [i for i, layer in enumerate(self._cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    def _linear_layers(self, seq: HybridSequence) -> list[int]:
+        layers = self.cache_of(seq).layers
+        return [i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
-    def _recurrent(self, layer: int) -> torch.Tensor:
-        assert self._cache is not None
-        cache_layer = self._cache.layers[layer]
+    def _recurrent(self, seq: HybridSequence, layer: int) -> torch.Tensor:
+        cache_layer = self.cache_of(seq).layers[layer]
         assert isinstance(cache_layer, LinearAttentionCacheLayerMixin)
         state = cache_layer.recurrent_states[0]
         assert state is not None
         return state
 
-    def _layer_of_state(self) -> dict[int, int]:
-        return {id(self._recurrent(i)): i for i in self._linear_layers()}
+    def _layer_of_state(self, seq: HybridSequence) -> dict[int, int]:
+        return {id(self._recurrent(seq, i)): i for i in self._linear_layers(seq)}

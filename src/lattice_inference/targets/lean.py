@@ -37,6 +37,7 @@ layer loop covers the Llama shape); draft chains only (no trees), batches one se
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -47,7 +48,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from lattice_inference.errors import ConfigError
 from lattice_inference.options import PREFIX_BUDGET, check_kv_cache
 from lattice_inference.targets import decode_matched, native_ops
-from lattice_inference.targets.base import Segment, SegmentOutput, TargetSequence
+from lattice_inference.targets.base import Segment, SegmentOutput, Target, TargetSequence
 from lattice_inference.targets.block_attention import Block, block_attention, plan_blocks
 from lattice_inference.targets.decode_matched import Product, RowPlan
 from lattice_inference.targets.kv_cache import GrowableLayer
@@ -101,11 +102,18 @@ sequence's rows unused gets a copy of the prefix (the sequence stays whole for a
 cache in place."""
 
 
+class LeanSequence(TargetSequence):
+    """A sequence of a `LeanTarget`: also the ids of its cached rows and the key they were computed under
+    (`CachedRows`), which a later prefill may reuse."""
+
+    def __init__(self, target: Target, owner: str | None = "", *, capture_hidden: bool = False) -> None:
+        super().__init__(target, owner, capture_hidden=capture_hidden)
+        self.rows = CachedRows()
+
+
 class LeanTarget(TransformersTarget):
     """`TransformersTarget` whose forwards run the lean decoder loop (see the module docstring); only for models
     `lean_supported` accepts."""
-
-    sequence_fields = (*TransformersTarget.sequence_fields, "_rows")
 
     def __init__(
         self,
@@ -147,9 +155,20 @@ class LeanTarget(TransformersTarget):
         """Whether a `prefill` may keep the cached rows of the prompt's longest prefix already in the cache, where
         they are bit for bit what it would compute (`prefix_reuse`): from the live cache or from the caches of the
         earlier sequences it keeps, least recently used dropped first past ``prefix_budget`` tokens."""
-        self._rows = CachedRows()
         self._kept: KeptSequences[DynamicCache | None] = KeptSequences(prefix_budget if prefix_cache else 0)
-        self._extending = False
+        self._live: weakref.WeakSet[LeanSequence] = weakref.WeakSet()
+        """The sequences handed out and not released (`forget_prefix` makes theirs unreusable too)."""
+
+    def new_sequence(self, owner: str | None = "", *, capture_hidden: bool = False) -> LeanSequence:
+        seq = LeanSequence(self, owner, capture_hidden=capture_hidden)
+        self._live.add(seq)
+        return seq
+
+    def _lean(self, seq: TargetSequence) -> LeanSequence:
+        """``seq`` as this target's (refusing another target's or a released one)."""
+        self._own(seq)
+        assert isinstance(seq, LeanSequence)
+        return seq
 
     @property
     def kv_cache(self) -> str:
@@ -170,70 +189,76 @@ class LeanTarget(TransformersTarget):
         return model.dtype
 
     def _logits(
-        self, ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: int
+        self,
+        seq: TargetSequence,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        logits_to_keep: int,
+        prefill: bool,
     ) -> torch.Tensor:
-        n, start = ids.shape[1], self._length
+        n, start = ids.shape[1], seq.length
+        cache = self.cache_of(seq)
         mask = attention_mask
         blocks = None
-        prefill = mask is None and (start == 0 or self._extending) and start + n <= NATIVE_PREFILL_MAX
+        prefill = prefill and mask is None and start + n <= NATIVE_PREFILL_MAX
         if self._native is not None and (decode_matched.active() or prefill):
-            hidden = self._native_decoder(ids, positions, _visible_keys(start, n, mask, self.device))
+            hidden = self._native_decoder(cache, start, ids, positions, _visible_keys(start, n, mask, self.device))
             return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         if decode_matched.active():
             blocks = plan_blocks(start, n, None if mask is None else _seen_rows(mask, start), self._groups, self.device)
         elif mask is None and 1 < n and start > 0:
             # rows at once over a cache: the causal mask transformers' sdpa_mask builds for this case
             mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)[None, None]
-        hidden = self._decoder(ids, positions, mask, blocks)
+        hidden = self._decoder(cache, start, ids, positions, mask, blocks)
         return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """`TransformersTarget.prefill`, keeping the cached rows of the prompt's longest prefix held by the live
-        cache or a kept one where they are what this prefill would compute (`prefix_reuse`; `prefix_reused` says
-        how many)."""
-        self._check_prefill(token_ids)
-        key = None if self.capture_hidden else self._row_key(len(token_ids))
+    def prefill(self, seq: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:
+        """`TransformersTarget.prefill`, keeping the cached rows of the prompt's longest prefix held by ``seq``'s
+        cache or a kept one of its owner where they are what this prefill would compute (`prefix_reuse`;
+        ``seq.reused`` says how many)."""
+        self._check_prefill(seq, token_ids)
+        seq = self._lean(seq)
+        key = None if seq.capture_hidden else self._row_key(seq.owner, len(token_ids))
         keep = 0
         if key is not None:
-            keep = self._rows.reusable(token_ids, key)
+            keep = seq.rows.reusable(token_ids, key)
             index, kept = self._kept.best(token_ids, key)
             if kept > keep:
                 keep = kept
                 rows, cache = self._kept.take(index)
-                self._kept.keep(self._rows, self._cache)
-                self._rows, self._cache, self._length = rows, cache, len(rows.tokens)
-        self.prefix_reused = keep
+                self._kept.keep(seq.rows, self._cache_or_none(seq))
+                seq.rows, seq.cache, seq.length = rows, cache, len(rows.tokens)
+        seq.reused = keep
         if not keep:
-            logits = super().prefill(token_ids)  # a new cache: the live one is kept (`_new_cache`)
-            self._rows.key = key
+            logits = super().prefill(seq, token_ids)  # a new cache: the old one is kept (`_new_cache`)
+            seq.rows.key = key
             return logits
-        if self._length - keep >= KEEP_TAIL and self._kept.budget:
-            self._copy_prefix(keep)  # the rows after the prefix stay findable for a later prompt
-        self.rollback(keep)
-        self._extending = True
-        try:
-            return self._run(token_ids[keep:], logits_to_keep=1)[-1]
-        finally:
-            self._extending = False
+        if seq.length - keep >= KEEP_TAIL and self._kept.budget:
+            self._copy_prefix(seq, keep)  # the rows after the prefix stay findable for a later prompt
+        self.rollback(seq, keep)
+        return self._run(seq, token_ids[keep:], logits_to_keep=1, prefill=True)[-1]
 
-    def _copy_prefix(self, rows: int) -> None:
-        """Continue in a new cache holding a copy of the live cache's first ``rows`` rows; the live one is kept
+    @staticmethod
+    def _cache_or_none(seq: TargetSequence) -> DynamicCache | None:
+        assert seq.cache is None or isinstance(seq.cache, DynamicCache)
+        return seq.cache
+
+    def _copy_prefix(self, seq: LeanSequence, rows: int) -> None:
+        """Continue ``seq`` in a new cache holding a copy of its cache's first ``rows`` rows; the old one is kept
         whole (`_new_cache`)."""
-        source, cached = self._cache, self._rows
-        assert source is not None
-        self._new_cache()
-        assert self._cache is not None
-        for mine, theirs in zip(self._cache.layers, source.layers, strict=True):
+        source, cached = self.cache_of(seq), seq.rows
+        self._new_cache(seq)
+        for mine, theirs in zip(self.cache_of(seq).layers, source.layers, strict=True):
             mine.update(theirs.keys[..., :rows, :], theirs.values[..., :rows, :])
-        self._length = rows
-        self._rows.key = cached.key
-        self._rows.fed(cached.tokens[:rows])
+        seq.length = rows
+        seq.rows.key = cached.key
+        seq.rows.fed(cached.tokens[:rows])
 
-    def _fresh_sequence(self) -> dict[str, object]:
-        return {**super()._fresh_sequence(), "_rows": CachedRows()}
-
-    def _retire(self) -> None:
-        self._kept.keep(self._rows, self._cache)
+    def _retire(self, seq: TargetSequence) -> None:
+        seq = self._lean(seq)
+        self._live.discard(seq)
+        self._kept.keep(seq.rows, self._cache_or_none(seq))
 
     @property
     def batches_sequences(self) -> bool:  # type: ignore[override]
@@ -255,13 +280,12 @@ class LeanTarget(TransformersTarget):
         positions: list[int] = []
         keys, spans, starts, rows, buffers = [], [], [], [], []
         like = torch.empty(1, self._kv_heads, 0, self._head_dim, dtype=self.kv_dtype, device=self.device)
-        fed: list[tuple[TargetSequence, int]] = []
+        fed: list[tuple[LeanSequence, int]] = []
         try:
             for segment in segments:
-                self.use(segment.sequence)
-                tokens = list(segment.tokens)
-                self._check_forward(tokens)
-                start, n = self._length, len(tokens)
+                seq, tokens = self._lean(segment.sequence), list(segment.tokens)
+                self._check_forward(seq, tokens)
+                start, n = seq.length, len(tokens)
                 mask = None
                 if segment.parents is None:
                     positions.extend(range(start, start + n))
@@ -271,10 +295,10 @@ class LeanTarget(TransformersTarget):
                     positions.extend(start + d for d in tree_depths(segment.parents))
                     mask = tree_mask(segment.parents, start, self.model.dtype, self.device)
                 key_rows, key_spans = _visible_keys(start, n, mask, self.device)
-                buffers.append([cache.append_in_place(n, like) for cache in self._cache.layers])
-                fed.append((segment.sequence, start))
-                self._length += n
-                self._fed(tokens)
+                buffers.append([cache.append_in_place(n, like) for cache in self.cache_of(seq).layers])
+                fed.append((seq, start))
+                seq.length += n
+                seq.rows.fed(tokens)
                 ids += tokens
                 keys.append(key_rows)
                 spans.append(key_spans)
@@ -282,14 +306,13 @@ class LeanTarget(TransformersTarget):
                 rows.append(n)
             logits, hidden = self._batched_layers(ids, positions, buffers, keys, spans, starts, rows)
         except BaseException:
-            for sequence, start in fed:  # leave every sequence as it was
-                self.use(sequence)
-                self.rollback(start)
+            for seq, start in fed:  # leave every sequence as it was
+                self.rollback(seq, start)
             raise
         outputs, first = [], 0
-        for n in rows:
-            mine = None if hidden is None else hidden[first : first + n]
-            outputs.append(SegmentOutput(logits[first : first + n], mine))
+        for (seq, _), n in zip(fed, rows, strict=True):
+            seq.hidden = hidden[first : first + n] if seq.capture_hidden else None
+            outputs.append(SegmentOutput(logits[first : first + n], seq.hidden))
             first += n
         return outputs
 
@@ -302,9 +325,9 @@ class LeanTarget(TransformersTarget):
         spans: list[torch.Tensor],
         starts: list[int],
         rows: list[int],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits (and, where captured, hidden states) of the rows of several sequences through the native
-        layer loop, each sequence's keys and values written to its own ``buffers`` (per layer)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and hidden states of the rows of several sequences through the native layer loop, each
+        sequence's keys and values written to its own ``buffers`` (per layer)."""
         ops, loop, decoder = self._native, self._loop, self.model.model
         assert ops is not None and loop is not None
         k_bufs = [seq[layer][0] for layer in range(len(self._layers)) for seq in buffers]
@@ -318,45 +341,46 @@ class LeanTarget(TransformersTarget):
                 [s[0].contiguous() for _, s in tables], keys, spans, starts, rows, self._heads, self._kv_heads,
                 self._layers[0].attn.scaling, *loop.extras,
             )  # fmt: skip
-            self.last_hidden = None
             hidden = decoder.norm(x[None])
             logits = self.model.lm_head(hidden)[0]
-        return logits, self.last_hidden if self.capture_hidden else None
+        return logits, hidden[0]
 
     def forget_prefix(self, owner: str | None = None) -> None:
         self._kept.forget(owner)
-        if owner is None or self._rows.owned_by(owner):
-            self._rows.key = None
+        for seq in list(self._live):
+            if owner is None or seq.rows.owned_by(owner):
+                seq.rows.key = None
 
-    def _row_key(self, prompt_length: int) -> RowKey | None:
+    def _row_key(self, owner: str | None, prompt_length: int) -> RowKey | None:
         """The `RowKey` under which a fresh prefill of ``prompt_length`` tokens computes its rows as every later
         forward does (the native layer loop: a prompt of at most `NATIVE_PREFILL_MAX` tokens, decode-matched
         forwards after it, row plans of 1), or None where its rows would not be reusable."""
-        if not (self.prefix_cache and self.decode_matched and self._loop is not None) or self.prefix_owner is None:
+        if not (self.prefix_cache and self.decode_matched and self._loop is not None) or owner is None:
             return None
         probe = torch.empty(0, dtype=self.model.dtype)
         if prompt_length > NATIVE_PREFILL_MAX or not self._loop.runs(probe):
             return None
-        return (probe.dtype, self.kv_dtype, torch.get_num_threads(), self.prefix_owner)
+        return (probe.dtype, self.kv_dtype, torch.get_num_threads(), owner)
 
-    def _new_cache(self) -> None:
-        self._kept.keep(self._rows, self._cache)
-        super()._new_cache()
-        if getattr(self, "_windowed", False):  # every layer's cache kept whole: a window cuts what a row sees
-            assert self._cache is not None
-            self._cache.layers = [GrowableLayer() for _ in self._cache.layers]
-        self._rows = CachedRows()
+    def _new_cache(self, seq: TargetSequence) -> None:
+        seq = self._lean(seq)
+        self._kept.keep(seq.rows, self._cache_or_none(seq))
+        super()._new_cache(seq)
+        if self._windowed:  # every layer's cache kept whole: a window cuts what a row sees
+            cache = self.cache_of(seq)
+            cache.layers = [GrowableLayer() for _ in cache.layers]
+        seq.rows = CachedRows()
 
-    def _fed(self, token_ids: Sequence[int]) -> None:
-        self._rows.fed(token_ids)
+    def _fed(self, seq: TargetSequence, token_ids: Sequence[int]) -> None:
+        self._lean(seq).rows.fed(token_ids)
 
-    def rollback(self, length: int) -> None:
-        super().rollback(length)
-        self._rows.rollback(length)
+    def rollback(self, seq: TargetSequence, length: int) -> None:
+        super().rollback(seq, length)
+        self._lean(seq).rows.rollback(length)
 
-    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
-        super().keep_rows(start, rows)  # a prefix of the rows: a rollback, which has trimmed `_rows` already
-        self._rows.keep(start, rows)
+    def keep_rows(self, seq: TargetSequence, start: int, rows: Sequence[int]) -> None:
+        super().keep_rows(seq, start, rows)  # a prefix of the rows: a rollback, which has trimmed the rows already
+        self._lean(seq).rows.keep(start, rows)
 
     @property
     def quantized(self) -> bool:
@@ -383,14 +407,19 @@ class LeanTarget(TransformersTarget):
         )
 
     def _native_decoder(
-        self, ids: torch.Tensor, positions: torch.Tensor, visible: tuple[torch.Tensor, torch.Tensor]
+        self,
+        cache: DynamicCache,
+        start: int,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        visible: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """`_decoder` for matched forwards through the native ops: per layer a fused norm, the products, one call
         for q/k norms, rotary embedding and the cache write, one for attention (each row over exactly the keys
         ``visible`` gives it), one for the gated activation."""
         ops, decoder = self._native, self.model.model
-        assert ops is not None and self._cache is not None
-        n, start = ids.shape[1], self._length
+        assert ops is not None
+        n = ids.shape[1]
         x = decoder.embed_tokens(ids)[0]
         ropes = {}  # per layer's rotary kind (Gemma 3: local and global tables), cos and sin
         for kind in self._rope_kinds:
@@ -400,7 +429,7 @@ class LeanTarget(TransformersTarget):
         like = x.new_empty(1, self._kv_heads, 0, self._head_dim, dtype=self.kv_dtype)
         if self._loop is not None and self._loop.runs(x):
             loop = self._loop
-            buffers = [cache.append_in_place(n, like) for cache in self._cache.layers]
+            buffers = [layer.append_in_place(n, like) for layer in cache.layers]
             x = ops.decode_layers(
                 x, *loop.operands, [k for k, _ in buffers], [v for _, v in buffers],
                 [ropes[kind][0] for kind in loop.rope_kinds], [ropes[kind][1] for kind in loop.rope_kinds],
@@ -411,8 +440,8 @@ class LeanTarget(TransformersTarget):
         windowed = {w: _windowed_spans(offsets, w) for w in {layer.window for layer in self._layers} if w is not None}
         h = ops.rms_norm(x, *self._layers[0].input_weight)
         last = len(self._layers) - 1
-        for index, (layer, cache) in enumerate(zip(self._layers, self._cache.layers, strict=True)):
-            k_buf, v_buf = cache.append_in_place(n, like)
+        for index, (layer, kv) in enumerate(zip(self._layers, cache.layers, strict=True)):
+            k_buf, v_buf = kv.append_in_place(n, like)
             q = ops.rope_qk_cache(
                 _product(layer.qkv, h), layer.q_weight, layer.k_weight, layer.qk_eps, *ropes[layer.rope],
                 k_buf, v_buf, start, self._heads, self._kv_heads,
@@ -433,7 +462,13 @@ class LeanTarget(TransformersTarget):
         return decoder.norm(x[None])
 
     def _decoder(
-        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, blocks: list[Block] | None
+        self,
+        cache: DynamicCache,
+        start: int,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        blocks: list[Block] | None,
     ) -> torch.Tensor:
         """The decoder's hidden states after its final norm, ``[1, n, hidden]``, writing each layer's keys and
         values at the cache's current length (rounded to `kv_dtype`); attention by ``blocks`` (`block_attention`)
@@ -443,10 +478,9 @@ class LeanTarget(TransformersTarget):
         ropes = {}
         for kind in self._rope_kinds:
             ropes[kind] = decoder.rotary_emb(x, positions) if kind is None else decoder.rotary_emb(x, positions, kind)
-        n, head_dim, start = ids.shape[1], self._head_dim, self._length
+        n, head_dim = ids.shape[1], self._head_dim
         span = 0 if blocks is None else max(block.reach for block in blocks)
-        assert self._cache is not None
-        for layer, cache in zip(self._layers, self._cache.layers, strict=True):
+        for layer, kv in zip(self._layers, cache.layers, strict=True):
             attn = layer.attn
             h = layer.input_norm(x)
             q, k, v = _run_products(layer.qkv, h)
@@ -454,9 +488,9 @@ class LeanTarget(TransformersTarget):
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q, k = self._rotary(q.transpose(1, 2), k.transpose(1, 2), *ropes[layer.rope])
-            keys, values = cache.update(k.to(self.kv_dtype), v.transpose(1, 2).to(self.kv_dtype))
+            keys, values = kv.update(k.to(self.kv_dtype), v.transpose(1, 2).to(self.kv_dtype))
             if blocks is not None:
-                out = block_attention(q, *(b.to(q.dtype) for b in cache.buffers(span)), blocks, attn.scaling)
+                out = block_attention(q, *(b.to(q.dtype) for b in kv.buffers(span)), blocks, attn.scaling)
             else:
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
                 seen = mask if layer.window is None else _window_mask(mask, start, positions[0], layer.window)

@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 from lattice_inference.devices import first_weight
 from lattice_inference.errors import TokenError, UnsupportedModelError
 from lattice_inference.targets import decode_matched as decode_matched_module
-from lattice_inference.targets.base import Target
+from lattice_inference.targets.base import Target, TargetSequence
 from lattice_inference.targets.kv_cache import GrowableLayer, record_past, use_growable_layers
 from lattice_inference.targets.packed_linear import pack_linears
 
@@ -45,11 +45,22 @@ def final_norm(model: PreTrainedModel) -> torch.nn.Module:
     raise UnsupportedModelError(f"cannot find the final norm of model type {model.config.model_type!r}")
 
 
+class _Capture:
+    """A forward hook on the final norm that keeps its output's rows as ``seq.hidden`` (registered for the one
+    forward of a sequence that captures hidden states)."""
+
+    def __init__(self, seq: TargetSequence) -> None:
+        self.seq = seq
+
+    def __call__(self, module: torch.nn.Module, args: object, output: torch.Tensor) -> None:
+        self.seq.hidden = output[0]
+
+
 class CausalLMTarget(Target):
     """Shared machinery of the transformers targets; subclasses define rollback.
 
-    Set ``capture_hidden = True`` to keep, after every `prefill`/`forward`, the post-final-norm hidden states of
-    all fed positions in ``last_hidden`` (``[n, hidden]``).
+    A sequence made with ``capture_hidden=True`` keeps, after every `prefill`/`forward`, the post-final-norm hidden
+    states of all fed positions in its ``hidden`` (``[n, hidden]``).
 
     ``packed_weights`` (default on) runs the model's linear layers over oneDNN-packed weights where this CPU
     supports their dtype (`pack_linears`: faster decode steps and much cheaper verification; it changes the
@@ -62,7 +73,6 @@ class CausalLMTarget(Target):
     """
 
     provides_hidden_states = True
-    sequence_fields: tuple[str, ...] = ("_cache", "_length", "prefix_owner")
 
     def __init__(self, model: PreTrainedModel, *, packed_weights: bool = True, decode_matched: bool = True) -> None:
         self.model = model.eval()
@@ -77,11 +87,7 @@ class CausalLMTarget(Target):
         self._vocab_size = int(cast(torch.Tensor, model.get_input_embeddings().weight).shape[0])
         max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self._max_positions = int(max_pos) if max_pos else None
-        self._cache: DynamicCache | None = None
-        self._length = 0
-        self.last_hidden: torch.Tensor | None = None
-        self._capture_hidden = False
-        self._hook: torch.utils.hooks.RemovableHandle | None = None
+        self._final_norm = final_norm(model)
 
     @property
     def vocab_size(self) -> int:
@@ -91,102 +97,98 @@ class CausalLMTarget(Target):
     def max_positions(self) -> int | None:
         return self._max_positions
 
-    @property
-    def length(self) -> int:
-        return self._length
-
-    @property
-    def cache(self) -> DynamicCache | None:
-        """The live transformers cache (for inspection; do not modify)."""
-        return self._cache
-
-    @property
-    def capture_hidden(self) -> bool:
-        """Whether `last_hidden` is filled on every forward."""
-        return self._capture_hidden
-
-    @capture_hidden.setter
-    def capture_hidden(self, on: bool) -> None:
-        if on and self._hook is None:
-            self._hook = final_norm(self.model).register_forward_hook(self._keep_hidden)
-        elif not on and self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-            self.last_hidden = None
-        self._capture_hidden = on
-
-    def _fresh_sequence(self) -> dict[str, object]:
-        return {**super()._fresh_sequence(), "_cache": None, "_length": 0}
-
-    def _keep_hidden(self, module: torch.nn.Module, args: object, output: torch.Tensor) -> None:
-        self.last_hidden = output[0]
+    @staticmethod
+    def cache_of(seq: TargetSequence) -> DynamicCache:
+        """``seq``'s transformers cache (after its `prefill`)."""
+        cache = seq.cache
+        if cache is None:
+            raise RuntimeError("forward() called before prefill()")
+        assert isinstance(cache, DynamicCache)
+        return cache
 
     def _check_ids(self, token_ids: Sequence[int]) -> None:
         for t in token_ids:
             if not 0 <= t < self._vocab_size:
                 raise TokenError(f"token id {t} is outside the vocabulary of size {self._vocab_size}")
 
-    def _check_prefill(self, token_ids: Sequence[int]) -> None:
+    def _check_prefill(self, seq: TargetSequence, token_ids: Sequence[int]) -> None:
+        self._own(seq)
         if not token_ids:
             raise TokenError("cannot prefill an empty prompt: at least one token is needed")
         self._check_ids(token_ids)
 
-    def _check_forward(self, token_ids: Sequence[int]) -> None:
-        if self._cache is None:
+    def _check_forward(self, seq: TargetSequence, token_ids: Sequence[int]) -> None:
+        self._own(seq)
+        if seq.cache is None:
             raise RuntimeError("forward() called before prefill()")
         if not token_ids:
             raise TokenError("forward() needs at least one token")
         self._check_ids(token_ids)
 
-    def _new_cache(self) -> None:
-        """Start from an empty cache that records past states so that it can be cropped."""
-        self._cache = record_past(use_growable_layers(DynamicCache(config=self.model.config)))
-        self._length = 0
+    def _new_cache(self, seq: TargetSequence) -> None:
+        """Give ``seq`` an empty cache that records past states so that it can be cropped."""
+        seq.cache = record_past(use_growable_layers(DynamicCache(config=self.model.config)))
+        seq.length = 0
 
     def _run(
         self,
+        seq: TargetSequence,
         token_ids: Sequence[int],
         logits_to_keep: int,
         *,
         offsets: Sequence[int] | None = None,
         attention_mask: torch.Tensor | None = None,
         matched: bool = False,
+        prefill: bool = False,
     ) -> torch.Tensor:
-        """One model forward over ``token_ids`` written at cache rows ``length..``, at positions ``length + i`` (or
-        ``length + offsets[i]``, with a 4D ``attention_mask``: a draft tree); returns logits ``[kept, vocab]``.
-        ``matched``: decode-matched rows, where this target computes them (forwards after a prefill)."""
-        assert self._cache is not None
-        n = len(token_ids)
+        """One model forward over ``token_ids`` written at ``seq``'s cache rows ``length..``, at positions
+        ``length + i`` (or ``length + offsets[i]``, with a 4D ``attention_mask``: a draft tree); returns logits
+        ``[kept, vocab]`` and, where ``seq`` captures them, keeps the rows' hidden states in ``seq.hidden``.
+        ``matched``: decode-matched rows, where this target computes them (forwards after a prefill); ``prefill``:
+        rows of a prompt (a prefill, or the part of it after a reused prefix)."""
+        n, start = len(token_ids), seq.length
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         if offsets is None:
-            positions = torch.arange(self._length, self._length + n, device=self.device).unsqueeze(0)
+            positions = torch.arange(start, start + n, device=self.device).unsqueeze(0)
         else:
-            positions = torch.tensor([[self._length + o for o in offsets]], dtype=torch.long, device=self.device)
+            positions = torch.tensor([[start + o for o in offsets]], dtype=torch.long, device=self.device)
         matching = (
             decode_matched_module.matching(self.facts.row_plans)
             if matched and self.decode_matched
             else contextlib.nullcontext()
         )
-        with torch.inference_mode(), matching:
-            logits = self._logits(ids, positions, attention_mask, logits_to_keep)
-        self._length += n
-        self._fed(token_ids)
+        seq.hidden = None
+        hook = self._final_norm.register_forward_hook(_Capture(seq)) if seq.capture_hidden else None
+        try:
+            with torch.inference_mode(), matching:
+                logits = self._logits(seq, ids, positions, attention_mask, logits_to_keep, prefill or start == 0)
+        finally:
+            if hook is not None:
+                hook.remove()
+        seq.length += n
+        self._fed(seq, token_ids)
         return logits[0]
 
-    def _fed(self, token_ids: Sequence[int]) -> None:
-        """Rows for ``token_ids`` were just written after the earlier ones (for subclasses that track the ids of
-        their cache rows)."""
+    def _fed(self, seq: TargetSequence, token_ids: Sequence[int]) -> None:
+        """Rows for ``token_ids`` were just written after ``seq``'s earlier ones (for subclasses that track the ids
+        of their cache rows)."""
 
     def _logits(
-        self, ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None, logits_to_keep: int
+        self,
+        seq: TargetSequence,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        logits_to_keep: int,
+        prefill: bool,
     ) -> torch.Tensor:
-        """The model's logits ``[1, kept, vocab]`` for ``ids`` at ``positions`` over the cache (the forward itself,
-        which subclasses may run their own way)."""
+        """The model's logits ``[1, kept, vocab]`` for ``ids`` at ``positions`` over ``seq``'s cache (the forward
+        itself, which subclasses may run their own way; ``prefill``: rows of a prompt)."""
         out = self.model(
             input_ids=ids,
             position_ids=positions,
             attention_mask=attention_mask,
-            cache=self._cache,
+            cache=seq.cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
         )
@@ -247,59 +249,59 @@ class TransformersTarget(CausalLMTarget):
         attention = getattr(model.config, "_attn_implementation", None)
         self.verifies_trees = attention in TREE_ATTENTION and all(type(layer) is DynamicLayer for layer in layers)
 
-    def prefill(self, token_ids: Sequence[int]) -> torch.Tensor:
-        self._check_prefill(token_ids)
-        self._new_cache()
-        logits = self._run(token_ids, logits_to_keep=1)[-1]
-        assert self._cache is not None
-        self._cache.crop(0)  # bound sliding-window layers back to their window
+    def prefill(self, seq: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:
+        self._check_prefill(seq, token_ids)
+        self._new_cache(seq)
+        logits = self._run(seq, token_ids, logits_to_keep=1, prefill=True)[-1]
+        self.cache_of(seq).crop(0)  # bound sliding-window layers back to their window
         return logits
 
-    def prefill_with_draft(self, token_ids: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
+    def prefill_with_draft(self, seq: TargetSequence, token_ids: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
         """Prefill ``token_ids`` and verify ``draft`` in the same forward: logits ``[len(draft) + 1, vocab]`` for
         the last prompt position and every draft position. Roll back to ``len(token_ids) + accepted`` after.
 
         This saves the separate first verification forward (transformers' prompt lookup does the same); it is
         offered only where rolling back into a prefill is a cheap crop.
         """
-        self._check_prefill(token_ids)
+        self._check_prefill(seq, token_ids)
         self._check_ids(draft)
-        self._new_cache()
-        return self._run([*token_ids, *draft], logits_to_keep=len(draft) + 1)
+        self._new_cache(seq)
+        return self._run(seq, [*token_ids, *draft], logits_to_keep=len(draft) + 1, prefill=True)
 
-    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
-        self._check_forward(token_ids)
-        return self._run(token_ids, logits_to_keep=0, matched=True)
+    def forward(self, seq: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:
+        self._check_forward(seq, token_ids)
+        return self._run(seq, token_ids, logits_to_keep=0, matched=True)
 
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise ValueError(f"cannot roll back to length {length}: the cache holds {self._length} tokens")
-        if self._cache is None:
+    def rollback(self, seq: TargetSequence, length: int) -> None:
+        self._own(seq)
+        if not 0 <= length <= seq.length:
+            raise ValueError(f"cannot roll back to length {length}: the cache holds {seq.length} tokens")
+        if seq.cache is None:
             return
-        self._cache.crop(length - self._length)
-        self._length = length
+        self.cache_of(seq).crop(length - seq.length)
+        seq.length = length
 
-    def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+    def forward_tree(self, seq: TargetSequence, token_ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
         if not self.verifies_trees:
-            return super().forward_tree(token_ids, parents)
-        self._check_forward(token_ids)
+            return super().forward_tree(seq, token_ids, parents)
+        self._check_forward(seq, token_ids)
         if len(parents) != len(token_ids):
             raise ValueError(
                 f"a draft tree of {len(token_ids)} tokens needs {len(token_ids)} parents, got {len(parents)}"
             )
         depths = tree_depths(parents)
-        mask = tree_mask(parents, self._length, self.model.dtype, self.device)
-        return self._run(token_ids, logits_to_keep=0, offsets=depths, attention_mask=mask, matched=True)
+        mask = tree_mask(parents, seq.length, self.model.dtype, self.device)
+        return self._run(seq, token_ids, logits_to_keep=0, offsets=depths, attention_mask=mask, matched=True)
 
-    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+    def keep_rows(self, seq: TargetSequence, start: int, rows: Sequence[int]) -> None:
         rows = list(rows)
         if rows == list(range(len(rows))) or not self.verifies_trees:
-            super().keep_rows(start, rows)
+            super().keep_rows(seq, start, rows)
             return
-        if rows[0] != 0 or any(b <= a for a, b in itertools.pairwise(rows)) or start + rows[-1] >= self._length:
-            raise ValueError(f"rows to keep must increase from 0 within the {self._length - start} fed, got {rows}")
-        assert self._cache is not None
-        for layer in self._cache.layers:
+        self._own(seq)
+        if rows[0] != 0 or any(b <= a for a, b in itertools.pairwise(rows)) or start + rows[-1] >= seq.length:
+            raise ValueError(f"rows to keep must increase from 0 within the {seq.length - start} fed, got {rows}")
+        for layer in self.cache_of(seq).layers:
             assert isinstance(layer, GrowableLayer)
             layer.keep(start, rows)
-        self._length = start + len(rows)
+        seq.length = start + len(rows)
