@@ -40,6 +40,7 @@ import sys
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -143,7 +144,11 @@ class LeanTarget(TransformersTarget):
         """The layers' rotary kinds (`_Layer.rope`): one table each per forward."""
         if self._windowed and self._native is None:
             raise ConfigError("the lean forward runs sliding-window layers on the native ops only, which are off here")
-        self._loop = _LayerLoop.of(self._layers, self.facts.row_plans) if self._native is not None else None
+        self._loop = (
+            _LayerLoop.of(self._layers, self.facts.row_plans, self._heads, self._kv_heads)
+            if self._native is not None
+            else None
+        )
         self.verifies_trees = True
         """Every layer's cache is a `GrowableLayer` (whose rows `keep_rows` moves; sliding windows cut what a row
         sees, not the cache), and both forwards take a tree's rows: the native one by key spans in position order
@@ -278,7 +283,7 @@ class LeanTarget(TransformersTarget):
         assert self._native is not None and self._loop is not None
         ids: list[int] = []
         positions: list[int] = []
-        keys, spans, starts, rows, buffers = [], [], [], [], []
+        visible, starts, rows, buffers = [], [], [], []
         like = torch.empty(1, self._kv_heads, 0, self._head_dim, dtype=self.kv_dtype, device=self.device)
         fed: list[tuple[LeanSequence, int]] = []
         try:
@@ -294,17 +299,15 @@ class LeanTarget(TransformersTarget):
                         raise ValueError(f"a draft tree of {n} tokens needs {n} parents, got {len(segment.parents)}")
                     positions.extend(start + d for d in tree_depths(segment.parents))
                     mask = tree_mask(segment.parents, start, self.model.dtype, self.device)
-                key_rows, key_spans = _visible_keys(start, n, mask, self.device)
+                visible.append(_visible_keys(start, n, mask, self.device))
                 buffers.append([cache.append_in_place(n, like) for cache in self.cache_of(seq).layers])
                 fed.append((seq, start))
                 seq.length += n
                 seq.rows.fed(tokens)
                 ids += tokens
-                keys.append(key_rows)
-                spans.append(key_spans)
                 starts.append(start)
                 rows.append(n)
-            logits, hidden = self._batched_layers(ids, positions, buffers, keys, spans, starts, rows)
+            logits, hidden = self._batched_layers(ids, positions, buffers, visible, starts, rows)
         except BaseException:
             for seq, start in fed:  # leave every sequence as it was
                 self.rollback(seq, start)
@@ -321,29 +324,32 @@ class LeanTarget(TransformersTarget):
         ids: list[int],
         positions: list[int],
         buffers: list[list[tuple[torch.Tensor, torch.Tensor]]],
-        keys: list[torch.Tensor],
-        spans: list[torch.Tensor],
+        visible: list[tuple[torch.Tensor, torch.Tensor]],
         starts: list[int],
         rows: list[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits and hidden states of the rows of several sequences through the native layer loop, each
-        sequence's keys and values written to its own ``buffers`` (per layer)."""
+        """The logits and hidden states of the rows of several sequences through the native layer loop
+        (`_LayerLoop.run`), each sequence's keys and values written to its own ``buffers`` (per layer)."""
         ops, loop, decoder = self._native, self._loop, self.model.model
         assert ops is not None and loop is not None
-        k_bufs = [seq[layer][0] for layer in range(len(self._layers)) for seq in buffers]
-        v_bufs = [seq[layer][1] for layer in range(len(self._layers)) for seq in buffers]
         with torch.inference_mode(), decode_matched.matching(self.facts.row_plans):
             x = decoder.embed_tokens(torch.tensor([ids], dtype=torch.long, device=self.device))[0]
-            at = torch.tensor([positions], dtype=torch.long, device=self.device)
-            tables = [decoder.rotary_emb(x, at) if k is None else decoder.rotary_emb(x, at, k) for k in loop.rope_kinds]
-            x = ops.decode_layers(
-                x, *loop.operands, k_bufs, v_bufs, [c[0].contiguous() for c, _ in tables],
-                [s[0].contiguous() for _, s in tables], keys, spans, starts, rows, self._heads, self._kv_heads,
-                self._layers[0].attn.scaling, *loop.extras,
-            )  # fmt: skip
+            tables = self._rope_tables(x, torch.tensor([positions], dtype=torch.long, device=self.device))
+            x = loop.run(ops, x, tables, buffers, visible, starts, rows)
             hidden = decoder.norm(x[None])
             logits = self.model.lm_head(hidden)[0]
         return logits, hidden[0]
+
+    def _rope_tables(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """Per rotary kind of the layers (Gemma 3: local and global), the cos and sin tables ``[n, dim]`` of
+        ``positions`` ``[1, n]``, contiguous (as the native ops take them)."""
+        rotary, tables = self.model.model.rotary_emb, {}
+        for kind in self._rope_kinds:
+            cos, sin = rotary(x, positions) if kind is None else rotary(x, positions, kind)
+            tables[kind] = (cos[0].contiguous(), sin[0].contiguous())
+        return tables
 
     def forget_prefix(self, owner: str | None = None) -> None:
         self._kept.forget(owner)
@@ -421,21 +427,12 @@ class LeanTarget(TransformersTarget):
         assert ops is not None
         n = ids.shape[1]
         x = decoder.embed_tokens(ids)[0]
-        ropes = {}  # per layer's rotary kind (Gemma 3: local and global tables), cos and sin
-        for kind in self._rope_kinds:
-            cos, sin = decoder.rotary_emb(x, positions) if kind is None else decoder.rotary_emb(x, positions, kind)
-            ropes[kind] = (cos[0].contiguous(), sin[0].contiguous())
+        ropes = self._rope_tables(x, positions)
         keys, offsets = visible
         like = x.new_empty(1, self._kv_heads, 0, self._head_dim, dtype=self.kv_dtype)
-        if self._loop is not None and self._loop.runs(x):
-            loop = self._loop
+        if self._loop is not None and self._loop.runs(x):  # a batch of one, as `forward_batch` runs several
             buffers = [layer.append_in_place(n, like) for layer in cache.layers]
-            x = ops.decode_layers(
-                x, *loop.operands, [k for k, _ in buffers], [v for _, v in buffers],
-                [ropes[kind][0] for kind in loop.rope_kinds], [ropes[kind][1] for kind in loop.rope_kinds],
-                [keys], [offsets], [start], [n], self._heads, self._kv_heads, self._layers[0].attn.scaling,
-                *loop.extras,
-            )  # fmt: skip
+            x = self._loop.run(ops, x, ropes, [buffers], [visible], [start], [n])
             return decoder.norm(x[None])
         windowed = {w: _windowed_spans(offsets, w) for w in {layer.window for layer in self._layers} if w is not None}
         h = ops.rms_norm(x, *self._layers[0].input_weight)
@@ -610,16 +607,32 @@ class _Layer:
 
 @dataclass(frozen=True)
 class _LayerLoop:
-    """What the native layer loop (``decode_layers``) takes: every layer's packed weights and biases (q/k/v, o,
-    gate/up, down), norm weights and epsilons, Gemma 3's output norms, windows and rotary kinds, and the products
-    whose row plans must be 1 for it to run."""
+    """What the native layer loop (``decode_layers``) takes besides the rows: every layer's packed weights and
+    biases (q/k/v, o, gate/up, down), norm weights and epsilons, Gemma 3's output norms, windows and rotary kinds,
+    the attention's shape; and the products whose row plans must be 1 for it to run. `run` makes the one call."""
 
-    operands: tuple[object, ...]
-    """``decode_layers``' arguments before the caches: packed weights, biases, norms, eps, q/k norms, their eps."""
-    extras: tuple[object, ...]
-    """Its arguments after ``scaling``: output norms (two per layer, or none), windows (0: none), each layer's rotary
-    table (an index into `rope_kinds`), whether the gates are GELU, and each product's count of weight parts (or none:
-    one each; ``operands[0]`` holds the parts one after another)."""
+    parts: list[torch.Tensor]
+    """Each product's weight, layer by layer (q/k/v, o, gate/up, down): one packed matrix each, or (with
+    ``part_counts``) that many parts one after another."""
+    biases: list[torch.Tensor | None]
+    norms: list[torch.Tensor]
+    """Each layer's input norm and pre-MLP norm weights."""
+    eps: float
+    qk_norms: list[torch.Tensor | None]
+    """Each layer's q and k norm weights (None: none)."""
+    qk_eps: float
+    out_norms: list[torch.Tensor | None]
+    """Gemma 3's norms of the attention and MLP outputs, two per layer (empty: none)."""
+    windows: list[int]
+    """Each layer's sliding window (0: none)."""
+    rope_of: list[int]
+    """Each layer's rotary table: an index into `rope_kinds`."""
+    gelu: bool
+    part_counts: list[int]
+    """Each product's count of weight parts (empty: one each)."""
+    heads: int
+    kv_heads: int
+    scaling: float
     rope_kinds: list[str | None]
     """The rotary tables' kinds (``rotary_emb``'s ``layer_type``; None: the model's one table), in table order."""
     products: list[Product]
@@ -629,7 +642,9 @@ class _LayerLoop:
     _verdicts: dict[tuple[torch.dtype, int], bool] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, layers: list[_Layer], plans: dict[tuple[object, ...], RowPlan]) -> _LayerLoop | None:
+    def of(
+        cls, layers: list[_Layer], plans: dict[tuple[object, ...], RowPlan], heads: int, kv_heads: int
+    ) -> _LayerLoop | None:
         """The loop's operands, or None where a layer's products are not single packed matrices, its norms'
         epsilons differ or its layers mix activations (the Python loop runs those)."""
         packed, biases, norms, qk_norms, out_norms = [], [], [], [], []
@@ -651,16 +666,50 @@ class _LayerLoop:
             return None
         kinds = _rope_kinds(layers)
         counts = [len(parts) for parts in packed]
-        extras = (
-            out_norms if any(w is not None for w in out_norms) else [],
-            [layer.window or 0 for layer in layers],
-            [kinds.index(layer.rope) for layer in layers],
-            layers[0].gelu,
-            counts if any(n > 1 for n in counts) else [],
+        return cls(
+            parts=[part for parts in packed for part in parts],
+            biases=biases,
+            norms=norms,
+            eps=eps.pop(),
+            qk_norms=qk_norms,
+            qk_eps=layers[0].qk_eps,
+            out_norms=out_norms if any(w is not None for w in out_norms) else [],
+            windows=[layer.window or 0 for layer in layers],
+            rope_of=[kinds.index(layer.rope) for layer in layers],
+            gelu=layers[0].gelu,
+            part_counts=counts if any(n > 1 for n in counts) else [],
+            heads=heads,
+            kv_heads=kv_heads,
+            scaling=float(layers[0].attn.scaling),
+            rope_kinds=kinds,
+            products=list(products.values()),
+            plans=plans,
         )
-        flat = [part for parts in packed for part in parts]
-        operands = (flat, biases, norms, eps.pop(), qk_norms, layers[0].qk_eps)
-        return cls(operands, extras, kinds, list(products.values()), plans)
+
+    def run(
+        self,
+        ops: ModuleType,
+        x: torch.Tensor,
+        tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
+        buffers: list[list[tuple[torch.Tensor, torch.Tensor]]],
+        visible: list[tuple[torch.Tensor, torch.Tensor]],
+        starts: list[int],
+        rows: list[int],
+    ) -> torch.Tensor:
+        """Every layer over the rows ``x`` ``[n, hidden]`` of one or more sequences (``rows[s]`` consecutive rows of
+        sequence ``s``, written from ``starts[s]`` to its own per-layer key/value ``buffers[s]``, each row seeing
+        the keys ``visible[s]`` gives it), with the rotary ``tables`` by kind: the residual stream after the last
+        layer (``x``, updated in place)."""
+        layers = len(self.windows)
+        return ops.decode_layers(
+            x, self.parts, self.biases, self.norms, self.eps, self.qk_norms, self.qk_eps,
+            [seq[layer][0] for layer in range(layers) for seq in buffers],
+            [seq[layer][1] for layer in range(layers) for seq in buffers],
+            [tables[kind][0] for kind in self.rope_kinds], [tables[kind][1] for kind in self.rope_kinds],
+            [keys for keys, _ in visible], [spans for _, spans in visible], starts, rows,
+            self.heads, self.kv_heads, self.scaling, self.out_norms, self.windows, self.rope_of, self.gelu,
+            self.part_counts,
+        )  # fmt: skip
 
     def runs(self, x: torch.Tensor) -> bool:
         """Whether every product computes its rows at any width as alone (row plan 1) at ``x``'s dtype and the
