@@ -166,18 +166,20 @@ def lean_parts(target: LeanTarget, context: int, reps: int) -> dict[str, dict[in
 
 def prefill_times(model: torch.nn.Module, prompt: list[int], reps: int) -> dict[str, float]:
     """Median ms of the lean target's prefill of ``prompt``: through the native ops and through its PyTorch path
-    (`LeanTarget` with ``native=False``), taking turns."""
+    (`LeanTarget` with ``native=False``), taking turns. Each prefill is cold: a new sequence of no owner, which
+    reuses no earlier rows (`TargetSequence.owner`)."""
     targets = {"native ops": LeanTarget(model), "PyTorch path": LeanTarget(model, native=False)}
-    seqs = {name: target.new_sequence() for name, target in targets.items()}
     times: dict[str, list[float]] = {name: [] for name in targets}
     for rep in range(reps + 1):
         for name, target in targets.items():
+            seq = target.new_sequence(None)
             sync(target.device)
             start = time.perf_counter()
-            target.prefill(seqs[name], prompt)
+            target.prefill(seq, prompt)
             sync(target.device)
             if rep:
                 times[name].append(time.perf_counter() - start)
+            target.release(seq)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 

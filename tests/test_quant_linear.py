@@ -12,14 +12,10 @@ AVX512 build without VNNI compute the same bits as this one. The real Q4_1 file:
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 
 from lattice_inference.quantized import attach_tensors, quantized_weights
-from lattice_inference.targets import native_ops
 from lattice_inference.targets.packed_linear import QUANT, pack_linears, packed_kind, quant_packed
 from lattice_inference.targets.quant_linear import (
     FORMATS,
@@ -264,36 +260,22 @@ def test_attaching_matches_by_content_and_leaves_what_matches_nothing(ops):
     assert pack_linears(model) > 0 and not quant_packed(down._lattice_packed_weight)
 
 
-@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512vnni",)], ids=["avx2", "avx512-without-vnni"])
-def test_every_build_computes_the_same_bits(ops, flags):
+@pytest.mark.parametrize("build", ["avx2", "avx512-without-vnni"])
+def test_every_build_computes_the_same_bits(ops, other_builds, build):
     """The dots are exact integers and the float steps run lane-wise alike in 8 or 16 lanes: the AVX2 build (pairwise
     multiply-adds) and the AVX512 build without VNNI equal this build bit for bit, every format, any width."""
     built = ops.quant_linear_kernel()
-    if built == "avx2" or (built == "avx512" and "-mno-avx512vnni" in flags):
+    if built == "avx2" or (built == "avx512" and build == "avx512-without-vnni"):
         pytest.skip(f"this CPU runs the {built} build already")
-    from torch.utils import cpp_extension
-
-    with tempfile.TemporaryDirectory() as directory:
-        bind = Path(directory) / "bind.cpp"
-        bind.write_text(
-            '#include "quant_linear.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
-            '  m.def("quant_linear", &quant_linear); m.def("quant_linear_kernel", &quant_linear_kernel);\n}\n'
-        )
-        other = cpp_extension.load(
-            name="lattice_quant_" + flags[0].removeprefix("-mno-"),
-            sources=[str(bind), str(native_ops.CSRC / "quant_linear.cpp")],
-            extra_cflags=[*native_ops.FLAGS, *flags],
-            extra_include_paths=[str(native_ops.CSRC)],
-            build_directory=directory,
-        )
-        assert other.quant_linear_kernel() == ("avx2" if flags == ("-mno-avx512f",) else "avx512")
-        weight, bias, x = _rand(96, 768, seed=10), _rand(96, seed=11), _rand(23, 768, seed=12) * 3
-        x[0, :32] = 0.0  # an all-zero block of inputs
-        for kind in FORMATS:
-            packed = quant_pack(quantized(weight, kind), kind)
-            ours = ops.quant_linear(x, packed, bias)
-            assert torch.equal(ours, other.quant_linear(x, packed, bias)), kind
-            assert all(torch.equal(other.quant_linear(x[i : i + 1], packed, bias)[0], ours[i]) for i in range(23))
+    other = other_builds[build]
+    assert other.quant_linear_kernel() == ("avx2" if build == "avx2" else "avx512")
+    weight, bias, x = _rand(96, 768, seed=10), _rand(96, seed=11), _rand(23, 768, seed=12) * 3
+    x[0, :32] = 0.0  # an all-zero block of inputs
+    for kind in FORMATS:
+        packed = quant_pack(quantized(weight, kind), kind)
+        ours = ops.quant_linear(x, packed, bias)
+        assert torch.equal(ours, other.quant_linear(x, packed, bias)), kind
+        assert all(torch.equal(other.quant_linear(x[i : i + 1], packed, bias)[0], ours[i]) for i in range(23))
 
 
 @pytest.mark.parametrize("kind", list(FORMATS))

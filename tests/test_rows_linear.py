@@ -10,9 +10,6 @@ CPU without AVX2): there float32 products run on oneDNN, which `tests/test_packe
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -165,38 +162,23 @@ def test_a_float32_lean_target_runs_its_layers_on_them_and_its_rows_are_reusable
     assert seq.reused == (21 if runs else 0)
 
 
-def test_the_avx2_build_equals_the_avx512_build(rows):
+def test_the_avx2_build_equals_the_avx512_build(rows, other_builds):
     """Each output is the same sequence of fused multiply-adds in 8 or 16 lanes: float32 products, and so float32
     output, are the same on AVX2-only CPUs as on AVX512 ones."""
     if rows.rows_linear_kernel() != "avx512":
         pytest.skip("this CPU has no AVX512F: it runs the AVX2 build already")
-    from torch.utils import cpp_extension
-
-    with tempfile.TemporaryDirectory() as directory:
-        bind = Path(directory) / "bind.cpp"
-        bind.write_text(
-            '#include "rows_linear.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
-            '  m.def("rows_pack", &rows_pack); m.def("rows_linear", &rows_linear);\n'
-            '  m.def("rows_linear_kernel", &rows_linear_kernel);\n}\n'
-        )
-        avx2 = cpp_extension.load(
-            name="lattice_rows_avx2",
-            sources=[str(bind), str(native_ops.CSRC / "rows_linear.cpp")],
-            extra_cflags=[*native_ops.FLAGS, "-mno-avx512f"],
-            extra_include_paths=[str(native_ops.CSRC)],
-            build_directory=directory,
-        )
-        assert avx2.rows_linear_kernel() == "avx2"
-        for out, inp in [(960, 576), (576, 1536), (48, 40)]:
-            weight, bias, x = _rand(out, inp, seed=7), _rand(out, seed=8), _rand(37, inp, seed=9)
-            ours = rows.rows_linear(x, rows.rows_pack(weight), bias)
-            packed = avx2.rows_pack(weight)
-            theirs = avx2.rows_linear(x, packed, bias)
-            assert torch.equal(ours, theirs), (out, inp)
-            assert all(torch.equal(avx2.rows_linear(x[i : i + 1], packed, bias)[0], theirs[i]) for i in range(37))
-            half = (weight.bfloat16(), bias.bfloat16(), x.bfloat16())  # and from bfloat16 weights
-            for m in (37, 1, 2, 3):  # up to 2 rows the AVX2 build widens in its own lane order, from 3 into a buffer
-                assert torch.equal(
-                    rows.rows_linear(half[2][:m], rows.rows_pack(half[0]), half[1]),
-                    avx2.rows_linear(half[2][:m], avx2.rows_pack(half[0]), half[1]),
-                ), (out, inp, m)
+    avx2 = other_builds["avx2"]
+    assert avx2.rows_linear_kernel() == "avx2"
+    for out, inp in [(960, 576), (576, 1536), (48, 40)]:
+        weight, bias, x = _rand(out, inp, seed=7), _rand(out, seed=8), _rand(37, inp, seed=9)
+        ours = rows.rows_linear(x, rows.rows_pack(weight), bias)
+        packed = avx2.rows_pack(weight)
+        theirs = avx2.rows_linear(x, packed, bias)
+        assert torch.equal(ours, theirs), (out, inp)
+        assert all(torch.equal(avx2.rows_linear(x[i : i + 1], packed, bias)[0], theirs[i]) for i in range(37))
+        half = (weight.bfloat16(), bias.bfloat16(), x.bfloat16())  # and from bfloat16 weights
+        for m in (37, 1, 2, 3):  # up to 2 rows the AVX2 build widens in its own lane order, from 3 into a buffer
+            assert torch.equal(
+                rows.rows_linear(half[2][:m], rows.rows_pack(half[0]), half[1]),
+                avx2.rows_linear(half[2][:m], avx2.rows_pack(half[0]), half[1]),
+            ), (out, inp, m)
