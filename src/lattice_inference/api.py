@@ -75,6 +75,13 @@ class SamplingArgs(TypedDict, total=False):
     frequency_penalty: float | None
 
 
+class StartArgs(SamplingArgs, total=False):
+    """The keywords of `Generator.start` and `generate`: sampling (`SamplingArgs`), the suffix index and the scope."""
+
+    suffix_index: SuffixIndex | None
+    scope: str | None
+
+
 def mtp_head_for(
     loaded: LoadedModel,
     draft_length: int,
@@ -281,7 +288,8 @@ class Generator:
         ``lattice serve`` passes the tenant; None: nothing carried)."""
         options = self.sampling(**sampling)
         index = suffix_index if suffix_index is not None else self.suffix_index
-        return self.decoder.start(self.encode(prompt, chat), max_new_tokens, options, logprobs, index, scope)
+        ids = self.encode(prompt, chat)
+        return self.decoder.start(ids, max_new_tokens, options, logprobs=logprobs, suffix_index=index, scope=scope)
 
     def clear_suffix_index(self) -> None:
         """Forget the earlier generations the suffix methods draft from (nothing for other methods)."""
@@ -325,15 +333,11 @@ class Generator:
         max_new_tokens: int = 256,
         chat: bool = False,
         logprobs: int | None = None,
-        *,
-        suffix_index: SuffixIndex | None = None,
-        scope: str | None = "",
-        **sampling: Unpack[SamplingArgs],
+        **keywords: Unpack[StartArgs],
     ) -> GenerationResult:
         """Generate to the end; return text, token ids, stop reason, metrics, the seed and, with ``logprobs=N``,
         each token's `TokenLogprob` (sampling, ``suffix_index`` and ``scope`` as `start`)."""
-        started = self.start(prompt, max_new_tokens, chat, logprobs, suffix_index=suffix_index, scope=scope, **sampling)
-        result = started.result()
+        result = self.start(prompt, max_new_tokens, chat, logprobs, **keywords).result()
         result.text = cast(str, self.tokenizer.decode(result.token_ids, skip_special_tokens=True))
         return result
 
@@ -355,7 +359,9 @@ class Generator:
         driver = Driver(max_batch)  # checks max_batch before anything runs
         options = self.sampling(**sampling)
         gens = [
-            self.decoder.new_generation(self.encode(p, chat), max_new_tokens, options, logprobs, self.suffix_index)
+            self.decoder.new_generation(
+                self.encode(p, chat), max_new_tokens, options, logprobs=logprobs, suffix_index=self.suffix_index
+            )
             for p in prompts
         ]
         waiting = list(gens)

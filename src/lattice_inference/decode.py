@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 import torch
 
@@ -46,6 +47,15 @@ __all__ = ["Generation", "GenerationResult", "Round", "SpeculativeDecoder"]
 _GREEDY = SamplingOptions()
 MAX_SCOPES = 256
 """Most scopes whose learned acceptance a decoder keeps (the least recently used dropped first; a few KB each)."""
+
+
+class RequestArgs(TypedDict, total=False):
+    """What a request adds to `SpeculativeDecoder.start` (and `new_generation`) besides its prompt, budget and
+    sampling: see `start`."""
+
+    logprobs: int | None
+    suffix_index: SuffixIndex | None
+    scope: str | None
 
 
 @dataclass(frozen=True)
@@ -128,18 +138,17 @@ class SpeculativeDecoder:
         prompt_ids: Sequence[int],
         max_new_tokens: int,
         sampling: SamplingOptions | None = None,
-        logprobs: int | None = None,
-        suffix_index: SuffixIndex | None = None,
-        scope: str | None = "",
+        **request: Unpack[RequestArgs],
     ) -> Generation:
         """A validated `Generation` of this decoder, not started (`start` starts it alone; a
         `lattice_inference.batching.Batch` runs several in one forward). The arguments are `start`'s."""
+        logprobs, scope = request.get("logprobs"), request.get("scope", "")
         prompt_ids = [int(t) for t in prompt_ids]
         self._validate(prompt_ids, max_new_tokens)
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise ConfigError(f"logprobs must be a number of most likely tokens >= 0, or None, got {logprobs!r}")
         gen = Generation(prompt_ids, max_new_tokens, sampling or _GREEDY, self.target.vocab_size, logprobs)
-        gen.suffix_index = suffix_index
+        gen.suffix_index = request.get("suffix_index")
         gen.scope = scope
         return gen
 
@@ -148,9 +157,7 @@ class SpeculativeDecoder:
         prompt_ids: Sequence[int],
         max_new_tokens: int,
         sampling: SamplingOptions | None = None,
-        logprobs: int | None = None,
-        suffix_index: SuffixIndex | None = None,
-        scope: str | None = "",
+        **request: Unpack[RequestArgs],
     ) -> Generation:
         """Validate the request and return a `Generation` to iterate (chunks of tokens as they are accepted).
 
@@ -162,7 +169,7 @@ class SpeculativeDecoder:
         ``scope``: whose learned acceptance the planner starts from and leaves its own to (the same scope's next
         generation starts from it; None: nothing carried in or out).
         """
-        gen = self.new_generation(prompt_ids, max_new_tokens, sampling, logprobs, suffix_index, scope)
+        gen = self.new_generation(prompt_ids, max_new_tokens, sampling, **request)
         gen._chunks = self._run(gen)
         return gen
 

@@ -312,8 +312,8 @@ class Reply:
             job.prompt_ids,
             job.max_tokens,
             generator.sampling(**asdict(job.sampling)),
-            job.logprobs,
-            index,
+            logprobs=job.logprobs,
+            suffix_index=index,
             scope=job.tenant,
         )
         self.owner = job.tenant
