@@ -105,7 +105,7 @@ def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(quant_ops, arc
     assert packed_kind(layer.self_attn.q_proj._lattice_packed_weight.packed) == "quant-Q4_K+Q4_K+Q6_K"
     assert target._loop is not None and target.quantized and target.batches_sequences  # the native layer loop
     if arch == "gemma3_text":  # a sliding and a global layer, their rotary tables, output norms, GELU
-        assert [layer.window for layer in target._layers] == [24, None] and target._loop.extras[3] is True  # GELU
+        assert [layer.window for layer in target._layers] == [24, None] and target._loop.gelu is True  # GELU
         assert target._loop.rope_kinds == ["full_attention", "sliding_attention"]
     # close to the dense model (its inputs rounded to 8 bits), not equal to it
     prompt = [(7 * j + 3) % 250 for j in range(20)]

@@ -102,7 +102,7 @@ def test_a_bfloat16_lean_target_runs_its_layers_on_the_tiles_or_on_onednn(tiles,
     model = toy_model(toy_config("qwen3", hidden_size=128, intermediate_size=1536, head_dim=32), seed=1)
     lean = LeanTarget(model.to(torch.bfloat16))
     assert lean._loop is not None
-    assert all(tile_packed(packed) == on for packed in lean._loop.operands[0])
+    assert all(tile_packed(packed) == on for packed in lean._loop.parts)
     seq = lean.new_sequence()
     lean.prefill(seq, list(range(20)))
     wide = lean.forward(seq, [5, 6, 7])
