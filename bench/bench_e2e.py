@@ -21,8 +21,8 @@ whole) over all prompts; ``tok/s = new tokens / wall``. ``ours decode tok/s`` is
 (``GenerationMetrics.tokens_per_s``, prefill excluded). One warm-up pass, then ``--reps`` timed passes; in
 each pass the methods run in a rotating order, prompt by prompt. Reported: the median over passes of tok/s,
 and speed-ups as the median over passes of the per-pass ratio (paired, so slow drifts of this shared machine
-cancel). Forward passes of the model are counted with a forward pre-hook (prefill included); HF's drafted and
-accepted tokens are read from its ``PromptLookupCandidateGenerator``. ``identical``: share of prompts whose
+cancel). Forward passes of the model are counted with a pre-hook on its input embedding (prefill included); HF's
+drafted and accepted tokens are read from its ``PromptLookupCandidateGenerator``. ``identical``: share of prompts whose
 output equals HF greedy's of the same dtype token for token, in every pass (bf16 near-ties may legitimately
 flip: a k-token verify forward rounds differently from a 1-token step).
 
@@ -59,6 +59,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import transformers
+from transformers import PreTrainedModel
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
 from lattice_inference.decode import SpeculativeDecoder
@@ -120,15 +121,17 @@ def make_prompts(count: int, length: int, seed: int) -> list[list[int]]:
 
 
 class ForwardCounter:
-    """Counts calls of ``model.forward`` (prefill included) and the tokens fed, via a forward pre-hook."""
+    """Counts the model's forwards (prefill included) and the tokens fed, via a forward pre-hook on its input
+    embedding, which every forward calls once: transformers' own and the lean target's, which does not call
+    ``model.forward``."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self.calls = 0
         self.fed = 0
-        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self._handle = model.get_input_embeddings().register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = kwargs.get("input", args[0] if args else None)
         self.calls += 1
         if ids is not None:
             self.fed += int(ids.shape[-1])
@@ -231,6 +234,8 @@ def hf_method(model, counter: ForwardCounter, max_new: int, k: int | None, ngram
 
 
 def ours_method(decoder: SpeculativeDecoder, counter: ForwardCounter, max_new: int) -> Callable[[list[int]], Run]:
+    decoder.prepare()  # the self-check and cost measurement now, not counted in the first generation's forwards
+
     def call(prompt: list[int]) -> Run:
         counter.reset()
         start = time.perf_counter()
