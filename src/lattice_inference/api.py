@@ -15,6 +15,7 @@ seed; they differ in speed only.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from lattice_inference.drafters.build import build_drafter
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
 from lattice_inference.generation import Generation, GenerationResult
+from lattice_inference.grammar import Grammar, GrammarError
 from lattice_inference.loading import LoadedModel, eos_token_ids_of, load_model
 from lattice_inference.mtp import MtpHead, load_mtp_head
 from lattice_inference.mtp.head_file import load_head_file, shipped_head
@@ -76,10 +78,12 @@ class SamplingArgs(TypedDict, total=False):
 
 
 class StartArgs(SamplingArgs, total=False):
-    """The keywords of `Generator.start` and `generate`: sampling (`SamplingArgs`), the suffix index and the scope."""
+    """The keywords of `Generator.start` and `generate`: sampling (`SamplingArgs`), the suffix index, the scope and
+    a grammar the output must follow (`Generator.grammar`)."""
 
     suffix_index: SuffixIndex | None
     scope: str | None
+    grammar: Grammar | None
 
 
 def mtp_head_for(
@@ -171,6 +175,9 @@ class Generator:
         """The prompt encoding (tokenizer, chat template, EOS) this generator shares with the other front-ends."""
         drafter, max_draft = build_drafter(options, self.eos_token_ids, mtp_head)
         self.suffix_index = SuffixIndex(options.suffix_budget) if "suffix" in options.drafters else None
+        self._grammars: dict[tuple[str, str], Grammar] = {}
+        """Compiled grammars by kind and source (`grammar`)."""
+        self._grammar_tokenizer: object = None
         """The cross-request index of the suffix methods: every generation of this generator drafts from what the
         earlier ones read and wrote (`clear_suffix_index` forgets it)."""
         if target is None:
@@ -271,6 +278,7 @@ class Generator:
         *,
         suffix_index: SuffixIndex | None = None,
         scope: str | None = "",
+        grammar: Grammar | None = None,
         **sampling: Unpack[SamplingArgs],
     ) -> Generation:
         """Validate and start one generation; iterate over it for token-id chunks (``.seed``, ``.metrics``,
@@ -285,11 +293,36 @@ class Generator:
         ``suffix_index`` (suffix methods): the cross-request index to draft from and add this generation to, in
         place of the generator's own (``lattice serve`` passes each tenant's). ``scope``: whose learned acceptance
         the draft planner starts from and leaves its own to (each request starts from the last one's of its scope;
-        ``lattice serve`` passes the tenant; None: nothing carried)."""
+        ``lattice serve`` passes the tenant; None: nothing carried). ``grammar``: what the output must follow
+        (`grammar`: a JSON schema, a regular expression or a Lark grammar), every method emitting exactly what plain
+        constrained decoding emits."""
         options = self.sampling(**sampling)
         index = suffix_index if suffix_index is not None else self.suffix_index
         ids = self.encode(prompt, chat)
-        return self.decoder.start(ids, max_new_tokens, options, logprobs=logprobs, suffix_index=index, scope=scope)
+        state = None if grammar is None else grammar.state()
+        return self.decoder.start(
+            ids, max_new_tokens, options, logprobs=logprobs, suffix_index=index, scope=scope, grammar=state
+        )
+
+    def grammar(
+        self, *, json_schema: str | Mapping[str, Any] | None = None, regex: str | None = None, lark: str | None = None
+    ) -> Grammar:
+        """A grammar for this generator's tokenizer, compiled once per source (pass exactly one): a JSON schema
+        (a dict or its text; whitespace between tokens is not free), a regular expression, or a Lark grammar.
+        A source the engine cannot compile raises `GrammarError` naming the problem."""
+        given = [(kind, source) for kind, source in (("json_schema", json_schema), ("regex", regex), ("lark", lark))]
+        chosen = [(kind, source) for kind, source in given if source is not None]
+        if len(chosen) != 1:
+            raise GrammarError("give exactly one of json_schema, regex and lark")
+        kind, source = chosen[0]
+        key = (kind, source if isinstance(source, str) else json.dumps(source, sort_keys=True))
+        compiled = self._grammars.get(key)
+        if compiled is None:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = Grammar.tokenizer_for(self.tokenizer, self.decoder.target.vocab_size)
+            compiled = Grammar(self._grammar_tokenizer, self.decoder.target.vocab_size, kind, source)
+            self._grammars[key] = compiled
+        return compiled
 
     def clear_suffix_index(self) -> None:
         """Forget the earlier generations the suffix methods draft from (nothing for other methods)."""

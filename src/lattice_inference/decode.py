@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Generator, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypedDict, Unpack
 
 import torch
@@ -34,6 +34,7 @@ from lattice_inference.drafters.base import Drafter, PlannedDraft
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.generation import Generation, GenerationResult, row_logprob
+from lattice_inference.grammar import GrammarState, constrain
 from lattice_inference.options import MAX_LEAVES, DecodeOptions
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets.base import Target, TargetSequence
@@ -56,6 +57,7 @@ class RequestArgs(TypedDict, total=False):
     logprobs: int | None
     suffix_index: SuffixIndex | None
     scope: str | None
+    grammar: GrammarState | None
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,7 @@ class SpeculativeDecoder:
         gen = Generation(prompt_ids, max_new_tokens, sampling or _GREEDY, self.target.vocab_size, logprobs)
         gen.suffix_index = request.get("suffix_index")
         gen.scope = scope
+        gen.grammar = request.get("grammar")
         return gen
 
     def start(
@@ -249,6 +252,8 @@ class SpeculativeDecoder:
         m.prefill_s = time.perf_counter() - start
         gen.opened_at = time.perf_counter()
         out = self._emit(gen, first, rows, range(len(first)))
+        if gen.grammar is not None:
+            gen.grammar.advance(out)
         self._inform_drafter(gen, first, hidden, 0)
         return out
 
@@ -265,6 +270,9 @@ class SpeculativeDecoder:
         if gen.planner is not None:
             gen.planner.share(shared_rows, shared_tokens)
         planned = self._draft(gen, room)
+        if gen.grammar is not None:  # plain decoding (no drafter) drafts nothing, not even forced tokens
+            cap = min(self.max_draft, room) if self.drafter is not None else 0
+            planned = self._grammatical(gen.grammar, planned, cap)
         pending, position = gen.pending, _sequence(gen).length
         if planned.alternatives and self.target.verifies_trees:  # a draft tree: leaves beside the draft
             tree = DraftTree(planned.verify, planned.alternatives)
@@ -306,6 +314,8 @@ class SpeculativeDecoder:
             verdict = planned.tree.verify(sampler.choose_at(scores, [planned.position + 1 + d for d in depths]))
         else:
             scores = gen.penalised(logits, planned.tokens)
+            if gen.grammar is not None:
+                scores = constrain(scores, gen.grammar.row_masks(draft))
             verdict = verify_prefix(draft, sampler.choose(scores, planned.position + 1))
         if gen.planner is not None and self.costs is None:  # given costs stand as given
             gen.planner.observe_forward_seconds(width, seconds)
@@ -315,6 +325,8 @@ class SpeculativeDecoder:
         gen.metrics.record_round(len(draft), verdict.accepted, leaves=leaves, on_leaf=verdict.rows is not None)
         self._learn(gen, planned.planned, verdict)
         out = self._emit(gen, verdict.tokens, logits, verdict.path)
+        if gen.grammar is not None:
+            gen.grammar.advance(out)
         self._inform_drafter(gen, verdict.tokens, rows, planned.position)
         gen.pending = verdict.tokens[-1]
         return out
@@ -332,6 +344,9 @@ class SpeculativeDecoder:
             m.decode_s = now - gen.opened_at
         m.latency_s = now - gen.created_at
         m.drafter_forwards = gen.drafter_state.forward_count if gen.drafter_state is not None else 0
+        if gen.grammar is not None:
+            m.grammar_forced_tokens, m.grammar_mask_s = gen.grammar.forced_tokens, gen.grammar.mask_s
+            m.grammar_cut_tokens = gen.grammar.cut_tokens
 
     def _keep_learned(self, scope: str, stats: AcceptanceStats) -> None:
         self._learned[scope] = stats
@@ -367,6 +382,19 @@ class SpeculativeDecoder:
         if not self.adaptive:
             return None
         return self.costs or forward_costs(self.target, self.widest())
+
+    @staticmethod
+    def _grammatical(grammar: GrammarState, planned: PlannedDraft, cap: int) -> PlannedDraft:
+        """``planned`` under a grammar: the draft cut before its first token the grammar rejects (never verified),
+        no tree (its leaves would need masks of their own paths), and, where nothing is left to verify, the tokens
+        the grammar forces instead (up to ``cap``)."""
+        valid = planned.verify[: grammar.valid_prefix(planned.verify)]
+        grammar.cut_tokens += len(planned.verify) - len(valid)
+        forced = [] if valid else grammar.forced(cap)
+        if not forced:
+            return replace(planned, verify=valid, alternatives=[])
+        grammar.forced_tokens += len(forced)
+        return replace(planned, proposal=forced, verify=forced, alternatives=[], runners_up=[])
 
     def _leaves(self) -> int:
         """Most tree leaves a round may verify (0 where the target or the drafter cannot use them)."""
@@ -418,10 +446,14 @@ class SpeculativeDecoder:
         if drafter is not None:
             gen.drafter_state = drafter.start(prompt, sampler=gen.sampler, suffix_index=gen.suffix_index)
         budget = gen.max_new_tokens
-        if drafter is None or self._wants_hidden or not target.fuses_prefill_and_draft or budget < 2:
+        fused = target.fuses_prefill_and_draft and gen.grammar is None
+        if drafter is None or self._wants_hidden or not fused or budget < 2:
             logits = target.prefill(seq, prompt).unsqueeze(0)
             gen.metrics.cached_prompt_tokens = seq.reused
-            first = gen.sampler.choose(gen.penalised(logits, prompt[-1:]), len(prompt))
+            scores = gen.penalised(logits, prompt[-1:])
+            if gen.grammar is not None:
+                scores = constrain(scores, gen.grammar.row_masks([]))
+            first = gen.sampler.choose(scores, len(prompt))
             gen.pending = first[-1]
             return first, self._path_hidden(seq.hidden, len(prompt)), logits
         planned = self._draft(gen, budget - 1)

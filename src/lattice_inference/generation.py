@@ -17,6 +17,7 @@ import torch
 from lattice_inference.draft_planner import DraftPlanner
 from lattice_inference.drafters.base import DrafterState
 from lattice_inference.drafters.suffix_index import SuffixIndex
+from lattice_inference.grammar import GrammarState
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.penalties import Penalties
 from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOptions, make_sampler
@@ -106,6 +107,8 @@ class Generation:
         """When the generation was made (`GenerationMetrics.latency_s` counts from here)."""
         self.opened_at: float | None = None
         """When the prefill ended (`SpeculativeDecoder.open`; None: not started)."""
+        self.grammar: GrammarState | None = None
+        """Where this generation stands in its grammar (structured output; None: unconstrained)."""
         self.sequence: TargetSequence | None = None
         """This generation's own sequence on the target (its cache slot, length and what its forwards produced):
         made when it opens (`SpeculativeDecoder.open`), released when it closes."""

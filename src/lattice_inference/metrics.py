@@ -40,6 +40,12 @@ class GenerationMetrics:
     at that drafted token's position)."""
     drafter_forwards: int = 0
     """Forward passes of a learned drafter (MTP head steps, catch-up batches included); 0 for n-gram lookup."""
+    grammar_forced_tokens: int = 0
+    """Tokens drafted because the request's grammar forced them (structured output; counted in ``drafted_tokens``)."""
+    grammar_cut_tokens: int = 0
+    """Drafted tokens the grammar rejected: cut from their drafts before verification (not in ``drafted_tokens``)."""
+    grammar_mask_s: float = 0.0
+    """Seconds spent computing the grammar's token masks (one per verified row; in ``decode_s``)."""
     prefill_s: float = 0.0
     decode_s: float = 0.0
     latency_s: float = 0.0
@@ -140,6 +146,9 @@ class GenerationMetrics:
             "leaves": self.leaves,
             "accepted_leaves": self.accepted_leaves,
             "drafter_forwards": self.drafter_forwards,
+            "grammar_forced_tokens": self.grammar_forced_tokens,
+            "grammar_cut_tokens": self.grammar_cut_tokens,
+            "grammar_mask_s": self.grammar_mask_s,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
