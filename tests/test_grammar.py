@@ -14,6 +14,7 @@ from lattice_inference import Generator
 from lattice_inference.batching import Driver
 from lattice_inference.grammar import GrammarError
 from lattice_inference.loading import load_model
+from lattice_inference.testing.json_schema import follows
 
 from .helpers import skip_without_real_model
 
@@ -81,28 +82,6 @@ def generators():
     }
 
 
-def _valid(value: object, schema: dict) -> bool:
-    """Whether ``value`` follows ``schema`` (the subset these tests use: object, array, string, integer, number,
-    enum, required, additionalProperties false)."""
-    if "enum" in schema:
-        return value in schema["enum"]
-    kind = schema["type"]
-    if kind == "object":
-        if not isinstance(value, dict) or any(k not in value for k in schema.get("required", [])):
-            return False
-        props = schema.get("properties", {})
-        if schema.get("additionalProperties") is False and any(k not in props for k in value):
-            return False
-        return all(_valid(v, props[k]) for k, v in value.items() if k in props)
-    if kind == "array":
-        return isinstance(value, list) and all(_valid(v, schema["items"]) for v in value)
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "number":
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    return isinstance(value, str)
-
-
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_every_method_emits_plain_constrained_decoding_and_the_output_follows_its_schema(generators, name):
     plain = generators["greedy"]
@@ -110,7 +89,7 @@ def test_every_method_emits_plain_constrained_decoding_and_the_output_follows_it
     reference = plain.generate(PROMPTS[name], BUDGET, chat=True, grammar=grammar)
     assert reference.metrics.drafted_tokens == 0  # plain decoding drafts nothing, not even forced tokens
     if reference.stop_reason == "eos":
-        assert _valid(json.loads(reference.text), SCHEMAS[name]), reference.text
+        assert follows(json.loads(reference.text), SCHEMAS[name]), reference.text
     for method in ("ngram", "suffix"):
         fast = generators[method]
         out = fast.generate(PROMPTS[name], BUDGET, chat=True, grammar=fast.grammar(json_schema=SCHEMAS[name]))
