@@ -13,6 +13,10 @@ with the same seed. Penalties (`lattice_inference.penalties`) are applied to eac
 emitted tokens and the draft tokens fed before it), so they keep this: an accepted row's penalised logits are
 plain decoding's.
 
+Under a grammar (structured output: `lattice_inference.grammar`) every row is masked as plain constrained decoding
+masks its row, after the penalties; drafts are cut before a token the grammar rejects, and tokens it forces are
+drafted, so the output is still plain constrained decoding's.
+
 With ``adaptive`` (`Generator`'s default) a `DraftPlanner` decides each round how many drafted tokens to verify (up to
 ``max_draft``; 0 makes the round a plain decoding step) from the acceptance it has seen in this generation and
 the target's measured forward costs; that changes only how many forwards the output takes, never the output.
