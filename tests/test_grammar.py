@@ -67,7 +67,7 @@ PROMPTS = {
     "optional": f"Give Maria's contact card as JSON.\n\n{DOC}",
     "nested": f"Who is the senior developer, and where does she live? Answer in JSON.\n\n{DOC}",
 }
-BUDGET = 64
+BUDGET = 40
 SENTENCE = r"(Maria|Tom) is from (Madrid|Oslo)\. [A-Za-z ,.]{0,80}"
 
 
@@ -96,7 +96,7 @@ def test_every_method_emits_plain_constrained_decoding_and_the_output_follows_it
         assert out.token_ids == reference.token_ids, (name, method)
         assert out.stop_reason == reference.stop_reason
         assert out.metrics.accepted_tokens > 0 and out.metrics.grammar_mask_s > 0
-    for seed in (0, 1):  # sampled, the same seed: the same tokens
+    for seed in (0,):  # sampled, the same seed: the same tokens
         kw = {"temperature": 0.9, "top_p": 0.95, "seed": seed}
         alone = plain.generate(PROMPTS[name], BUDGET, chat=True, grammar=grammar, **kw)
         fast = generators["ngram"]
