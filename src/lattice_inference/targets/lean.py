@@ -55,6 +55,7 @@ from lattice_inference.targets.lean_forward import (
     NativeForward,
     TorchForward,
     activation,
+    head_dim_of,
     visible_keys,
 )
 from lattice_inference.targets.packed_linear import packed_operands, quant_packed
@@ -138,7 +139,7 @@ class LeanTarget(TransformersTarget):
         super().__init__(model, packed_weights=packed_weights, decode_matched=decode_matched)
         self._layers = [Layer.of(layer) for layer in model.model.layers]
         text = model.config
-        self._head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self._head_dim = head_dim_of(text)
         self._heads, self._kv_heads = text.num_attention_heads, text.num_key_value_heads
         self._native = native_ops.ops() if native and self._native_fits(model) else None
         self._windowed = any(layer.window is not None for layer in self._layers)

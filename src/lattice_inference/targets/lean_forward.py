@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from lattice_inference.targets import decode_matched
@@ -24,6 +24,11 @@ from lattice_inference.targets.packed_linear import packed_operands, products
 
 Tables = dict[str | None, tuple[torch.Tensor, torch.Tensor]]
 """Per rotary kind of the layers (None: the model's one table), the cos and sin tables of the rows' positions."""
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """The attention heads' width: ``head_dim`` where the config gives it, else hidden size over heads."""
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
 class TorchForward:
@@ -37,7 +42,7 @@ class TorchForward:
         self.decoder = model.model
         self.layers = layers
         self.kv_dtype = kv_dtype
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.head_dim = head_dim_of(text)
         self.groups = text.num_attention_heads // text.num_key_value_heads
         self.rope_kinds = rope_kinds(layers)
         self.rotary = sys.modules[type(model).__module__].apply_rotary_pos_emb
@@ -113,7 +118,7 @@ class NativeForward:
         self.layers = layers
         self.loop = loop
         self.kv_dtype = kv_dtype
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.head_dim = head_dim_of(text)
         self.heads, self.kv_heads = text.num_attention_heads, text.num_key_value_heads
         self.rope_kinds = rope_kinds(layers)
 
