@@ -15,7 +15,6 @@ seed; they differ in speed only.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +29,7 @@ from lattice_inference.drafters.build import build_drafter
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
 from lattice_inference.generation import Generation, GenerationResult
-from lattice_inference.grammar import Grammar, GrammarError
+from lattice_inference.grammar import Grammar, GrammarCache, GrammarError, GrammarState, response_format_grammar
 from lattice_inference.loading import LoadedModel, eos_token_ids_of, load_model
 from lattice_inference.mtp import MtpHead, load_mtp_head
 from lattice_inference.mtp.head_file import load_head_file, shipped_head
@@ -75,6 +74,7 @@ class SamplingArgs(TypedDict, total=False):
     repetition_penalty: float | None
     presence_penalty: float | None
     frequency_penalty: float | None
+    logit_bias: Mapping[int | str, float] | None
 
 
 class StartArgs(SamplingArgs, total=False):
@@ -84,6 +84,7 @@ class StartArgs(SamplingArgs, total=False):
     suffix_index: SuffixIndex | None
     scope: str | None
     grammar: Grammar | None
+    response_format: Mapping[str, Any] | None
 
 
 def mtp_head_for(
@@ -175,9 +176,6 @@ class Generator:
         """The prompt encoding (tokenizer, chat template, EOS) this generator shares with the other front-ends."""
         drafter, max_draft = build_drafter(options, self.eos_token_ids, mtp_head)
         self.suffix_index = SuffixIndex(options.suffix_budget) if "suffix" in options.drafters else None
-        self._grammars: dict[tuple[str, str], Grammar] = {}
-        """Compiled grammars by kind and source (`grammar`)."""
-        self._grammar_tokenizer: object = None
         """The cross-request index of the suffix methods: every generation of this generator drafts from what the
         earlier ones read and wrote (`clear_suffix_index` forgets it)."""
         if target is None:
@@ -191,6 +189,8 @@ class Generator:
             costs=costs,
             max_leaves=options.max_leaves,
         )
+        self.grammars = GrammarCache(tokenizer, target.vocab_size)
+        """Compiled grammars by kind and source (`grammar`, `response_format`)."""
 
     @property
     def method(self) -> str:
@@ -279,6 +279,7 @@ class Generator:
         suffix_index: SuffixIndex | None = None,
         scope: str | None = "",
         grammar: Grammar | None = None,
+        response_format: Mapping[str, Any] | None = None,
         **sampling: Unpack[SamplingArgs],
     ) -> Generation:
         """Validate and start one generation; iterate over it for token-id chunks (``.seed``, ``.metrics``,
@@ -287,19 +288,21 @@ class Generator:
 
         Sampling keywords: ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` (1: off), ``min_p``
         (0: off), ``seed`` (None: drawn at random when sampling, reported as ``.seed``), ``repetition_penalty``
-        (1: off), ``presence_penalty`` and ``frequency_penalty`` (0: off; see `SamplingOptions`); those not given
-        take the generator's defaults (`DecodeOptions.sampling`, greedy unless set).
+        (1: off), ``presence_penalty`` and ``frequency_penalty`` (0: off), ``logit_bias`` (token id: bias in
+        -100..100, added after the penalties; see `SamplingOptions`); those not given take the generator's defaults
+        (`DecodeOptions.sampling`, greedy unless set).
 
         ``suffix_index`` (suffix methods): the cross-request index to draft from and add this generation to, in
         place of the generator's own (``lattice serve`` passes each tenant's). ``scope``: whose learned acceptance
         the draft planner starts from and leaves its own to (each request starts from the last one's of its scope;
         ``lattice serve`` passes the tenant; None: nothing carried). ``grammar``: what the output must follow
         (`grammar`: a JSON schema, a regular expression or a Lark grammar), every method emitting exactly what plain
-        constrained decoding emits."""
+        constrained decoding emits; ``response_format``: the same as OpenAI's (``{"type": "json_schema",
+        "json_schema": {"name": ..., "schema": {...}}}`` or ``{"type": "json_object"}``), in place of ``grammar``."""
         options = self.sampling(**sampling)
         index = suffix_index if suffix_index is not None else self.suffix_index
         ids = self.encode(prompt, chat)
-        state = None if grammar is None else grammar.state()
+        state = self._grammar_state(grammar, response_format)
         return self.decoder.start(
             ids, max_new_tokens, options, logprobs=logprobs, suffix_index=index, scope=scope, grammar=state
         )
@@ -310,19 +313,22 @@ class Generator:
         """A grammar for this generator's tokenizer, compiled once per source (pass exactly one): a JSON schema
         (a dict or its text; whitespace between tokens is not free), a regular expression, or a Lark grammar.
         A source the engine cannot compile raises `GrammarError` naming the problem."""
-        given = [(kind, source) for kind, source in (("json_schema", json_schema), ("regex", regex), ("lark", lark))]
-        chosen = [(kind, source) for kind, source in given if source is not None]
+        chosen = [(k, v) for k, v in (("json_schema", json_schema), ("regex", regex), ("lark", lark)) if v is not None]
         if len(chosen) != 1:
             raise GrammarError("give exactly one of json_schema, regex and lark")
-        kind, source = chosen[0]
-        key = (kind, source if isinstance(source, str) else json.dumps(source, sort_keys=True))
-        compiled = self._grammars.get(key)
-        if compiled is None:
-            if self._grammar_tokenizer is None:
-                self._grammar_tokenizer = Grammar.tokenizer_for(self.tokenizer, self.decoder.target.vocab_size)
-            compiled = Grammar(self._grammar_tokenizer, self.decoder.target.vocab_size, kind, source)
-            self._grammars[key] = compiled
-        return compiled
+        return self.grammars.get(*chosen[0])
+
+    def _grammar_state(self, grammar: Grammar | None, response_format: Mapping[str, Any] | None) -> GrammarState | None:
+        """A new request's place in ``grammar`` or ``response_format``'s (at most one of them; None: neither)."""
+        if grammar is not None and response_format is not None:
+            raise GrammarError("give a grammar or a response_format, not both")
+        chosen = grammar if grammar is not None else self.response_format(response_format)
+        return None if chosen is None else chosen.state()
+
+    def response_format(self, response_format: Mapping[str, Any] | None) -> Grammar | None:
+        """The grammar of an OpenAI ``response_format`` (`response_format_grammar`: None for text)."""
+        found = response_format_grammar(response_format)
+        return None if found is None else self.grammars.get(*found)
 
     def clear_suffix_index(self) -> None:
         """Forget the earlier generations the suffix methods draft from (nothing for other methods)."""
@@ -382,18 +388,26 @@ class Generator:
         logprobs: int | None = None,
         *,
         max_batch: int = MAX_BATCH,
+        grammar: Grammar | None = None,
+        response_format: Mapping[str, Any] | None = None,
         **sampling: Unpack[SamplingArgs],
     ) -> list[GenerationResult]:
         """Generate for every prompt, up to ``max_batch`` at once sharing each forward (continuous batching,
         `lattice_inference.batching`: a prompt joins as soon as another finishes); results in the prompts' order,
         each token for token what `generate` returns for it alone (greedy, or sampled with its seed: a ``seed``
         given here seeds every prompt alike; without one each draws its own, reported as ``.seed``). Sampling
-        keywords as `start`."""
+        keywords, ``grammar`` and ``response_format`` as `start` (every prompt follows the same grammar, each from
+        its own place in it)."""
         driver = Driver(max_batch)  # checks max_batch before anything runs
         options = self.sampling(**sampling)
         gens = [
             self.decoder.new_generation(
-                self.encode(p, chat), max_new_tokens, options, logprobs=logprobs, suffix_index=self.suffix_index
+                self.encode(p, chat),
+                max_new_tokens,
+                options,
+                logprobs=logprobs,
+                suffix_index=self.suffix_index,
+                grammar=self._grammar_state(grammar, response_format),
             )
             for p in prompts
         ]

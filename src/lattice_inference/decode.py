@@ -38,7 +38,7 @@ from lattice_inference.drafters.base import Drafter, PlannedDraft
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.generation import Generation, GenerationResult, row_logprob
-from lattice_inference.grammar import GrammarState, constrain
+from lattice_inference.grammar import GrammarState
 from lattice_inference.options import MAX_LEAVES, DecodeOptions
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets.base import Target, TargetSequence
@@ -313,13 +313,11 @@ class SpeculativeDecoder:
         sampler, target, draft = gen.sampler, self.target, planned.planned.verify
         if planned.tree is not None:
             assert planned.parents is not None and planned.depths is not None
-            scores = gen.penalised(logits, planned.tokens, planned.parents)
+            scores = gen.scores(logits, planned.tokens, planned.parents)
             depths = planned.depths
             verdict = planned.tree.verify(sampler.choose_at(scores, [planned.position + 1 + d for d in depths]))
         else:
-            scores = gen.penalised(logits, planned.tokens)
-            if gen.grammar is not None:
-                scores = constrain(scores, gen.grammar.row_masks(draft))
+            scores = gen.scores(logits, planned.tokens)
             verdict = verify_prefix(draft, sampler.choose(scores, planned.position + 1))
         if gen.planner is not None and self.costs is None:  # given costs stand as given
             gen.planner.observe_forward_seconds(width, seconds)
@@ -454,16 +452,13 @@ class SpeculativeDecoder:
         if drafter is None or self._wants_hidden or not fused or budget < 2:
             logits = target.prefill(seq, prompt).unsqueeze(0)
             gen.metrics.cached_prompt_tokens = seq.reused
-            scores = gen.penalised(logits, prompt[-1:])
-            if gen.grammar is not None:
-                scores = constrain(scores, gen.grammar.row_masks([]))
-            first = gen.sampler.choose(scores, len(prompt))
+            first = gen.sampler.choose(gen.scores(logits, prompt[-1:]), len(prompt))
             gen.pending = first[-1]
             return first, self._path_hidden(seq.hidden, len(prompt)), logits
         planned = self._draft(gen, budget - 1)
         draft = planned.verify
         logits = target.prefill_with_draft(seq, prompt, draft)
-        verdict = verify_prefix(draft, gen.sampler.choose(gen.penalised(logits, [prompt[-1], *draft]), len(prompt)))
+        verdict = verify_prefix(draft, gen.sampler.choose(gen.scores(logits, [prompt[-1], *draft]), len(prompt)))
         target.rollback(seq, len(prompt) + verdict.accepted)
         self._learn(gen, planned, verdict)
         if draft:

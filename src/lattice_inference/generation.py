@@ -17,7 +17,8 @@ import torch
 from lattice_inference.draft_planner import DraftPlanner
 from lattice_inference.drafters.base import DrafterState
 from lattice_inference.drafters.suffix_index import SuffixIndex
-from lattice_inference.grammar import GrammarState
+from lattice_inference.errors import ConfigError
+from lattice_inference.grammar import GrammarError, GrammarState, constrain
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.penalties import Penalties
 from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOptions, make_sampler
@@ -86,6 +87,11 @@ class Generation:
         self.sampler: GreedySampler | KeyedSampler = make_sampler(self.sampling, vocab)
         self.penalties = Penalties(self.sampling, prompt_ids) if self.sampling.penalised else None
         """The history-dependent penalties (None: all off), counting each emitted token."""
+        bias = self.sampling.logit_bias
+        outside = [t for t, _ in bias if t >= vocab]
+        if outside:
+            raise ConfigError(f"logit_bias token id {outside[0]} is outside the vocabulary of size {vocab}")
+        self._bias = (torch.tensor([t for t, _ in bias]), torch.tensor([b for _, b in bias])) if bias else None
         self.metrics = GenerationMetrics(prompt_tokens=len(prompt_ids))
         self.stop_reason = ""
         self.planner: DraftPlanner | None = None
@@ -114,13 +120,22 @@ class Generation:
         made when it opens (`SpeculativeDecoder.open`), released when it closes."""
         self._chunks: Generator[list[int], None, None] = _no_chunks()
 
-    def penalised(
-        self, logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int] | None = None
-    ) -> torch.Tensor:
-        """The logits the sampler chooses from: ``logits`` (rows fed as ``tokens``, a chain or a tree with
-        ``parents``) with each row penalised by its own history (`Penalties.apply`), or as they are when no
-        penalty is on."""
-        return logits if self.penalties is None else self.penalties.apply(logits, tokens, parents)
+    def scores(self, logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
+        """The logits the sampler chooses from, each row as plain decoding would see it at that index: ``logits``
+        (rows fed as ``tokens``, a chain or a tree with ``parents``) penalised by the row's own history
+        (`Penalties.apply`), then ``logit_bias`` added, then, under a grammar, the tokens it disallows after the
+        emitted tokens and the draft before the row (``tokens[1:]`` of a chain) at minus infinity. ``logits`` is
+        left raw (the log-probabilities come from it); as they are when none of these is on."""
+        out = logits if self.penalties is None else self.penalties.apply(logits, tokens, parents)
+        if self._bias is not None:
+            ids, values = self._bias
+            out = out.float().clone() if out is logits else out
+            out[:, ids.to(out.device)] += values.to(out.device)
+        if self.grammar is not None:
+            if parents is not None:
+                raise GrammarError("a draft tree cannot be verified under a grammar")
+            out = constrain(out, self.grammar.row_masks(tokens[1:]))
+        return out
 
     @property
     def seed(self) -> int | None:

@@ -34,6 +34,8 @@ from lattice_inference.errors import ConfigError
 
 GRAMMAR_KINDS = ("json_schema", "regex", "lark")
 """What a `Grammar` is compiled from."""
+MAX_CACHED_GRAMMARS = 256
+"""Compiled grammars a `GrammarCache` keeps (the oldest dropped first; a schema's grammar is small)."""
 
 
 class GrammarError(ConfigError):
@@ -153,6 +155,52 @@ class GrammarState:
     def accepting(self) -> bool:
         """Whether the tokens so far form a complete match (EOS is allowed now)."""
         return bool(self._matcher.is_accepting())
+
+
+class GrammarCache:
+    """Grammars compiled for one tokenizer, once per source (a `Generator`'s, the server engine's): llguidance's
+    view of the tokenizer is built on first use (it reads every token), each grammar on its first request."""
+
+    def __init__(self, tokenizer: Any, vocab: int) -> None:
+        self.tokenizer, self.vocab = tokenizer, vocab
+        self._ll_tokenizer: Any = None
+        self._grammars: dict[tuple[str, str], Grammar] = {}
+
+    def get(self, kind: str, source: str | Mapping[str, Any]) -> Grammar:
+        """The grammar of ``kind`` (`GRAMMAR_KINDS`) from ``source`` (a JSON schema may be a dict), compiled on
+        first use; `GrammarError` names a source the engine cannot compile."""
+        key = (kind, source if isinstance(source, str) else json.dumps(source, sort_keys=True))
+        compiled = self._grammars.get(key)
+        if compiled is None:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = Grammar.tokenizer_for(self.tokenizer, self.vocab)
+            compiled = Grammar(self._ll_tokenizer, self.vocab, kind, source)
+            if len(self._grammars) >= MAX_CACHED_GRAMMARS:
+                self._grammars.pop(next(iter(self._grammars)))
+            self._grammars[key] = compiled
+        return compiled
+
+
+def response_format_grammar(response_format: Mapping[str, Any] | None) -> tuple[str, str | dict[str, Any]] | None:
+    """The grammar an OpenAI ``response_format`` asks for, as ``(kind, source)``: None for ``{"type": "text"}`` (or
+    none), any JSON object for ``{"type": "json_object"}``, the schema of ``{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": ...}}``. The schema is enforced whether ``strict`` is set or not (as
+    vLLM does): a grammar's masks are the only way this server constrains output. `GrammarError` names a malformed
+    one."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_schema", {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise GrammarError("response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}")
+        return "json_schema", dict(schema)
+    raise GrammarError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
 def constrain(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lattice_inference.errors import ConfigError
+from lattice_inference.tool_calls import Tool, template_has_tools, tool_messages, tools_prompt
 
 #: An EOS setting as configs hold it: one id, a list of ids, or None (unset).
 EosSetting = int | Sequence[int] | None
@@ -63,11 +64,24 @@ class PromptCodec:
         """Token ids of plain ``text``, with the tokenizer's special tokens (a BOS where it adds one)."""
         return list(self.tokenizer(text, add_special_tokens=True).input_ids)
 
-    def chat_ids(self, turns: Sequence[Mapping[str, str]]) -> list[int]:
-        """Token ids of ``turns`` (``{"role", "content"}``) through the chat template, the assistant's turn opened
-        (``add_generation_prompt``); the caller has checked the turns (the template may still refuse them)."""
+    def chat_ids(self, turns: Sequence[Mapping[str, Any]], tools: Sequence[Tool] = ()) -> list[int]:
+        """Token ids of ``turns`` (``{"role", "content"}``, and the tool turns of `tool_messages`) through the chat
+        template, the assistant's turn opened (``add_generation_prompt``), offering ``tools``: through the
+        template's tools section where it has one, else as Qwen2.5's instructions in the system message
+        (`lattice_inference.tool_calls`). The caller has checked the turns (the template may still refuse them)."""
+        native = template_has_tools(getattr(self.tokenizer, "chat_template", None))
+        messages = tool_messages(turns, native)
+        extra: dict[str, Any] = {}
+        if tools and native:
+            extra["tools"] = [tool.as_openai() for tool in tools]
+        elif tools:
+            prompt = tools_prompt(tools)
+            if messages and messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"}
+            else:
+                messages.insert(0, {"role": "system", "content": prompt})
         ids = self.tokenizer.apply_chat_template(
-            [dict(t) for t in turns], add_generation_prompt=True, tokenize=True, return_dict=False
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **extra
         )
         return [int(t) for t in cast(list[int], ids)]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
@@ -39,6 +39,9 @@ _TINY = float(np.finfo(np.float32).tiny)
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 #: OpenAI's range for ``presence_penalty`` and ``frequency_penalty`` (vLLM's too).
 PENALTY_RANGE = (-2.0, 2.0)
+#: OpenAI's range for a ``logit_bias`` value, and the most tokens one request may bias (OpenAI's limit).
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS = 300
 
 
 def _is_real(value: object) -> bool:
@@ -57,8 +60,9 @@ class SamplingOptions:
     multiplies the negative ones of every token already in the sequence, **prompt included**;
     ``frequency_penalty`` and ``presence_penalty`` (OpenAI's definitions, 0: off, -2..2) subtract
     ``frequency_penalty * count + presence_penalty * (count > 0)`` from each token's logit, where ``count`` is
-    how often it was **generated** so far (the prompt does not count). Log-probabilities stay those of the raw
-    logits."""
+    how often it was **generated** so far (the prompt does not count). ``logit_bias`` (OpenAI's: token id and a
+    bias in -100..100, as `bias_pairs` makes them) is added to those tokens' logits after the penalties, in every
+    row alike. Log-probabilities stay those of the raw logits."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -68,6 +72,7 @@ class SamplingOptions:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         t, k, p, m, s = self.temperature, self.top_k, self.top_p, self.min_p, self.seed
@@ -89,6 +94,7 @@ class SamplingOptions:
             value = getattr(self, name)
             if not _is_real(value) or not low <= value <= high:
                 raise ConfigError(f"{name} must be a number in [{low:g}, {high:g}] (0 disables it), got {value!r}")
+        object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
 
     def penalties(self) -> dict[str, float]:
         """The penalties that are on (not at their neutral default), by field name."""
@@ -115,6 +121,29 @@ class SamplingOptions:
     def to_dict(self) -> dict[str, object]:
         """JSON-ready fields."""
         return asdict(self)
+
+
+def bias_pairs(
+    bias: Mapping[int | str, float] | Iterable[tuple[int | str, float]] | None,
+) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as `SamplingOptions` keeps it: ``(token id, bias)`` pairs sorted by id, from a mapping (OpenAI
+    sends the ids as strings) or pairs; `ConfigError` names an id that is not a non-negative integer, a bias
+    outside ``LOGIT_BIAS_RANGE`` or too many entries."""
+    items = list((bias.items() if isinstance(bias, Mapping) else bias) or ())
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ConfigError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(items)}")
+    pairs: dict[int, float] = {}
+    low, high = LOGIT_BIAS_RANGE
+    for key, value in items:
+        token = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.strip().isdigit():
+            token = int(key)
+        if token is None or token < 0:
+            raise ConfigError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        if not _is_real(value) or not low <= value <= high:
+            raise ConfigError(f"logit_bias of token {token} must be a number in [{low:g}, {high:g}], got {value!r}")
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 def prompt_seed(seed: int | None, index: int) -> int | None:

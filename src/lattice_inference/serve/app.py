@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lattice_inference.devices import placement
 from lattice_inference.options import MAX_BATCH, SHUTDOWN_TIMEOUT
-from lattice_inference.serve.engine import Delta, Engine, Finish, GenerationJob, LogprobEntry
+from lattice_inference.serve.engine import Delta, Engine, Finish, GenerationJob
 from lattice_inference.serve.errors import APIError
 from lattice_inference.serve.metrics import ServerMetrics
 from lattice_inference.serve.queue import Job, QueueFull
@@ -35,6 +35,7 @@ from lattice_inference.serve.responses import CompletionFormat, EventStreamRespo
 from lattice_inference.serve.scheduler import Scheduler
 from lattice_inference.serve.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from lattice_inference.serve.tenants import tenant_of
+from lattice_inference.tool_calls import Tool
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
 #: Text completions without ``max_tokens`` get OpenAI's default of 16 tokens; chat gets the rest of the context.
@@ -206,14 +207,20 @@ class Server:
         raw = await self.read_body(request)
         engine = self.engine
         body: ChatCompletionRequest | CompletionRequest
+        tool_mode, tools = "none", list[Tool]()
         if chat:
             body = parse_body(raw, ChatCompletionRequest)
             self.check_model(body.model)
-            prompt_ids = await run_in_threadpool(engine.encode_chat, body.messages)
+            tool_mode, tools = body.tool_mode()
+            offered = [t.tool() for t in body.tools or []] if tool_mode != "none" else []  # all, even if one is named
+            prompt_ids = await run_in_threadpool(engine.encode_chat, body.messages, offered)
         else:
             body = parse_body(raw, CompletionRequest)
             self.check_model(body.model)
             prompt_ids = await run_in_threadpool(engine.encode_prompt, body.prompt)
+        required = tools if tool_mode == "required" else []
+        parallel = not isinstance(body, ChatCompletionRequest) or body.parallel_calls
+        grammar = await run_in_threadpool(engine.grammar_for, body.grammar_source(), required, parallel=parallel)
         default_max_tokens = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
         spec = body.speculative
         job = GenerationJob(
@@ -227,6 +234,8 @@ class Server:
             logprobs=body.top_logprobs_count,
             tenant=tenant_of(engine.suffix_scopes.mode, key, spec.scope if spec else None),
             clear_index=bool(spec and spec.clear_index),
+            grammar=grammar,
+            tool_mode=tool_mode,
         )
         try:
             queued = self.queue.submit(lambda: engine.reply(job, self.metrics.observe_generation))
@@ -242,7 +251,7 @@ class Server:
             return EventStreamResponse(events, on_disconnect=queued.cancel)
         watcher = asyncio.create_task(_cancel_on_disconnect(request, queued))
         try:
-            text, entries, finish = await self._collect(queued, endpoint, arrived)
+            whole, finish = await self._collect(queued, endpoint, arrived)
         finally:
             watcher.cancel()
             queued.cancel()  # a no-op after the end; stops the generation if this handler was cancelled
@@ -252,26 +261,26 @@ class Server:
         if finish is None:  # the client went away; nobody reads this
             return APIError(499, "the client closed the request").response()
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - arrived)
-        return JSONResponse(fmt.whole(text, finish, entries))
+        return JSONResponse(fmt.whole(whole.text, finish, whole.logprobs, whole.tool_calls))
 
-    async def _collect(
-        self, queued: Job, endpoint: str, arrived: float
-    ) -> tuple[str, list[LogprobEntry], Finish | None]:
-        pieces: list[str] = []
-        entries: list[LogprobEntry] = []
+    async def _collect(self, queued: Job, endpoint: str, arrived: float) -> tuple[Delta, Finish | None]:
+        """The whole output (text, log-probabilities and tool calls as one `Delta`) and its end."""
+        whole = Delta("", 0)
         finish: Finish | None = None
         try:
             async for item in queued.results():
                 if isinstance(item, Delta):
-                    if not pieces:
+                    if not whole.tokens:
                         self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - arrived)
-                    pieces.append(item.text)
-                    entries += item.logprobs
+                    whole.text += item.text
+                    whole.tokens += max(item.tokens, 1)
+                    whole.logprobs += item.logprobs
+                    whole.tool_calls += item.tool_calls
                 else:
                     finish = item
         except Exception as exc:
             raise APIError(500, f"generation failed: {type(exc).__name__}: {exc}") from exc
-        return "".join(pieces), entries, finish
+        return whole, finish
 
     async def _stream(
         self, queued: Job, fmt: CompletionFormat, include_usage: bool, endpoint: str, arrived: float
@@ -288,6 +297,8 @@ class Server:
                         self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - arrived)
                     if item.text or item.logprobs:
                         yield sse(fmt.text_chunk(item.text, item.logprobs))
+                    if item.tool_calls:
+                        yield sse(fmt.tool_calls_chunk(item.tool_calls))
                 elif isinstance(item, Finish):
                     finished = True
                     yield sse(fmt.finish_chunk(item))

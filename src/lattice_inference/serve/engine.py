@@ -20,6 +20,7 @@ from jinja2 import TemplateError
 from lattice_inference.api import Generator, mtp_head_for
 from lattice_inference.errors import ConfigError, LatticeError
 from lattice_inference.generation import Generation
+from lattice_inference.grammar import Grammar, GrammarCache, GrammarError, response_format_grammar
 from lattice_inference.loading import LoadedModel
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.mtp import MtpHead
@@ -34,6 +35,7 @@ from lattice_inference.serve.tenants import SuffixScopes
 from lattice_inference.streaming import TextStream
 from lattice_inference.targets import target_for
 from lattice_inference.targets.base import Target
+from lattice_inference.tool_calls import Tool, ToolCall, ToolCallParser, tools_grammar
 
 #: Speculation settings whose generators the engine keeps. A generator is a drafter over the shared model and
 #: target (tens of kilobytes), so keeping many is cheap.
@@ -63,6 +65,10 @@ class GenerationJob:
     """Whose suffix index the request drafts from (`lattice_inference.serve.tenants`; None: its own tokens only)."""
     clear_index: bool = False
     """Clear the tenant's suffix index before generating."""
+    grammar: Grammar | None = None
+    """What the output must follow (``response_format``, or a required tool call; None: free)."""
+    tool_mode: str = "none"
+    """``"auto"`` or ``"required"``: the output's tool calls are parsed out of its text (`ToolCallParser`)."""
 
 
 @dataclass(frozen=True)
@@ -78,12 +84,14 @@ class LogprobEntry:
 
 @dataclass
 class Delta:
-    """Text released by one decode round (possibly empty: held back), the tokens it accepted, and the
-    `LogprobEntry` of each token whose text is now released (where the request asked for log-probabilities)."""
+    """Text released by one decode round (possibly empty: held back), the tokens it accepted, the
+    `LogprobEntry` of each token whose text is now released (where the request asked for log-probabilities) and
+    the tool calls it completed."""
 
     text: str
     tokens: int
     logprobs: list[LogprobEntry] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
@@ -148,6 +156,8 @@ class Engine:
         config = loaded.model.config
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
         self.vocab_size = int(config.vocab_size)
+        self.grammars = GrammarCache(loaded.tokenizer, self.vocab_size)
+        """Every request's compiled grammars (``response_format``, required tool calls), by source."""
 
     # -- validation on the event loop, before a request is queued --------------------------------------------
 
@@ -173,21 +183,43 @@ class Engine:
         default temperature is 0: greedy, the model's argmax text whatever the method (``top_p`` and the rest
         change nothing; penalties still apply)."""
         try:
-            return replace(self.defaults.sampling, **{k: v for k, v in given.items() if v is not None})
+            sampling = replace(self.defaults.sampling, **{k: v for k, v in given.items() if v is not None})
         except LatticeError as exc:
             raise bad_request(str(exc)) from None
+        outside = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise bad_request(
+                f"logit_bias: token id {outside[0]} is outside the vocabulary of size {self.vocab_size}", "logit_bias"
+            )
+        return sampling
 
-    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
-        """Token ids of ``messages`` through the tokenizer's chat template, ready for the assistant's turn."""
+    def encode_chat(self, messages: Sequence[Message], tools: Sequence[Tool] = ()) -> list[int]:
+        """Token ids of ``messages`` through the tokenizer's chat template, ready for the assistant's turn, offering
+        ``tools`` (`PromptCodec.chat_ids`)."""
         if not self.codec.has_chat_template:
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
-        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        turns = [m.turn() for m in messages]
         for i, turn in enumerate(turns):
             _check_text(turn["content"], f"messages.{i}.content")
         try:
-            return self.codec.chat_ids(turns)
+            return self.codec.chat_ids(turns, tools)
         except TemplateError as exc:
             raise bad_request(f"the chat template refused these messages: {exc}", param="messages") from None
+
+    def grammar_for(
+        self, response_format: Mapping[str, Any] | None, tools: Sequence[Tool] = (), *, parallel: bool = True
+    ) -> Grammar | None:
+        """The grammar a request's output must follow: its ``response_format``'s, or where a tool call is required
+        (``tools``: those it may call) the calls' (`tools_grammar`); compiled once per source. A 400 names a schema
+        the engine cannot compile."""
+        try:
+            if tools:
+                return self.grammars.get("lark", tools_grammar(tools, parallel=parallel))
+            found = response_format_grammar(response_format)
+            return None if found is None else self.grammars.get(*found)
+        except GrammarError as exc:
+            param = "tools" if tools else "response_format"
+            raise bad_request(f"{param}: {exc}", param=param) from None
 
     def encode_prompt(self, prompt: str | list[str] | list[int]) -> list[int]:
         """Token ids of a text completion's prompt (a string, a list of one string, or token ids)."""
@@ -315,11 +347,13 @@ class Reply:
             logprobs=job.logprobs,
             suffix_index=index,
             scope=job.tenant,
+            grammar=None if job.grammar is None else job.grammar.state(),
         )
         self.owner = job.tenant
         """Whose earlier rows the prefill may reuse: the tenant's only (none for a request of no tenant), since a
         prefill's speed would otherwise tell one tenant that another sent the same text."""
         self._text, self._stops = TextStream(engine.tokenizer), StopMatcher(job.stops)
+        self._tools = ToolCallParser() if job.tool_mode != "none" else None
         self._released: list[str] = []
         self._sent = 0  # tokens whose log-probabilities were sent
         self._ended = False
@@ -338,7 +372,18 @@ class Reply:
         if self.job.logprobs is not None:
             upto = text.tokens_within("".join(self._released), self._sent)
             entries, self._sent = self.engine.logprob_entries(state, text, self._sent, upto), upto
-        return Delta(self._released[-1], len(chunk), entries)
+        content, calls = self._split(self._released[-1])
+        return Delta(content, len(chunk), entries, calls)
+
+    def _split(self, released: str, end: bool = False) -> tuple[str, list[ToolCall]]:
+        """Released text as the client's content and the tool calls it completed (where tools were offered)."""
+        if self._tools is None:
+            return released, []
+        content, calls = self._tools.push(released)
+        if end:
+            rest, more = self._tools.flush()
+            content, calls = content + rest, calls + more
+        return content, calls
 
     def finish(self) -> list[Delta | Finish]:
         """The end of a generation that ran out (EOS, length) or hit a stop string (it must not run further): the
@@ -351,8 +396,11 @@ class Reply:
             tail = stops.push(text.flush())
             tail += stops.flush()
         rest = self.engine.logprob_entries(state, text, self._sent, state.metrics.new_tokens)
-        items: list[Delta | Finish] = [Delta(tail, 0, rest)] if tail or rest else []
+        tail, calls = self._split(tail, end=True)
+        items: list[Delta | Finish] = [Delta(tail, 0, rest, calls)] if tail or rest or calls else []
         reason = "stop" if stops.stopped or state.stop_reason == "eos" else "length"
+        if self._tools is not None and self._tools.calls and reason == "stop":
+            reason = "tool_calls"
         self._end(reason)
         metrics = state.metrics
         details = {"method": self.job.settings.method, **metrics.to_dict()}

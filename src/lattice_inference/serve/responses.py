@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import anyio
 from starlette.types import Receive, Scope, Send
 
 from lattice_inference.serve.engine import Finish, LogprobEntry
+from lattice_inference.tool_calls import ToolCall
 
 
 def _bytes(text: str) -> list[int]:
@@ -28,6 +29,7 @@ class CompletionFormat:
         self.logprobs = logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._calls_sent = 0  # tool calls streamed so far (each chunk's calls are indexed from here)
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -77,9 +79,19 @@ class CompletionFormat:
             "prompt_tokens_details": {"cached_tokens": int(finish.metrics.get("cached_prompt_tokens", 0))},
         }
 
-    def whole(self, text: str, finish: Finish, entries: list[LogprobEntry] | None = None) -> dict[str, Any]:
-        """The non-streamed response, with the acceptance metrics in ``speculative_metrics``."""
+    def whole(
+        self,
+        text: str,
+        finish: Finish,
+        entries: list[LogprobEntry] | None = None,
+        tool_calls: Sequence[ToolCall] = (),
+    ) -> dict[str, Any]:
+        """The non-streamed response, with the acceptance metrics in ``speculative_metrics`` (``tool_calls``: the
+        calls the output made; the message's ``content`` is then null where no text is left beside them)."""
         choice = self._choice(text, finish.reason, whole=True, entries=entries or [])
+        if tool_calls:
+            choice["message"]["content"] = text or None
+            choice["message"]["tool_calls"] = [call.as_openai() for call in tool_calls]
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         return {**body, "usage": self.usage(finish), "speculative_metrics": finish.metrics}
 
@@ -97,6 +109,15 @@ class CompletionFormat:
     def text_chunk(self, text: str, entries: list[LogprobEntry] | None = None) -> dict[str, Any]:
         """A chunk carrying newly released text (and the log-probabilities of the tokens it completes)."""
         return self._chunk([self._choice(text, None, whole=False, entries=entries or [])])
+
+    def tool_calls_chunk(self, calls: Sequence[ToolCall]) -> dict[str, Any]:
+        """A chunk with tool calls the output completed, each whole (name and arguments), indexed as OpenAI's
+        streams index them (the clients join the chunks of one index)."""
+        chunk = self._chunk([self._choice(None, None, whole=False)])
+        first = self._calls_sent
+        self._calls_sent += len(calls)
+        chunk["choices"][0]["delta"] = {"tool_calls": [c.as_openai(first + i) for i, c in enumerate(calls)]}
+        return chunk
 
     def finish_chunk(self, finish: Finish) -> dict[str, Any]:
         """The chunk with the finish reason (and the acceptance metrics)."""

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lattice_inference.errors import ConfigError
 from lattice_inference.mtp.config import MAX_DRAFT_LENGTH, MIN_DRAFT_LENGTH
 from lattice_inference.options import METHODS, REQUEST_LENGTH_LIMIT, MatchPolicy
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.serve.errors import APIError, bad_request
+from lattice_inference.tool_calls import Tool, chosen_tools
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 #: Longest stop string accepted (holding back a possible stop's start costs up to its length squared per round).
 MAX_STOP_LENGTH = 1000
 
@@ -26,11 +28,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
+    "function_call": (None, "none"),
 }
 
 
@@ -78,6 +77,83 @@ class Speculative(_Strict):
 SCOPE_FIELDS = frozenset({"scope", "clear_index"})
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema the output must follow (``strict`` or not: it is enforced)."""
+
+    name: str | None = Field(None, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` (any JSON object) or
+    ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs 'json_schema': {'name': ..., 'schema': {...}}")
+        return self
+
+    def grammar_source(self) -> dict[str, Any] | None:
+        """The form `lattice_inference.grammar.response_format_grammar` reads (None: text)."""
+        if self.type == "text":
+            return None
+        if self.json_schema is None:
+            return {"type": self.type}
+        return {"type": self.type, "json_schema": {"schema": self.json_schema.json_schema}}
+
+
+class FunctionDef(_Strict):
+    """A tool's function: its name, description and the JSON schema of its arguments."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    """An entry of ``tools`` (functions only, as OpenAI's chat completions)."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+    def tool(self) -> Tool:
+        """The library's `Tool`."""
+        f = self.function
+        parameters = f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
+        return Tool(f.name, f.description or "", parameters)
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming one function: ``{"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str = "{}"
+
+
+class MessageToolCall(_Strict):
+    """A call in an earlier assistant message (what this server returned, sent back with the tool's answer)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class StreamOptions(_Strict):
     """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
 
@@ -108,6 +184,10 @@ class _Generation(_Strict):
     stop: str | list[str] | None = None
     n: int = 1
     speculative: Speculative | None = None
+    logit_bias: dict[str, float] | None = None
+    """OpenAI's: token id (as a string) to a bias in -100..100 added to its logit, in every row alike."""
+    response_format: ResponseFormat | None = None
+    """OpenAI's structured output: the output follows a JSON schema, or is any JSON object (a grammar's masks)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -142,6 +222,10 @@ class _Generation(_Strict):
         """The request's values of `SamplingOptions`' fields (None where the request leaves one unset)."""
         return {f.name: getattr(self, f.name) for f in fields(SamplingOptions)}
 
+    def grammar_source(self) -> dict[str, Any] | None:
+        """The ``response_format`` as `lattice_inference.grammar.response_format_grammar` reads it (None: text)."""
+        return None if self.response_format is None else self.response_format.grammar_source()
+
     @property
     def stops(self) -> list[str]:
         """The stop strings as a list."""
@@ -171,10 +255,14 @@ class ContentPart(_Strict):
 
 
 class Message(_Strict):
-    """A chat message."""
+    """A chat message: its role and text; an assistant's may hold the ``tool_calls`` it made, a tool's answer names
+    the call it answers (``tool_call_id``)."""
 
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -197,11 +285,27 @@ class Message(_Strict):
             return "".join(part.text or "" for part in self.content)
         return self.content or ""
 
+    def turn(self) -> dict[str, Any]:
+        """The message as the chat template takes it (`lattice_inference.tool_calls.tool_messages` converts its
+        tool turns): ``developer`` read as ``system``."""
+        turn: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            turn["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            turn["name"] = self.name
+        return turn
+
 
 class ChatCompletionRequest(_Generation):
     """``POST /v1/chat/completions``."""
 
     messages: list[Message]
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    """False: at most one call per turn (a required call's grammar allows one)."""
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     """Return each output token's log-probability (``choices[].logprobs.content``)."""
@@ -217,6 +321,27 @@ class ChatCompletionRequest(_Generation):
     @property
     def top_logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @model_validator(mode="after")
+    def _tools_or_format(self) -> ChatCompletionRequest:
+        if self.tools and self.tool_choice != "none" and self.grammar_source() is not None:
+            raise ValueError("response_format cannot be combined with tools (unless tool_choice is 'none')")
+        return self
+
+    @property
+    def parallel_calls(self) -> bool:
+        """Whether a required answer may hold several calls: not to a named function (OpenAI: "call that
+        function"), nor with ``parallel_tool_calls: false``."""
+        return self.parallel_tool_calls is not False and not isinstance(self.tool_choice, NamedToolChoice)
+
+    def tool_mode(self) -> tuple[str, list[Tool]]:
+        """``(mode, tools)`` (`lattice_inference.tool_calls.chosen_tools`: ``"none"``, ``"auto"`` or
+        ``"required"``, with the tools offered), or a 400 naming a choice without its tool."""
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        try:
+            return chosen_tools([t.tool() for t in self.tools or []], choice)
+        except ConfigError as exc:
+            raise bad_request(str(exc), param="tool_choice") from None
 
     @field_validator("messages")
     @classmethod
