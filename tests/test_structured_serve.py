@@ -236,3 +236,25 @@ def test_the_tool_call_parser_splits_content_and_calls_across_chunks():
     assert chosen_tools([], None) == ("none", [])
     with pytest.raises(ConfigError, match="same name"):
         chosen_tools(_tools([WEATHER, WEATHER]), "auto")
+
+
+def test_the_cli_takes_a_json_schema_a_gbnf_grammar_and_a_regex(tmp_path, capsys, plain):
+    from lattice_inference.cli import main
+
+    schema, gbnf = tmp_path / "invoice.json", tmp_path / "yes-no.gbnf"
+    schema.write_text(json.dumps(INVOICE))
+    gbnf.write_text('root ::= "The answer is " ("yes" | "no") "."\n')
+    prompt = f"Extract the invoice as JSON.\n\n{DOC}"
+    base = ["generate", "--model", "smollm2", "--dtype", "float32", "--max-new-tokens", "48", "--method"]
+    assert main([*base, "ngram", "--fixed-draft", "--prompt", prompt, "--json-schema", str(schema), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    reference = plain.generate(prompt, 48, chat=True, grammar=plain.grammar(json_schema=INVOICE))
+    assert out["token_ids"] == reference.token_ids and follows(json.loads(out["text"]), INVOICE)
+    assert main([*base, "greedy", "--prompt", "Is the sky blue?", "--grammar", str(gbnf), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] in ("The answer is yes.", "The answer is no.")
+    regex = "(one|two|three)( (one|two|three))*"
+    assert main([*base, "greedy", "--prompt", "Count to three.", "--regex", regex, "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["text"].split()) <= {"one", "two", "three"}
+    (tmp_path / "bad.json").write_text("{bad")
+    assert main([*base, "greedy", "--prompt", "x", "--json-schema", str(tmp_path / "bad.json")]) == 2
+    assert "is not a JSON schema" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lattice_inference.engines import add_engine_arguments, parse_engines
 from lattice_inference.errors import ConfigError, LatticeError
@@ -21,6 +21,10 @@ from lattice_inference.flags import (
 )
 from lattice_inference.options import DEFAULT_BENCH_METHODS, DEFAULT_TRACE_METHODS, needs_mtp_head, parse_methods
 from lattice_inference.process import settle_after_load
+
+if TYPE_CHECKING:
+    from lattice_inference.api import Generator
+    from lattice_inference.grammar import Grammar
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="the output follows this JSON schema (structured output)")
+    shape.add_argument("--regex", help="the output matches this regular expression")
+    shape.add_argument(
+        "--grammar", metavar="FILE", help="the output follows this grammar: Lark (llguidance's) or llama.cpp's GBNF"
+    )
     add_engine_arguments(gen)
 
     bench = sub.add_parser("bench", help="run several methods on the same prompts and compare speed and output")
@@ -129,6 +139,8 @@ def _generate(args: argparse.Namespace) -> int:
     text = _read_prompt(args)
     quiet_transformers()
     if parse_engines(args.engine) != ["local"]:
+        if args.json_schema or args.regex is not None or args.grammar:
+            raise ConfigError("--json-schema, --regex and --grammar run on the local engine only")
         from lattice_inference.engines.vllm.generate import generate
 
         return generate(args, options, text)
@@ -140,8 +152,9 @@ def _generate(args: argparse.Namespace) -> int:
     gen.prepare()  # the self-check and cost calibration belong to loading, not to the request's timings
     settle_after_load()
     prompt_ids = gen.encode(text, chat=gen.has_chat_template if args.chat is None else args.chat)
+    grammar = _grammar(gen, args)
     if args.json:
-        out = gen.generate(prompt_ids, args.max_new_tokens)
+        out = gen.generate(prompt_ids, args.max_new_tokens, grammar=grammar)
         payload = {
             "text": out.text,
             "token_ids": out.token_ids,
@@ -156,7 +169,7 @@ def _generate(args: argparse.Namespace) -> int:
             payload["mtp_metrics"] = out.metrics.reference_mtp()
         sys.stdout.write(json.dumps(payload) + "\n")
         return 0
-    generation = gen.start(prompt_ids, args.max_new_tokens)
+    generation = gen.start(prompt_ids, args.max_new_tokens, grammar=grammar)
     for piece in gen.text_stream(generation):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -165,6 +178,19 @@ def _generate(args: argparse.Namespace) -> int:
     seed = "" if generation.seed is None else f" seed {generation.seed},"
     print(f"[{args.method}]{seed} {generation.metrics.summary()}", file=sys.stderr)
     return 0
+
+
+def _grammar(gen: Generator, args: argparse.Namespace) -> Grammar | None:
+    """The grammar ``--json-schema``, ``--regex`` or ``--grammar`` gives (None: free output)."""
+    if args.regex is not None:
+        return gen.grammar(regex=args.regex)
+    path, kind = (args.json_schema, "json_schema") if args.json_schema else (args.grammar, "grammar")
+    if path is None:
+        return None
+    from lattice_inference.grammar import grammar_file
+
+    kind, source = grammar_file(path, kind)
+    return gen.grammars.get(kind, source)
 
 
 def _bench(args: argparse.Namespace) -> int:

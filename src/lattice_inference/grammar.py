@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -179,6 +180,32 @@ class GrammarCache:
                 self._grammars.pop(next(iter(self._grammars)))
             self._grammars[key] = compiled
         return compiled
+
+
+def grammar_file(path: str | Path, kind: str) -> tuple[str, str | dict[str, Any]]:
+    """``(kind, source)`` of a grammar file the CLI is given: ``kind`` ``"json_schema"`` (a JSON schema) or
+    ``"grammar"`` (Lark, llguidance's dialect, or llama.cpp's GBNF, converted to Lark by llguidance's own converter:
+    a file with a ``start:`` rule or ``%llguidance`` is Lark, anything else GBNF). `GrammarError` names a file that
+    cannot be read or parsed."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GrammarError(f"cannot read grammar file '{path}': {exc}") from exc
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise GrammarError(f"'{path}' is not a JSON schema: {exc}") from exc
+        if not isinstance(schema, dict):
+            raise GrammarError(f"'{path}' is not a JSON schema: a schema is a JSON object")
+        return "json_schema", schema
+    _llguidance()
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return "lark", any_to_lark(text)
+    except Exception as exc:  # the converter's own message names the rule
+        raise GrammarError(f"cannot read '{path}' as GBNF: {exc}") from exc
 
 
 def response_format_grammar(response_format: Mapping[str, Any] | None) -> tuple[str, str | dict[str, Any]] | None:
