@@ -161,10 +161,6 @@ class MtpHead:
         return self.cache.v
 
     @property
-    def _len(self) -> int:
-        return self.cache.length
-
-    @property
     def cache_len(self) -> int:
         """Number of filled cache slots; the next forward must start at this position."""
         return self.cache.length
@@ -203,7 +199,7 @@ class MtpHead:
         pos = positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)
         if len(pos) != n:
             raise ValueError(f"got {len(pos)} positions for {n} tokens")
-        start = self._len
+        start = self.cache_len
         if pos != list(range(start, start + n)):
             raise ValueError(
                 f"MTP positions must be contiguous with the cache: expected {start}..{start + n - 1} "
@@ -437,8 +433,7 @@ class MtpHead:
             self._layer,
             self._embed[ids],
             hidden,
-            heads=(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim),
-            eps=cfg.rms_norm_eps,
+            cfg,
             inv_freq=self._inv_freq,
             start=start,
             attend=attend,

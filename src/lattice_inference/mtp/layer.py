@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from lattice_inference.mtp.config import MtpConfig
 
 
 def gnorm(x: torch.Tensor, one_plus_w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -142,9 +145,8 @@ def mtp_layer(
     t: LayerTensors,
     emb: torch.Tensor,
     hidden: torch.Tensor,
+    cfg: MtpConfig,
     *,
-    heads: tuple[int, int, int],
-    eps: float,
     inv_freq: torch.Tensor,
     start: int,
     attend: Attend,
@@ -153,9 +155,9 @@ def mtp_layer(
 ) -> torch.Tensor:
     """One MTP step over ``n`` rows: ``emb [..., n, H]`` (embedding of ``x_{t+1}``) and ``hidden [..., n, H]``
     (post-norm ``h_t``) at RoPE positions ``start..``; returns the post-norm output ``[..., n, H]`` that
-    ``lm_head`` scores for ``x_{t+2}``. ``heads`` is ``(n_h, n_kv, head_dim)``; ``linear`` runs the projections
-    ``fc``, ``qkv`` and ``o`` (their tensors in ``t`` are whatever it takes)."""
-    n_h, n_kv, hd = heads
+    ``lm_head`` scores for ``x_{t+2}``. ``cfg`` gives the attention heads and the norms' epsilon; ``linear`` runs
+    the projections ``fc``, ``qkv`` and ``o`` (their tensors in ``t`` are whatever it takes)."""
+    n_h, n_kv, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     x = linear(torch.cat([gnorm(emb, t.pre_emb, eps), gnorm(hidden, t.pre_hid, eps)], dim=-1), t.fc)
     # ---- attention
     residual = x

@@ -24,8 +24,9 @@ How rollback works here:
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,25 +222,14 @@ class HybridTarget(CausalLMTarget):
         self._check_prefill(seq, token_ids)
         seq = self._hybrid(seq)
         self._reset(seq)
-        try:
-            logits = self._run(seq, token_ids, logits_to_keep=1, prefill=True)[-1]
-        except BaseException:
-            self._invalidate(seq)
-            raise
-        seq.tokens = [int(t) for t in token_ids]
-        seq.uncommitted = True
-        self._commit(seq)
-        return logits
+        return self._prefill_history(seq, [int(t) for t in token_ids])
 
     def forward(self, seq: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:
         self._check_forward(seq, token_ids)
         seq = self._hybrid(seq)
         self._commit(seq)
-        try:
+        with self._invalidated_on_failure(seq):
             logits = self._forward_keeping_window(seq, token_ids)
-        except BaseException:
-            self._invalidate(seq)  # the cache may hold a partial update
-            raise
         seq.tokens.extend(int(t) for t in token_ids)
         seq.uncommitted = True
         return logits
@@ -291,16 +281,27 @@ class HybridTarget(CausalLMTarget):
         history = seq.tokens[:length]
         self._reset(seq)
         if history:
-            try:
-                self._run(seq, history, logits_to_keep=1, prefill=True)
-            except BaseException:
-                self._invalidate(seq)
-                raise
-            seq.tokens = history
-            seq.uncommitted = True
-            self._commit(seq)
+            self._prefill_history(seq, history)
 
     # -- internals -------------------------------------------------------------------------------------------
+
+    def _prefill_history(self, seq: HybridSequence, history: list[int]) -> torch.Tensor:
+        """Prefill ``history`` into ``seq``'s empty cache (`_reset`) and commit it: the last position's logits."""
+        with self._invalidated_on_failure(seq):
+            logits = self._run(seq, history, logits_to_keep=1, prefill=True)[-1]
+        seq.tokens = history
+        seq.uncommitted = True
+        self._commit(seq)
+        return logits
+
+    @contextlib.contextmanager
+    def _invalidated_on_failure(self, seq: HybridSequence) -> Iterator[None]:
+        """Run the block's forward of ``seq``; where it fails, the cache may hold a partial update: `_invalidate`."""
+        try:
+            yield
+        except BaseException:
+            self._invalidate(seq)
+            raise
 
     def _forward_keeping_window(self, seq: HybridSequence, token_ids: Sequence[int]) -> torch.Tensor:
         """Run ``token_ids`` and set the window that rollback will use (recorded states or a snapshot)."""

@@ -16,6 +16,23 @@ from transformers.cache_utils import DynamicLayer
 MIN_CAPACITY = 256
 
 
+def _filled_view(buffer: str, name: str) -> property:
+    """`GrowableLayer`'s ``keys`` (``buffer`` ``"_k"``) or ``values`` (``"_v"``): a view of the filled part of the
+    buffer, made when read (a batched step grows every layer of every sequence, and making the views there cost as
+    much as the rest of its Python); what the base class assigns to ``name`` before the buffer exists is kept aside
+    and read until it does."""
+    aside = f"_unbuffered_{name}"
+
+    def get(layer: GrowableLayer) -> torch.Tensor | None:
+        rows = getattr(layer, buffer)
+        return layer.__dict__.get(aside) if rows is None else rows[..., : layer._filled, :]
+
+    def put(layer: GrowableLayer, value: torch.Tensor | None) -> None:
+        layer.__dict__[aside] = value
+
+    return property(get, put)
+
+
 class GrowableLayer(DynamicLayer):
     """A full-attention cache layer over a preallocated buffer (see the module docstring)."""
 
@@ -26,24 +43,8 @@ class GrowableLayer(DynamicLayer):
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # batch entry 0 of the buffers (`append_in_place`)
         super().__init__()
 
-    # ``keys``/``values``: views of the filled part of the buffers, made when read (a batched step grows every
-    # layer of every sequence, and making the views there cost as much as the rest of its Python); what the base
-    # class assigns before the buffers exist is kept aside.
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self.__dict__.get("_unbuffered_keys") if self._k is None else self._k[..., : self._filled, :]
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        self.__dict__["_unbuffered_keys"] = value
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self.__dict__.get("_unbuffered_values") if self._v is None else self._v[..., : self._filled, :]
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        self.__dict__["_unbuffered_values"] = value
+    keys = _filled_view("_k", "keys")
+    values = _filled_view("_v", "values")
 
     def _reserve(self, needed: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         capacity = 0 if self._k is None else self._k.shape[-2]

@@ -60,7 +60,7 @@ from lattice_inference.targets.lean_forward import (
 )
 from lattice_inference.targets.packed_linear import packed_operands, quant_packed
 from lattice_inference.targets.prefix_reuse import CachedRows, KeptSequences, RowKey
-from lattice_inference.targets.transformers import TransformersTarget, tree_depths, tree_mask
+from lattice_inference.targets.transformers import FedRows, TransformersTarget, tree_depths, tree_mask
 
 LEAN_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "gemma3_text"})
 """``model_type`` values whose decoder `LeanTarget` runs (rotary positions, RMSNorm; full attention, and Gemma 3's
@@ -201,22 +201,14 @@ class LeanTarget(TransformersTarget):
             return torch.float16
         return model.dtype
 
-    def _logits(
-        self,
-        seq: TargetSequence,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        logits_to_keep: int,
-        prefill: bool,
-    ) -> torch.Tensor:
-        n, start, cache = ids.shape[1], seq.length, self.cache_of(seq)
+    def _logits(self, seq: TargetSequence, fed: FedRows, logits_to_keep: int, prefill: bool) -> torch.Tensor:
+        n, start, cache = fed.ids.shape[1], seq.length, self.cache_of(seq)
         matched, native = decode_matched.active(), self._native_forward
-        short_prompt = prefill and attention_mask is None and start + n <= NATIVE_PREFILL_MAX
+        short_prompt = prefill and fed.mask is None and start + n <= NATIVE_PREFILL_MAX
         if native is not None and (matched or short_prompt):
-            hidden = native.hidden(cache, start, ids, positions, attention_mask)
+            hidden = native.hidden(cache, start, fed)
         else:
-            hidden = self._torch.hidden(cache, start, ids, positions, attention_mask, matched)
+            hidden = self._torch.hidden(cache, start, fed, matched)
         return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
     def prefill(self, seq: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:

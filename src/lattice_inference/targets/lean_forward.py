@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
@@ -21,6 +22,9 @@ from lattice_inference.targets import decode_matched
 from lattice_inference.targets.block_attention import block_attention, plan_blocks
 from lattice_inference.targets.decode_matched import Product, RowPlan
 from lattice_inference.targets.packed_linear import packed_operands, products
+
+if TYPE_CHECKING:
+    from lattice_inference.targets.transformers import FedRows
 
 Tables = dict[str | None, tuple[torch.Tensor, torch.Tensor]]
 """Per rotary kind of the layers (None: the model's one table), the cos and sin tables of the rows' positions."""
@@ -47,18 +51,10 @@ class TorchForward:
         self.rope_kinds = rope_kinds(layers)
         self.rotary = sys.modules[type(model).__module__].apply_rotary_pos_emb
 
-    def hidden(
-        self,
-        cache: DynamicCache,
-        start: int,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor | None,
-        matched: bool,
-    ) -> torch.Tensor:
-        """The decoder's hidden states after its final norm, ``[1, n, hidden]``, for ``ids`` ``[1, n]`` at
-        ``positions`` ``[1, n]`` after ``start`` cached rows, writing each layer's keys and values there; ``mask``:
-        None (a chain's causal rows) or a draft tree's additive mask; ``matched``: decode-matched rows."""
+    def hidden(self, cache: DynamicCache, start: int, fed: FedRows, matched: bool) -> torch.Tensor:
+        """The decoder's hidden states after its final norm, ``[1, n, hidden]``, for the ``fed`` rows after ``start``
+        cached rows, writing each layer's keys and values there; ``matched``: decode-matched rows."""
+        ids, positions, mask = fed.ids, fed.positions, fed.mask
         n, head_dim, device = ids.shape[1], self.head_dim, ids.device
         blocks = None
         if matched:
@@ -155,20 +151,13 @@ class NativeForward:
         x = loop.run(self.ops, x, tables, buffers, visible, starts, rows)
         return decoder.norm(x[None])[0]
 
-    def hidden(
-        self,
-        cache: DynamicCache,
-        start: int,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """`TorchForward.hidden` (a chain, or a tree under ``mask``) through the native ops."""
+    def hidden(self, cache: DynamicCache, start: int, fed: FedRows) -> torch.Tensor:
+        """`TorchForward.hidden` (a chain, or a tree under ``fed.mask``) through the native ops."""
         ops, decoder, layers = self.ops, self.decoder, self.layers
-        n = ids.shape[1]
-        visible = visible_keys(start, n, mask, ids.device)
-        x = decoder.embed_tokens(ids)[0]
-        ropes = self.tables(x, positions)
+        n = fed.ids.shape[1]
+        visible = visible_keys(start, n, fed.mask, fed.ids.device)
+        x = decoder.embed_tokens(fed.ids)[0]
+        ropes = self.tables(x, fed.positions)
         keys, offsets = visible
         like = self.empty_rows(x)
         if self.loop is not None and self.loop.runs(x):  # a batch of one, as `batch` runs several

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -43,6 +44,16 @@ def final_norm(model: PreTrainedModel) -> torch.nn.Module:
         if isinstance(norm, torch.nn.Module):
             return norm
     raise UnsupportedModelError(f"cannot find the final norm of model type {model.config.model_type!r}")
+
+
+@dataclass(frozen=True)
+class FedRows:
+    """The rows one forward feeds after a sequence's cached ones: token ids ``[1, n]`` at ``positions`` ``[1, n]``,
+    under ``mask``: None (a chain's causal rows) or a 4D additive mask (a draft tree)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor | None
 
 
 class _Capture:
@@ -152,6 +163,7 @@ class CausalLMTarget(Target):
             positions = torch.arange(start, start + n, device=self.device).unsqueeze(0)
         else:
             positions = torch.tensor([[start + o for o in offsets]], dtype=torch.long, device=self.device)
+        fed = FedRows(ids, positions, attention_mask)
         matching = (
             decode_matched_module.matching(self.facts.row_plans)
             if matched and self.decode_matched
@@ -161,7 +173,7 @@ class CausalLMTarget(Target):
         hook = self._final_norm.register_forward_hook(_Capture(seq)) if seq.capture_hidden else None
         try:
             with torch.inference_mode(), matching:
-                logits = self._logits(seq, ids, positions, attention_mask, logits_to_keep, prefill or start == 0)
+                logits = self._logits(seq, fed, logits_to_keep, prefill or start == 0)
         finally:
             if hook is not None:
                 hook.remove()
@@ -173,21 +185,13 @@ class CausalLMTarget(Target):
         """Rows for ``token_ids`` were just written after ``seq``'s earlier ones (for subclasses that track the ids
         of their cache rows)."""
 
-    def _logits(
-        self,
-        seq: TargetSequence,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        logits_to_keep: int,
-        prefill: bool,
-    ) -> torch.Tensor:
-        """The model's logits ``[1, kept, vocab]`` for ``ids`` at ``positions`` over ``seq``'s cache (the forward
-        itself, which subclasses may run their own way; ``prefill``: rows of a prompt)."""
+    def _logits(self, seq: TargetSequence, fed: FedRows, logits_to_keep: int, prefill: bool) -> torch.Tensor:
+        """The model's logits ``[1, kept, vocab]`` for the ``fed`` rows over ``seq``'s cache (the forward itself,
+        which subclasses may run their own way; ``prefill``: rows of a prompt)."""
         out = self.model(
-            input_ids=ids,
-            position_ids=positions,
-            attention_mask=attention_mask,
+            input_ids=fed.ids,
+            position_ids=fed.positions,
+            attention_mask=fed.mask,
             cache=seq.cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,

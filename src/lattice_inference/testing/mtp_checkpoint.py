@@ -43,25 +43,20 @@ def tiny_hf_config(family: str, **text_overrides: Any) -> Any:
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
     }
+    moe = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    dense_width = 40
     if family == "qwen3_next":
-        text.update(
-            num_experts=6,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=24,
-            intermediate_size=40,
-            num_nextn_predict_layers=1,
-        )
+        text.update(moe, intermediate_size=dense_width, num_nextn_predict_layers=1)
         text.update(text_overrides)
         return Qwen3NextConfig(**text)
     text["mtp_num_hidden_layers"] = 1
     text["mtp_use_dedicated_embeddings"] = False
     if family == "qwen3_5_moe":
-        text.update(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+        text.update(moe)
         text.update(text_overrides)
         return Qwen3_5MoeConfig(text_config=text, tie_word_embeddings=bool(text.get("tie_word_embeddings")))
     if family == "qwen3_5":
-        text.update(intermediate_size=40, tie_word_embeddings=True)
+        text.update(intermediate_size=dense_width, tie_word_embeddings=True)
         text.update(text_overrides)
         return Qwen3_5Config(text_config=text, tie_word_embeddings=bool(text.get("tie_word_embeddings")))
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")

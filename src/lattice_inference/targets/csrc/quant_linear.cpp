@@ -215,6 +215,10 @@ inline void store(float* p, VF a) {
 }
 const char* const KERNEL = "avx2";
 }  // namespace
+#else
+namespace {
+const char* const KERNEL = "";  // neither: quantized weights are dequantized at load instead
+}  // namespace
 #endif
 
 #ifdef LATTICE_QUANT
@@ -566,13 +570,7 @@ void quant_all(const QuantRows& xq, int64_t n, const uint8_t* wp, int64_t blocks
 }  // namespace
 #endif  // LATTICE_QUANT
 
-std::string quant_linear_kernel() {
-#ifdef LATTICE_QUANT
-  return KERNEL;
-#else
-  return "";
-#endif
-}
+std::string quant_linear_kernel() { return KERNEL; }
 
 namespace {
 
@@ -625,9 +623,7 @@ torch::Tensor quant_linear_parts(const torch::Tensor& x, const std::vector<torch
               "quant_linear: a float32 CPU bias of ", out, " values expected");
   const torch::Tensor rows_in = x.reshape({-1, in}).contiguous();
   const int64_t n = rows_in.size(0);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out;
-  torch::Tensor result = torch::empty(shape, x.options());
+  torch::Tensor result = linear_output(x, out);
 #ifdef LATTICE_QUANT
   if (n == 0) return result;
   const torch::Tensor bc = bias.has_value() ? bias->contiguous() : torch::Tensor();

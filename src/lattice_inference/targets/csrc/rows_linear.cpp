@@ -83,6 +83,10 @@ inline __m256 broadcast(float x) { return _mm256_set1_ps(x); }
 using Scalar = __m256;
 const char* const KERNEL = "avx2";
 }  // namespace
+#else
+namespace {
+const char* const KERNEL = "";  // neither: oneDNN's products run instead
+}  // namespace
 #endif
 
 #ifdef LATTICE_ROWS
@@ -212,13 +216,7 @@ void rows_all(const float* xp, int64_t n, int64_t in, const W* wp, int64_t block
 }  // namespace
 #endif  // LATTICE_ROWS
 
-std::string rows_linear_kernel() {
-#ifdef LATTICE_ROWS
-  return KERNEL;
-#else
-  return "";
-#endif
-}
+std::string rows_linear_kernel() { return KERNEL; }
 
 torch::Tensor rows_pack(const torch::Tensor& weight) {
   TORCH_CHECK(weight.defined() && weight.device().is_cpu(), "rows_pack: the weight must be a CPU tensor");
@@ -244,9 +242,7 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   // float32 rows as they are; bfloat16 rows widened once (exactly)
   const torch::Tensor rows_in = x.reshape({-1, in}).to(torch::kFloat32).contiguous();
   const int64_t n = rows_in.size(0);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out;
-  torch::Tensor result = torch::empty(shape, x.options());
+  torch::Tensor result = linear_output(x, out);
 #ifdef LATTICE_ROWS
   if (n == 0) return result;
   const torch::Tensor bc = bias.has_value() ? bias->to(torch::kFloat32).contiguous() : torch::Tensor();

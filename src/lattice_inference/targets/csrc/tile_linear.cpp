@@ -243,9 +243,7 @@ torch::Tensor tile_linear(const torch::Tensor& x, const torch::Tensor& packed, c
               "tile_linear: a bfloat16 bias of ", out, " values expected");
   const torch::Tensor rows_in = x.reshape({-1, in}).contiguous();
   const int64_t n = rows_in.size(0);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out;
-  torch::Tensor result = torch::empty(shape, x.options());
+  torch::Tensor result = linear_output(x, out);
   if (n == 0) return result;
   std::vector<float> b(out, 0.0f);
   if (bias.has_value()) {
