@@ -258,3 +258,36 @@ def test_the_cli_takes_a_json_schema_a_gbnf_grammar_and_a_regex(tmp_path, capsys
     (tmp_path / "bad.json").write_text("{bad")
     assert main([*base, "greedy", "--prompt", "x", "--json-schema", str(tmp_path / "bad.json")]) == 2
     assert "is not a JSON schema" in capsys.readouterr().err
+
+
+def test_a_template_with_a_tools_section_gets_the_tools_and_a_lossless_constrained_call():
+    """Qwen2.5's own template (a real GGUF file) renders the tools; its added ``<tool_call>`` token is text to the
+    grammar (llguidance once allowed it in a mask and refused it when consumed); prompt lookup emits plain
+    constrained decoding's call."""
+    from lattice_inference.targets import native_ops
+    from lattice_inference.testing.real_files import missing, real_file
+    from lattice_inference.tool_calls import template_has_tools
+
+    path = real_file("qwen2.5-coder-0.5b")
+    if path is None or native_ops.quant() is None:
+        pytest.skip(missing("qwen2.5-coder-0.5b") if path is None else "our quantized products do not run here")
+    qwen = load_model(str(path), dtype="auto")
+    assert template_has_tools(qwen.tokenizer.chat_template)
+    common = {"eos_token_ids": qwen.eos_token_ids}
+    plain_q = Generator(qwen.model, qwen.tokenizer, method="greedy", **common)
+    fast_q = Generator(qwen.model, qwen.tokenizer, method="ngram", adaptive=False, **common)
+    ids = plain_q.codec.chat_ids(ASK, _tools([WEATHER, TIME]))
+    assert '"name": "get_time"' in qwen.tokenizer.decode(ids)  # offered through the template's <tools> section
+    source = tools_grammar(_tools([WEATHER, TIME]))
+    tag = qwen.tokenizer.convert_tokens_to_ids("<tool_call>")
+    assert plain_q.grammar(lark=source).state().valid_prefix([tag, 198]) == 2  # the tag token, then "\n"
+    reference = plain_q.generate(ids, 48, grammar=plain_q.grammar(lark=source))
+    out = fast_q.generate(ids, 48, grammar=fast_q.grammar(lark=source))
+    assert out.token_ids == reference.token_ids and out.metrics.grammar_forced_tokens > 0
+    parser = ToolCallParser()
+    content, calls = parser.push(reference.text)
+    rest, more = parser.flush()
+    (call,) = calls + more
+    assert content + rest == "" and call.name in ("get_weather", "get_time")
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.name]
+    assert follows(json.loads(call.arguments), tool["function"]["parameters"])

@@ -22,6 +22,7 @@ masking them.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -80,8 +81,23 @@ class Grammar:
 
     @staticmethod
     def tokenizer_for(hf_tokenizer: Any, vocab: int) -> Any:
-        """llguidance's view of a Hugging Face tokenizer (built once per tokenizer: it reads every token)."""
-        return _llguidance().hf.from_tokenizer(hf_tokenizer, n_vocab=vocab)
+        """llguidance's view of a Hugging Face tokenizer (built once per tokenizer: it reads every token).
+
+        llguidance reads every added token as a special one (bytes it never matches against text), while its masks
+        still allow an added token that spells a grammar's literal: Qwen2.5's ``<tool_call>`` (added, not special)
+        was allowed by the mask and then refused when consumed. So the added tokens that are not special and are
+        in the model's vocabulary anyway are handed over as the ordinary text they are."""
+        ll = _llguidance()
+        backend = copy.copy(hf_tokenizer.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        spec = json.loads(backend.to_str())
+        known = spec.get("model", {}).get("vocab", {})
+        if isinstance(known, dict):
+            spec["added_tokens"] = [
+                t for t in spec.get("added_tokens", []) if t.get("special", True) or t.get("content") not in known
+            ]
+        return ll.LLTokenizer(json.dumps(spec), n_vocab=vocab, eos_token=hf_tokenizer.eos_token_id)
 
     def state(self) -> GrammarState:
         """A new matcher at the grammar's start, for one request."""
