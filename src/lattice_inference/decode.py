@@ -388,15 +388,16 @@ class SpeculativeDecoder:
     @staticmethod
     def _grammatical(grammar: GrammarState, planned: PlannedDraft, cap: int) -> PlannedDraft:
         """``planned`` under a grammar: the draft cut before its first token the grammar rejects (never verified),
-        no tree (its leaves would need masks of their own paths), and, where nothing is left to verify, the tokens
-        the grammar forces instead (up to ``cap``)."""
+        no tree (its leaves would need masks of their own paths), and the tokens the grammar forces after what is
+        left (up to ``cap`` in all): a closing quote and the next key after a value copied from the prompt."""
         valid = planned.verify[: grammar.valid_prefix(planned.verify)]
         grammar.cut_tokens += len(planned.verify) - len(valid)
-        forced = [] if valid else grammar.forced(cap)
+        forced = grammar.forced(cap - len(valid), after=valid)
         if not forced:
             return replace(planned, verify=valid, alternatives=[])
         grammar.forced_tokens += len(forced)
-        return replace(planned, proposal=forced, verify=forced, alternatives=[], runners_up=[])
+        tokens = [*valid, *forced]
+        return replace(planned, proposal=tokens, verify=tokens, alternatives=[], runners_up=[])
 
     def _leaves(self) -> int:
         """Most tree leaves a round may verify (0 where the target or the drafter cannot use them)."""

@@ -155,12 +155,24 @@ class GrammarState:
         """How many leading ``tokens`` the grammar allows from here (the state does not change)."""
         return int(self._matcher.validate_tokens([int(t) for t in tokens])) if tokens else 0
 
-    def forced(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens the grammar forces from here (its only continuation), none where it allows a
-        choice."""
-        if limit < 1 or self._matcher.is_stopped():
+    def forced(self, limit: int, after: Sequence[int] = ()) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces (its only continuation) after the emitted tokens and then
+        ``after`` (tokens it allows: a valid draft), none where it allows a choice there. The state does not
+        change."""
+        if limit < 1:
             return []
-        return [int(t) for t in self._matcher.compute_ff_tokens()[:limit]]
+        consumed = 0
+        try:
+            for token in after:
+                if not self._matcher.consume_token(int(token)):
+                    raise GrammarError(f"token {token} is not allowed here by the grammar")
+                consumed += 1
+            if self._matcher.is_stopped():
+                return []
+            return [int(t) for t in self._matcher.compute_ff_tokens()[:limit]]
+        finally:
+            if consumed:
+                self._matcher.rollback(consumed)
 
     def advance(self, tokens: Sequence[int]) -> None:
         """The request emitted ``tokens`` (each chosen under this grammar's mask)."""
