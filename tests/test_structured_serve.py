@@ -291,3 +291,38 @@ def test_a_template_with_a_tools_section_gets_the_tools_and_a_lossless_constrain
     assert content + rest == "" and call.name in ("get_weather", "get_time")
     tool = {"get_weather": WEATHER, "get_time": TIME}[call.name]
     assert follows(json.loads(call.arguments), tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize("model", ["smollm2", "bundled"])
+def test_every_method_under_a_grammar_on_two_architectures(model, loaded):
+    """Every method (MTP heads included: SmolLM2's shipped one, the bundled Qwen3.5 hybrid's own), greedy and
+    seeded, emits plain constrained decoding's tokens."""
+    from lattice_inference.api import mtp_head_for
+    from lattice_inference.options import METHODS, needs_mtp_head
+
+    lm = loaded if model == "smollm2" else load_model("bundled", dtype="float32")
+    common = {"eos_token_ids": lm.eos_token_ids}
+    plain_m = Generator(lm.model, lm.tokenizer, method="greedy", **common)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "n": {"type": "integer"}}}
+    prompt = f"Extract the seller and the total as JSON.\n\n{DOC}" if model == "smollm2" else "def add(a, b):\n"
+    ids = plain_m.encode(prompt, chat=model == "smollm2")
+    head = mtp_head_for(lm, 3)
+    target = plain_m.decoder.target  # one target: one self-check
+    fast = {
+        method: Generator(
+            lm.model,
+            lm.tokenizer,
+            method=method,
+            adaptive=False,
+            target=target,
+            **common,
+            **({"mtp_head": head, "draft_length": 3} if needs_mtp_head(method) else {}),
+        )
+        for method in METHODS
+        if method != "greedy"
+    }
+    for kw in ({}, {"temperature": 0.8, "seed": 11}):
+        reference = plain_m.generate(ids, 32, grammar=plain_m.grammar(json_schema=schema), **kw)
+        for method, gen in fast.items():
+            out = gen.generate(ids, 32, grammar=gen.grammar(json_schema=schema), **kw)
+            assert out.token_ids == reference.token_ids, (model, method, kw)
