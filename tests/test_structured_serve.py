@@ -90,6 +90,9 @@ def test_response_format_is_plain_constrained_decoding_and_follows_the_schema(se
     assert reference.stop_reason == "eos" and follows(json.loads(content), INVOICE), content
     metrics = got.model_extra["speculative_metrics"]
     assert metrics["grammar_forced_tokens"] > 0 and metrics["grammar_mask_s"] > 0
+    assert metrics["grammar_mask_us_per_token"] == pytest.approx(
+        1e6 * metrics["grammar_mask_s"] / len(reference.token_ids)
+    )
     anything = server.chat.completions.create(
         model=MODEL_NAME, messages=messages, max_tokens=BUDGET, response_format={"type": "json_object"}
     )

@@ -149,6 +149,7 @@ class GenerationMetrics:
             "grammar_forced_tokens": self.grammar_forced_tokens,
             "grammar_cut_tokens": self.grammar_cut_tokens,
             "grammar_mask_s": self.grammar_mask_s,
+            "grammar_mask_us_per_token": 1e6 * self.grammar_mask_s / self.new_tokens if self.new_tokens else 0.0,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
