@@ -124,6 +124,9 @@ def test_cache_length_after_each_round(arch, models):
             # Every emitted token but the pending last one is in the cache (of the generation's sequence).
             assert gen.sequence is not None
             seq = gen.sequence if rec is None else rec.inner_sequence(gen.sequence)
+            if gen.stop_reason:  # the last round: the sequence was released as the generation stopped
+                assert seq.cache is None
+                continue
             assert gen.sequence.length == seq.length == len(prompt) + emitted - 1
             assert seq.cache.get_seq_length() == len(prompt) + emitted - 1
         assert emitted == NEW_TOKENS

@@ -20,22 +20,59 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from lattice_inference.decode import SpeculativeDecoder
+import torch
+
+from lattice_inference.drafters.base import Drafter
 from lattice_inference.errors import ConfigError
 from lattice_inference.generation import Generation
 from lattice_inference.options import MAX_BATCH_ROWS, check_max_batch
 from lattice_inference.targets.base import Segment, Target
+from lattice_inference.targets.facts import ForwardCosts
 from lattice_inference.targets.forward_cost import forward_costs
 
-__all__ = ["Batch", "Driver"]
+__all__ = ["Batch", "Decoder", "Driver"]
+
+
+class Decoder(Protocol):
+    """What a `Batch` drives: a `lattice_inference.decode.SpeculativeDecoder`, named by the parts a batch calls, so
+    that the decoder runs a generation alone as a batch of one (`SpeculativeDecoder.start`) without a circle of
+    imports. A round is `plan` (a `Round`: its ``tokens`` and ``parents``), the target's forward, then `finish`."""
+
+    target: Target
+    adaptive: bool
+    drafter: Drafter | None
+    costs: ForwardCosts | None
+
+    def widest(self) -> int: ...
+
+    def open(self, gen: Generation, owner: str | None = "") -> list[int]: ...
+
+    def plan(
+        self, gen: Generation, *, rows_left: int | None = None, shared_rows: int = 0, shared_tokens: int = 0
+    ) -> Any: ...
+
+    def round(self, gen: Generation) -> list[int]: ...
+
+    def finish(
+        self,
+        gen: Generation,
+        planned: Any,
+        logits: torch.Tensor,
+        hidden: torch.Tensor | None,
+        width: int,
+        seconds: float,
+    ) -> list[int]: ...
+
+    def close(self, gen: Generation) -> None: ...
 
 
 @dataclass(eq=False)
 class _Member:
     """A running generation and the decoder whose settings (drafter, planner) run it."""
 
-    decoder: SpeculativeDecoder
+    decoder: Decoder
     gen: Generation
 
 
@@ -62,7 +99,7 @@ class Batch:
         """The running generations, in the order they joined."""
         return [m.gen for m in self._members]
 
-    def add(self, decoder: SpeculativeDecoder, gen: Generation, owner: str | None = "") -> list[int]:
+    def add(self, decoder: Decoder, gen: Generation, owner: str | None = "") -> list[int]:
         """Start ``gen`` (made by ``decoder.new_generation``) on a new sequence of the target, whose prefill may
         reuse ``owner``'s earlier rows; returns its first tokens. A generation that stops at once (EOS, a budget
         of one token) is ended before this returns; the others run in the following steps."""
@@ -87,13 +124,14 @@ class Batch:
             self._members.append(member)
         return first
 
-    def prepare(self, decoder: SpeculativeDecoder) -> float:
+    def prepare(self, decoder: Decoder) -> float:
         """Measure the target's forward costs up to a full step's rows (``max_rows``), once per target, where
         ``decoder`` plans its drafts by them: the planner weighs a round's rows against the step's (measured on a
         scratch sequence). Returns the seconds spent (next to nothing when done)."""
         start = time.perf_counter()
-        if decoder.adaptive and decoder.drafter is not None and decoder.costs is None:
-            forward_costs(self.target, max(self.max_rows, decoder.widest()))
+        wider = self.max_rows > decoder.widest()  # else the decoder's own measurement covers the rows (alone)
+        if wider and decoder.adaptive and decoder.drafter is not None and decoder.costs is None:
+            forward_costs(self.target, self.max_rows)
         return time.perf_counter() - start
 
     def remove(self, gen: Generation) -> None:
@@ -199,7 +237,7 @@ class Driver:
             batch = self._batches[id(target)] = Batch(target)
         return batch
 
-    def admit(self, decoder: SpeculativeDecoder, gen: Generation, owner: str | None = "") -> list[int]:
+    def admit(self, decoder: Decoder, gen: Generation, owner: str | None = "") -> list[int]:
         """Start ``gen`` in its target's batch (`Batch.add`); returns its first tokens."""
         return self.batch_for(decoder.target).add(decoder, gen, owner)
 

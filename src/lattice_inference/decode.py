@@ -33,6 +33,7 @@ from typing import TypedDict, Unpack
 import torch
 
 from lattice_inference.acceptance import AcceptanceStats
+from lattice_inference.batching import Batch
 from lattice_inference.draft_planner import DraftPlanner
 from lattice_inference.drafters.base import Drafter, PlannedDraft
 from lattice_inference.drafters.suffix_index import SuffixIndex
@@ -213,21 +214,20 @@ class SpeculativeDecoder:
         return tokens
 
     def _run(self, gen: Generation) -> Generator[list[int], None, None]:
-        """A generation alone: `open` (on a new sequence of the target), then rounds (`plan`, the target's
-        forward, `finish`) until it stops, then `close`."""
-        if gen.max_new_tokens == 0:
-            gen.stop_reason = "length"
-            return
-        first = self.open(gen)
+        """A generation alone: a `Batch` of one (the server's and `generate_many`'s driver), whose `add` opens it
+        on a new sequence of the target and whose steps run its rounds (`plan`, the target's forward, `finish`)
+        until it stops; closed when it ends, whatever ends it."""
+        batch = Batch(self.target, max_rows=self.widest())
         try:
+            first = batch.add(self, gen)
             if first:
                 yield first
-            while not gen.stop_reason:
-                chunk = self.round(gen)
+            while len(batch):
+                chunk = batch.step().get(gen, [])
                 if chunk:
                     yield chunk
         finally:
-            self.close(gen)
+            batch.close()
 
     def wants_hidden(self) -> bool:
         """Whether this decoder's drafter reads the target's hidden states (the target must capture them)."""

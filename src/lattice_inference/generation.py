@@ -146,9 +146,7 @@ class Generation:
         return self
 
     def __next__(self) -> list[int]:
-        chunk = next(self._chunks)
-        self.token_ids.extend(chunk)
-        return chunk
+        return next(self._chunks)  # the batch that runs it (a batch of one, alone) keeps ``token_ids``
 
     def close(self) -> None:
         """Stop early: the decode loop's cleanup runs now (its metrics get their decode time), not when the
