@@ -18,7 +18,7 @@ from lattice_inference.draft_planner import DraftPlanner
 from lattice_inference.drafters.base import DrafterState
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
-from lattice_inference.grammar import GrammarError, GrammarState, constrain
+from lattice_inference.grammar import GrammarError, GrammarState
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.penalties import Penalties
 from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOptions, make_sampler
@@ -134,7 +134,7 @@ class Generation:
         if self.grammar is not None:
             if parents is not None:
                 raise GrammarError("a draft tree cannot be verified under a grammar")
-            out = constrain(out, self.grammar.row_masks(tokens[1:]))
+            out = self.grammar.constrain(out, tokens[1:])
         return out
 
     @property

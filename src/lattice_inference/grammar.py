@@ -36,6 +36,7 @@ from lattice_inference.errors import ConfigError
 
 GRAMMAR_KINDS = ("json_schema", "regex", "lark")
 """What a `Grammar` is compiled from."""
+_MINUS_INFINITY = torch.tensor(float("-inf"))  # a 0-dim tensor: a scalar on any device
 MAX_CACHED_GRAMMARS = 256
 """Compiled grammars a `GrammarCache` keeps (the oldest dropped first; a schema's grammar is small)."""
 
@@ -122,34 +123,55 @@ class GrammarState:
         """Seconds spent computing masks."""
         self.masks = 0
         """Masks computed (one per verified row)."""
+        self._allowed = np.zeros((0, grammar.vocab), dtype=np.bool_)
+        self._scores: torch.Tensor | None = None
 
-    def _mask(self) -> torch.Tensor:
-        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")
-        vocab = self.grammar.vocab
-        mask = torch.zeros(vocab, dtype=torch.bool)
-        n = min(vocab, allowed.shape[0])
-        mask[:n] = torch.from_numpy(allowed[:n].astype(np.bool_))
-        return mask
+    def _mask_into(self, row: np.ndarray) -> None:
+        """The tokens allowed now into ``row`` (bools over the vocabulary: ids past the tokenizer's never)."""
+        allowed = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        n = min(row.shape[0], allowed.shape[0])
+        row[:n] = allowed[:n].view(np.bool_)
+        row[n:] = False
 
     def row_masks(self, draft: Sequence[int]) -> torch.Tensor:
         """The allowed tokens ``[len(draft) + 1, vocab]`` of a round's rows: row ``i`` after the emitted tokens and
-        ``draft[:i]`` (every draft token must be allowed: `valid_prefix`). The state is left as it was."""
+        ``draft[:i]`` (every draft token must be allowed: `valid_prefix`). The state is left as it was. The rows
+        live in this state's buffer: valid until its next call."""
         start = time.perf_counter()
-        rows = [self._mask()]
+        rows = len(draft) + 1
+        if self._allowed.shape[0] < rows:  # grown once to the widest round, reused by every later one
+            self._allowed = np.zeros((rows, self.grammar.vocab), dtype=np.bool_)
+        self._mask_into(self._allowed[0])
         consumed = 0
         try:
-            for token in draft:
+            for i, token in enumerate(draft, 1):
                 if not self._matcher.consume_token(int(token)):
                     raise GrammarError(f"token {token} is not allowed here by the grammar")
                 consumed += 1
-                rows.append(self._mask())
+                self._mask_into(self._allowed[i])
         finally:
             if consumed:
                 self._matcher.rollback(consumed)
         self.mask_s += time.perf_counter() - start
-        self.masks += len(rows)
-        return torch.stack(rows)
+        self.masks += rows
+        return torch.from_numpy(self._allowed[:rows])
+
+    def constrain(self, logits: torch.Tensor, draft: Sequence[int]) -> torch.Tensor:
+        """``logits`` (``[len(draft) + 1, vocab]``, a round's rows) with the tokens each row's mask (`row_masks`)
+        disallows at minus infinity, in float32, in this state's buffer (valid until its next call: a round's
+        choice is made from it at once; no megabyte allocated and freed per round)."""
+        masks = self.row_masks(draft)
+        start = time.perf_counter()
+        rows, vocab = logits.shape
+        if vocab != self.grammar.vocab:
+            raise GrammarError(f"a grammar of {self.grammar.vocab} tokens for logits of {vocab}")
+        buffer = self._scores
+        if buffer is None or buffer.shape[0] < rows or buffer.device != logits.device:
+            buffer = self._scores = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
+        out = buffer[:rows]
+        torch.where(masks.to(logits.device), logits, _MINUS_INFINITY, out=out)
+        self.mask_s += time.perf_counter() - start
+        return out
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the grammar allows from here (the state does not change)."""
@@ -256,11 +278,3 @@ def response_format_grammar(response_format: Mapping[str, Any] | None) -> tuple[
             raise GrammarError("response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}")
         return "json_schema", dict(schema)
     raise GrammarError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
-
-
-def constrain(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """``logits`` ``[rows, vocab]`` with the tokens each row's mask disallows at minus infinity (a copy)."""
-    allowed = masks.to(logits.device)
-    if allowed.shape[-1] != logits.shape[-1]:
-        raise GrammarError(f"a mask of {allowed.shape[-1]} tokens for logits of {logits.shape[-1]}")
-    return logits.float().masked_fill(~allowed, float("-inf"))
