@@ -39,6 +39,75 @@ def quant_ops():
     return built
 
 
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model in float32 (``load_model("smollm2", dtype="float32")``), loaded once per session for
+    the modules on it (they skip where it is absent). Generators pack its weights, as every target does; tests must
+    not change it otherwise."""
+    from lattice_inference.loading import load_model
+
+    return load_model("smollm2", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_generators(smollm2):
+    """Over `smollm2`, built once per session: ``greedy`` (plain decoding) and ``ngram`` (prompt lookup with every
+    proposal verified, ``adaptive=False``), the settings several modules test; each generation starts from scratch
+    (only a generation's cached prompt rows and a generator's compiled grammars outlive it, and neither changes
+    what it emits)."""
+    from lattice_inference import Generator
+
+    eos = smollm2.eos_token_ids
+    return {
+        "greedy": Generator(smollm2.model, smollm2.tokenizer, method="greedy", eos_token_ids=eos),
+        "ngram": Generator(smollm2.model, smollm2.tokenizer, method="ngram", adaptive=False, eos_token_ids=eos),
+    }
+
+
+@pytest.fixture(scope="session")
+def smollm2_plain(smollm2_generators):
+    """Plain decoding on `smollm2` (its ``greedy`` generator) as `helpers.Memo`: each reference computed once per
+    session, whichever module asks first."""
+    from .helpers import Memo
+
+    return Memo(smollm2_generators["greedy"])
+
+
+@pytest.fixture(scope="session")
+def smollm2_dequantized():
+    """``load_model("smollm2", dtype="float32")`` with the GGUF cache off (``LATTICE_GGUF_CACHE=0``): the file
+    dequantized anew by transformers (what `gguf.load_gguf` returns uncached, on the CPU, in eval mode), the slowest
+    load there is, once per session. Compared with, never changed: copy it (``copy.deepcopy``) to change it."""
+    from lattice_inference.loading import load_model
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LATTICE_GGUF_CACHE", "0")
+        return load_model("smollm2", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """``tiny_gguf(fmt)``: the small random-weight llama GGUF file in ``fmt`` that ``bench/bench_quant_sizes.py``
+    writes (``tiny-{fmt}.gguf``: the ``tiny`` shape, ``tiny256`` for the K-quant mix ``Q4_K_M``; the real default
+    model's metadata, so only where it is installed), written once per session; tests read it, never change it."""
+    from lattice_inference.model_source import smollm2_gguf
+
+    from .helpers import bench_module
+
+    folder = tmp_path_factory.mktemp("tiny-gguf")
+    written: dict[str, Path] = {}
+
+    def file(fmt: str) -> Path:
+        if fmt not in written:
+            path = folder / f"tiny-{fmt}.gguf"
+            shape = "tiny256" if fmt == "Q4_K_M" else "tiny"
+            bench_module("bench_quant_sizes").write_gguf(path, shape, fmt, Path(smollm2_gguf()))
+            written[fmt] = path
+        return written[fmt]
+
+    return file
+
+
 OTHER_BUILDS = {
     "avx2": (("-mno-avx512f",), ("quant_linear", "rows_linear")),
     "avx512-without-vnni": (("-mno-avx512vnni",), ("quant_linear",)),

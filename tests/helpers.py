@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lattice_inference.drafters.base import Drafter, DrafterState, PlannedDraft, Proposal
+from lattice_inference.generation import GenerationResult
 from lattice_inference.targets.base import Target, TargetSequence
 from lattice_inference.targets.facts import ForwardCosts
 
@@ -349,6 +350,23 @@ class TreeOracleDrafter(OracleDrafter):
     def planned(self, history: list[int], max_tokens: int) -> PlannedDraft:
         draft, alternatives = self._tree(history, max_tokens)
         return PlannedDraft(draft, draft, 1, runners_up=alternatives, alternatives=alternatives)
+
+
+class Memo:
+    """A generator's plain decoding, each distinct call made once: ``memo(prompt, max_new_tokens, **kw)`` is
+    ``generator.generate(prompt, max_new_tokens, **kw)``, its `GenerationResult` kept by the call's arguments and
+    handed out again to later identical calls (references shared by tests, not recomputed). For generators whose
+    output depends on the arguments alone (plain decoding: no planner, no cross-request index)."""
+
+    def __init__(self, generator) -> None:
+        self.generator = generator
+        self.results: dict[tuple, GenerationResult] = {}
+
+    def __call__(self, prompt: str | Sequence[int], max_new_tokens: int, **kw: object) -> GenerationResult:
+        key = (prompt if isinstance(prompt, str) else tuple(prompt), max_new_tokens, tuple(sorted(kw.items())))
+        if key not in self.results:
+            self.results[key] = self.generator.generate(prompt, max_new_tokens=max_new_tokens, **kw)
+        return self.results[key]
 
 
 def skip_without_real_model() -> None:

@@ -14,7 +14,7 @@ import pytest
 from lattice_inference.gguf_index import _parse, read_index
 from lattice_inference.model_source import smollm2_gguf
 
-from .helpers import bench_module, skip_without_real_model
+from .helpers import skip_without_real_model
 
 skip_without_real_model()
 
@@ -36,10 +36,8 @@ def test_the_default_models_file_reads_as_gguf_py_reads_it():
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "F32"])
-def test_a_written_file_reads_as_gguf_py_reads_it(fmt, tmp_path):
-    path = tmp_path / f"tiny-{fmt}.gguf"
-    bench_module("bench_quant_sizes").write_gguf(path, "tiny", fmt, Path(smollm2_gguf()))
-    _same_as_gguf_reader(path)
+def test_a_written_file_reads_as_gguf_py_reads_it(fmt, tiny_gguf):
+    _same_as_gguf_reader(tiny_gguf(fmt))  # bench_quant_sizes.write_gguf(path, "tiny", fmt, ...), once per session
 
 
 def test_a_header_it_cannot_read_goes_to_gguf_py_and_its_error(tmp_path, monkeypatch):

@@ -13,7 +13,6 @@ import pytest
 from lattice_inference import Generator
 from lattice_inference.batching import Driver
 from lattice_inference.grammar import GrammarError
-from lattice_inference.loading import load_model
 from lattice_inference.testing.json_schema import follows
 
 from .helpers import skip_without_real_model
@@ -72,27 +71,51 @@ SENTENCE = r"(Maria|Tom) is from (Madrid|Oslo)\. [A-Za-z ,.]{0,80}"
 
 
 @pytest.fixture(scope="module")
-def generators():
-    loaded = load_model("smollm2", dtype="float32")
+def generators(smollm2, smollm2_generators):
+    """Over ``load_model("smollm2", dtype="float32")``: ``greedy`` and ``ngram`` (``adaptive=False``) as the other
+    modules on it build them, shared with them (conftest), and ``suffix``, this module's own."""
+    loaded = smollm2
     common = {"eos_token_ids": loaded.eos_token_ids}
     return {
-        "greedy": Generator(loaded.model, loaded.tokenizer, method="greedy", **common),
-        "ngram": Generator(loaded.model, loaded.tokenizer, method="ngram", adaptive=False, **common),
+        "greedy": smollm2_generators["greedy"],
+        "ngram": smollm2_generators["ngram"],
         "suffix": Generator(loaded.model, loaded.tokenizer, method="suffix", **common),
     }
 
 
+@pytest.fixture(scope="module")
+def ngram_outputs():
+    """Prompt lookup's greedy generations under each schema (`ngram_output`), by schema name."""
+    return {}
+
+
+def ngram_output(generators, ngram_outputs, name: str):
+    """``generators["ngram"]``'s greedy generation for ``PROMPTS[name]`` under ``SCHEMAS[name]`` (``BUDGET`` tokens),
+    made once per module and checked by each test that needs it (``adaptive=False``: its drafts depend on the
+    prompt and the output alone, so a second generation would repeat the first exactly)."""
+    if name not in ngram_outputs:
+        fast = generators["ngram"]
+        grammar = fast.grammar(json_schema=SCHEMAS[name])
+        ngram_outputs[name] = fast.generate(PROMPTS[name], BUDGET, chat=True, grammar=grammar)
+    return ngram_outputs[name]
+
+
 @pytest.mark.parametrize("name", list(SCHEMAS))
-def test_every_method_emits_plain_constrained_decoding_and_the_output_follows_its_schema(generators, name):
+def test_every_method_emits_plain_constrained_decoding_and_the_output_follows_its_schema(
+    generators, ngram_outputs, name
+):
     plain = generators["greedy"]
     grammar = plain.grammar(json_schema=SCHEMAS[name])
     reference = plain.generate(PROMPTS[name], BUDGET, chat=True, grammar=grammar)
     assert reference.metrics.drafted_tokens == 0  # plain decoding drafts nothing, not even forced tokens
     if reference.stop_reason == "eos":
         assert follows(json.loads(reference.text), SCHEMAS[name]), reference.text
-    for method in ("ngram", "suffix"):
-        fast = generators[method]
-        out = fast.generate(PROMPTS[name], BUDGET, chat=True, grammar=fast.grammar(json_schema=SCHEMAS[name]))
+    suffix = generators["suffix"]
+    outputs = {
+        "ngram": ngram_output(generators, ngram_outputs, name),
+        "suffix": suffix.generate(PROMPTS[name], BUDGET, chat=True, grammar=suffix.grammar(json_schema=SCHEMAS[name])),
+    }
+    for method, out in outputs.items():
         assert out.token_ids == reference.token_ids, (name, method)
         assert out.stop_reason == reference.stop_reason
         assert out.metrics.accepted_tokens > 0 and out.metrics.grammar_mask_s > 0
@@ -104,7 +127,7 @@ def test_every_method_emits_plain_constrained_decoding_and_the_output_follows_it
         assert out.token_ids == alone.token_ids, (name, seed)
 
 
-def test_drafts_are_cut_by_the_grammar_forced_tokens_drafted_and_the_model_rejects_some(generators):
+def test_drafts_are_cut_by_the_grammar_forced_tokens_drafted_and_the_model_rejects_some(generators, ngram_outputs):
     """An unconstrained answer drafts prose the grammar forbids (cut, never verified); the grammar's own fixed
     spans are drafted where the drafter has nothing (always accepted); and the model still rejects drafted
     tokens the grammar allows: every case, with the output equal to plain constrained decoding."""
@@ -117,7 +140,8 @@ def test_drafts_are_cut_by_the_grammar_forced_tokens_drafted_and_the_model_rejec
     out = fast.generate(prompt, 48, chat=True, grammar=fast.grammar(regex=SENTENCE))
     assert out.token_ids == reference.token_ids
     assert out.metrics.grammar_cut_tokens > 0  # the document's own words after "Maria" ("Lopez ...") are cut
-    person = fast.generate(PROMPTS["person"], BUDGET, chat=True, grammar=fast.grammar(json_schema=PERSON))
+    assert SCHEMAS["person"] is PERSON
+    person = ngram_output(generators, ngram_outputs, "person")  # under PERSON, as generated above
     m = person.metrics
     assert m.grammar_forced_tokens > 0  # '{"name":"' and the later keys are forced
     assert m.drafted_tokens > m.accepted_tokens  # the model rejected some drafted tokens

@@ -6,6 +6,7 @@ same tensors dropped, the same load line. On small random-weight llama files in 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -19,21 +20,35 @@ from lattice_inference.quantized import QuantizedEmbedding, attach, dense_embedd
 from lattice_inference.targets import make_target, native_ops
 from lattice_inference.targets.packed_linear import QUANT
 
-from .helpers import assert_same_tokenizer, bench_module, skip_without_real_model
+from .helpers import assert_same_tokenizer, skip_without_real_model
 
 skip_without_real_model()
 if native_ops.quant() is None:
     pytest.skip("our quantized products do not run here", allow_module_level=True)
 
 
-def _writer():
-    return bench_module("bench_quant_sizes")
-
-
 def _by_content(path: Path):
     model, tokenizer = load_gguf(path, torch.float32)
     attach(model, path)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def by_content():
+    """``by_content(path)``: `_by_content` of a test file (the GGUF cache off: transformers dequantizes it, and its
+    tokenizer is transformers' own of the file), made once per module; each call hands out a copy of the model
+    (``copy.deepcopy``: targets built on it pack it) and the tokenizer."""
+    made: dict[Path, tuple[nn.Module, object]] = {}
+
+    def reference(path: Path):
+        if path not in made:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("LATTICE_GGUF_CACHE", "0")
+                made[path] = _by_content(path)
+        model, tokenizer = made[path]
+        return copy.deepcopy(model), tokenizer
+
+    return reference
 
 
 def _assert_same(built: nn.Module, reference: nn.Module) -> None:
@@ -66,15 +81,13 @@ def _assert_same(built: nn.Module, reference: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])  # Q4_1: the default model's file, below
-def test_a_file_loads_as_stored_as_it_attaches_by_content(fmt, tmp_path, monkeypatch):
+def test_a_file_loads_as_stored_as_it_attaches_by_content(fmt, tiny_gguf, by_content, monkeypatch):
     monkeypatch.setenv("LATTICE_GGUF_CACHE", "0")
-    bench = _writer()
-    path = tmp_path / f"tiny-{fmt}.gguf"
-    bench.write_gguf(path, "tiny", fmt, Path(smollm2_gguf()))
+    path = tiny_gguf(fmt)
     stored = load_as_stored(path)
     assert stored is not None, "a llama file must load as stored"
     built, tokenizer = stored
-    reference, their_tokenizer = _by_content(path)
+    reference, their_tokenizer = by_content(path)
     _assert_same(built, reference)
     assert quantized_weights(built).native[fmt] == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the output
     assert tokenizer.encode("Hello, world") == their_tokenizer.encode("Hello, world")
@@ -92,17 +105,16 @@ def test_a_file_loads_as_stored_as_it_attaches_by_content(fmt, tmp_path, monkeyp
     assert dense_embeddings(built)[0] is embed, "every head shares the one dequantized copy"
 
 
-def test_a_q4_k_m_file_loads_as_stored_and_names_what_it_dequantizes(tmp_path, monkeypatch):
+def test_a_q4_k_m_file_loads_as_stored_and_names_what_it_dequantizes(tiny_gguf, by_content, monkeypatch):
     """A file of the types our products compute (K-quants, Q5_0/Q5_1, the embedding and the tied output in Q4_K) and
     F16 down projections: loaded as stored as by content, the F16 tensors named with what they cost, the same
     logits."""
     monkeypatch.setenv("LATTICE_GGUF_CACHE", "0")
-    path = tmp_path / "tiny-Q4_K_M.gguf"
-    _writer().write_gguf(path, "tiny256", "Q4_K_M", Path(smollm2_gguf()))
+    path = tiny_gguf("Q4_K_M")
     stored = load_as_stored(path)
     assert stored is not None
     built, tokenizer = stored
-    reference, _ = _by_content(path)
+    reference, _ = by_content(path)
     _assert_same(built, reference)
     done = quantized_weights(built)
     assert dict(done.native) == {"Q4_K": 5, "Q6_K": 2, "Q5_K": 2, "Q5_0": 2, "Q5_1": 2}
@@ -117,7 +129,7 @@ def test_a_q4_k_m_file_loads_as_stored_and_names_what_it_dequantizes(tmp_path, m
     assert torch.equal(mine.forward(ours, ids[:5]), theirs.forward(their, ids[:5]))
 
 
-def test_packing_slice_by_slice_from_the_mapped_file_gives_the_whole_tensors_blocks(tmp_path, monkeypatch):
+def test_packing_slice_by_slice_from_the_mapped_file_gives_the_whole_tensors_blocks(tiny_gguf, by_content, monkeypatch):
     """Matrices and the tied embedding are packed 32 rows at a time here (4096 in use), each slice's rows taken in
     transformers' order (llama's q/k rows permuted across slices) and its file pages dropped: the same blocks, the
     same model, as packing each tensor whole."""
@@ -125,22 +137,25 @@ def test_packing_slice_by_slice_from_the_mapped_file_gives_the_whole_tensors_blo
 
     monkeypatch.setenv("LATTICE_GGUF_CACHE", "0")
     monkeypatch.setattr(quantized, "_PACK_ROWS", 32)
-    path = tmp_path / "tiny-Q4_0.gguf"
-    _writer().write_gguf(path, "tiny", "Q4_0", Path(smollm2_gguf()))
+    path = tiny_gguf("Q4_0")
     stored = load_as_stored(path)
     assert stored is not None
     built = stored[0]
-    _assert_same(built, _by_content(path)[0])
+    _assert_same(built, by_content(path)[0])
     embedding, head = built.get_input_embeddings(), built.get_output_embeddings()
     assert embedding.blocks is getattr(head, QUANT), "a tied vocabulary is held once, as packed"
 
 
-def test_the_default_models_file_loads_as_stored_as_it_attaches_by_content(monkeypatch):
+def test_the_default_models_file_loads_as_stored_as_it_attaches_by_content(smollm2_dequantized, monkeypatch):
     monkeypatch.setenv("LATTICE_GGUF_CACHE", "0")
     path = Path(smollm2_gguf())
     stored = load_as_stored(path)
     assert stored is not None
-    _assert_same(stored[0], _by_content(path)[0])
+    # `_by_content` of the file: its uncached float32 dequantization (`load_gguf`, which that load returns; once per
+    # session, shared with test_real_model), copied, then its blocks attached
+    reference = copy.deepcopy(smollm2_dequantized.model)
+    attach(reference, path)
+    _assert_same(stored[0], reference.eval())
 
 
 def test_load_model_takes_the_stored_way_for_auto(monkeypatch):
@@ -159,16 +174,15 @@ def test_load_model_takes_the_stored_way_for_auto(monkeypatch):
     assert len(calls) == 1, "float32 dequantizes: it must not take the stored way"
 
 
-def test_the_cached_tokenizer_is_the_files_own_first_and_later(tmp_path, monkeypatch):
+def test_the_cached_tokenizer_is_the_files_own_first_and_later(tmp_path, tiny_gguf, by_content, monkeypatch):
     """The first load (transformers reads the file's vocabulary, then the cache is written) and a later one (the
     cache's ``tokenizer.json`` read in one pass, `gguf.saved_tokenizer`) give tokenizers that encode, decode and
     template as transformers' own tokenizer of the file."""
-    from transformers import AutoTokenizer
-
     monkeypatch.setenv("LATTICE_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "tiny-Q8_0.gguf"
-    _writer().write_gguf(path, "tiny", "Q8_0", Path(smollm2_gguf()))
-    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    path = tiny_gguf("Q8_0")
+    # transformers' own: ``AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)``, as `load_gguf` reads it
+    # uncached (made once per module)
+    theirs = by_content(path)[1]
     first = load_as_stored(path)
     later = load_as_stored(path)
     assert first is not None and later is not None

@@ -25,21 +25,26 @@ BUDGET = 40
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model("smollm2", dtype="float32")
+def loaded(smollm2):
+    return smollm2  # load_model("smollm2", dtype="float32"), shared by the modules on it (conftest)
 
 
 @pytest.fixture(scope="module")
-def generators(loaded):
+def generators(loaded, smollm2_generators):
     return {
-        "greedy": Generator(loaded.model, loaded.tokenizer, method="greedy", eos_token_ids=loaded.eos_token_ids),
-        "ngram": Generator(  # every proposal verified: acceptance is certain to be exercised
-            loaded.model, loaded.tokenizer, method="ngram", adaptive=False, eos_token_ids=loaded.eos_token_ids
-        ),
+        "greedy": smollm2_generators["greedy"],
+        "ngram": smollm2_generators["ngram"],  # every proposal verified: acceptance is certain to be exercised
         "ngram10": Generator(
             loaded.model, loaded.tokenizer, method="ngram", max_draft=10, eos_token_ids=loaded.eos_token_ids
         ),
     }
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_plain):
+    """``generators["greedy"].generate`` with each reference computed once (several tests decode the same prompt
+    plainly with the same budget and options)."""
+    return smollm2_plain
 
 
 def test_loads_as_llama_chat_model(loaded) -> None:
@@ -50,13 +55,13 @@ def test_loads_as_llama_chat_model(loaded) -> None:
     assert loaded.tokenizer.chat_template
 
 
-def test_ngram_equals_greedy_on_grounded_prompts(generators) -> None:
+def test_ngram_equals_greedy_on_grounded_prompts(generators, plain) -> None:
     prompts = [p for p in load_prompts(GROUNDED_TASKS) if p.set == "grounded"][::5][:8]
     assert len(prompts) >= 8
     accepted = 0
     for p in prompts:
         ids = encode_prompt(generators["greedy"], p)
-        reference = generators["greedy"].generate(ids, max_new_tokens=BUDGET)
+        reference = plain(ids, BUDGET)
         for name in ("ngram", "ngram10"):
             out = generators[name].generate(ids, max_new_tokens=BUDGET)
             assert out.token_ids == reference.token_ids, (p.id, name)
@@ -90,13 +95,13 @@ def test_greedy_and_ngram_on_packed_weights_equal_transformers_generate_on_the_u
         assert generators["ngram"].generate(ids, max_new_tokens=24).token_ids == expected, prompt.id
 
 
-def test_adaptive_drafting_is_lossless_and_reports_draft_lengths(loaded, generators) -> None:
+def test_adaptive_drafting_is_lossless_and_reports_draft_lengths(loaded, generators, plain) -> None:
     fixed = generators["ngram"]
     chat = next(p for p in load_prompts(GROUNDED_TASKS) if p.set == "chat")
     edit = next(p for p in load_prompts(GROUNDED_TASKS) if p.kind == "edit")
     for prompt in (chat, edit):
         ids = encode_prompt(fixed, prompt)
-        reference = generators["greedy"].generate(ids, max_new_tokens=BUDGET).token_ids
+        reference = plain(ids, BUDGET).token_ids
         adaptive = generators["ngram10"].generate(ids, max_new_tokens=BUDGET)
         assert adaptive.token_ids == fixed.generate(ids, max_new_tokens=BUDGET).token_ids == reference
         lengths = adaptive.metrics.draft_lengths
@@ -105,9 +110,8 @@ def test_adaptive_drafting_is_lossless_and_reports_draft_lengths(loaded, generat
         assert max(lengths) <= 10
 
 
-def test_gguf_cache_holds_the_dequantized_weights(loaded, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LATTICE_GGUF_CACHE", "0")
-    fresh = load_model("smollm2", dtype="float32").model.state_dict()
+def test_gguf_cache_holds_the_dequantized_weights(loaded, smollm2_dequantized) -> None:
+    fresh = smollm2_dequantized.model.state_dict()  # load_model("smollm2", dtype="float32"), LATTICE_GGUF_CACHE=0
     cached = loaded.model.state_dict()
     assert fresh.keys() == cached.keys()
     for name, tensor in fresh.items():
@@ -132,14 +136,17 @@ def test_cli_defaults_to_smollm2_with_its_chat_template(capsys: pytest.CaptureFi
     assert "Paris" in out["text"]
 
 
-def test_shipped_mtp_head_drafts_losslessly(loaded, generators) -> None:
+def test_shipped_mtp_head_drafts_losslessly(loaded, plain) -> None:
     """`--model smollm2 --method mtp` needs no flags: the packaged head loads, and output equals greedy's."""
     from lattice_inference.api import mtp_head_for
 
     head = mtp_head_for(loaded, 3)
     assert head.config.hidden_size == 576 and head._draft_ids is not None  # the head's own draft vocabulary
     prompt = "Write two sentences about the sea."
-    reference = generators["greedy"].generate(prompt, max_new_tokens=24, chat=True)
+    reference = plain(prompt, 24, chat=True)
+    # in a batch the head reads each sequence's own hidden states, split out of the shared forward
+    others = ["Name three rivers.", "What is two plus two?"]
+    alone = [plain(p, 16, chat=True).token_ids for p in others]
     for method in ("mtp", "ngram+mtp"):
         gen = Generator(
             loaded.model,
@@ -153,15 +160,12 @@ def test_shipped_mtp_head_drafts_losslessly(loaded, generators) -> None:
         out = gen.generate(prompt, max_new_tokens=24, chat=True)
         assert out.token_ids == reference.token_ids
         assert out.metrics.drafted_tokens > 0
-        # in a batch the head reads each sequence's own hidden states, split out of the shared forward
-        others = ["Name three rivers.", "What is two plus two?"]
-        alone = [generators["greedy"].generate(p, max_new_tokens=16, chat=True).token_ids for p in others]
         many = gen.generate_many([prompt, *others], 16, chat=True, max_batch=3)
         assert [r.token_ids for r in many] == [reference.token_ids[:16], *alone], method
         assert sum(r.metrics.drafted_tokens for r in many) > 0
 
 
-def test_shipped_head_drafts_trees_losslessly_and_its_hiddens_follow_the_kept_path(loaded, generators) -> None:
+def test_shipped_head_drafts_trees_losslessly_and_its_hiddens_follow_the_kept_path(loaded, plain) -> None:
     """With verification priced as free, the planner verifies the head's runners-up beside its drafts (a draft
     tree) every round; output equals greedy's, leaves are accepted, and the hidden states the head was handed are
     the target's own along the accepted path (a full forward of the output, to float32 noise)."""
@@ -178,7 +182,7 @@ def test_shipped_head_drafts_trees_losslessly_and_its_hiddens_follow_the_kept_pa
     on_leaf = 0
     for prompt in ("Write two sentences about the sea.", "Give me three tips for sleeping well."):
         ids = gen.encode(prompt, chat=True)
-        reference = generators["greedy"].generate(ids, max_new_tokens=BUDGET)
+        reference = plain(ids, BUDGET)
         started = gen.start(ids, max_new_tokens=BUDGET)
         out = started.result()
         assert out.token_ids == reference.token_ids
@@ -246,16 +250,18 @@ def test_each_request_starts_from_what_the_last_one_learned(loaded) -> None:
     assert second.metrics.target_forwards < first.metrics.target_forwards
 
 
-def test_a_batch_answers_each_prompt_as_it_is_answered_alone(generators) -> None:
+def test_a_batch_answers_each_prompt_as_it_is_answered_alone(generators, plain) -> None:
     """Continuous batching on the real model (its native layer loop batches the sequences): greedy and seeded
     sampling, prompt lookup with every proposal verified and adaptive, prompts joining as others finish."""
     prompts = [p for p in load_prompts(GROUNDED_TASKS)][::3][:5]
     ids = [encode_prompt(generators["greedy"], p) for p in prompts]
     assert generators["ngram"].decoder.target.batches_sequences
+    batches = {}
     for kw in ({}, {"temperature": 0.8, "top_p": 0.95, "seed": 4}):
-        alone = [generators["greedy"].generate(i, max_new_tokens=BUDGET, **kw).token_ids for i in ids]
+        alone = [plain(i, BUDGET, **kw).token_ids for i in ids]
         for name in ("ngram", "ngram10", "greedy"):
-            many = generators[name].generate_many(ids, BUDGET, max_batch=4, **kw)
+            many = batches[name, bool(kw)] = generators[name].generate_many(ids, BUDGET, max_batch=4, **kw)
             assert [r.token_ids for r in many] == alone, (name, kw)
-    accepted = sum(r.metrics.accepted_tokens for r in generators["ngram"].generate_many(ids, BUDGET, max_batch=4))
+    # the greedy batch of prompt lookup with every proposal verified, above
+    accepted = sum(r.metrics.accepted_tokens for r in batches["ngram", False])
     assert accepted > 0

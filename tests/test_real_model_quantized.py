@@ -52,19 +52,22 @@ def test_auto_keeps_every_linear_layer_of_the_file_quantized(quantized, capfd) -
     assert load_model("smollm2", dtype="bfloat16").model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
 
 
-def test_speculation_equals_plain_decoding_of_the_quantized_model_which_stays_close_to_float32(quantized) -> None:
-    dense = load_model("smollm2", dtype="float32")
+def test_speculation_equals_plain_decoding_of_the_quantized_model_which_stays_close_to_float32(
+    quantized, smollm2_plain
+) -> None:
     eos = quantized.eos_token_ids
     plain = Generator(quantized.model, quantized.tokenizer, method="greedy", eos_token_ids=eos)
-    reference = Generator(dense.model, dense.tokenizer, method="greedy", eos_token_ids=eos)
+    reference = smollm2_plain  # plain decoding of the file dequantized to float32 (conftest: shared references)
     ngram = Generator(quantized.model, quantized.tokenizer, method="ngram", adaptive=False, eos_token_ids=eos)
     assert plain.decoder.target.kv_cache == "float16"  # auto: a GGUF file as stored caches float16, as llama.cpp
     prompts = [p for p in load_prompts(GROUNDED_TASKS) if p.set == "grounded"][1::7][:5]
     ids = [encode_prompt(plain, p) for p in prompts]
     accepted = agreed = 0
+    wanted = []
     for prompt in ids:
         want = plain.generate(prompt, max_new_tokens=BUDGET)
-        float32 = reference.generate(prompt, max_new_tokens=BUDGET).token_ids
+        wanted.append(want.token_ids)
+        float32 = reference(prompt, BUDGET).token_ids
         agreed += next(
             (i for i, (a, b) in enumerate(zip(want.token_ids, float32, strict=False)) if a != b), len(float32)
         )
@@ -76,7 +79,7 @@ def test_speculation_equals_plain_decoding_of_the_quantized_model_which_stays_cl
     assert accepted > 0
     assert agreed >= len(ids) * 4  # the first tokens agree with the float32 model's (a broken layout agrees on none)
     many = ngram.generate_many(ids, BUDGET, max_batch=4)
-    assert [r.token_ids for r in many] == [plain.generate(p, max_new_tokens=BUDGET).token_ids for p in ids]
+    assert [r.token_ids for r in many] == wanted  # each prompt's plain decoding, above
 
 
 def test_the_shipped_mtp_head_drafts_for_the_quantized_model_losslessly(quantized) -> None:
