@@ -324,7 +324,8 @@ def test_every_method_under_a_grammar_on_two_architectures(model, loaded):
         for method in METHODS
         if method != "greedy"
     }
-    for kw in ({}, {"temperature": 0.8, "seed": 11}):
+    seeded = {"temperature": 0.8, "seed": 11}  # on SmolLM2 test_grammar samples under a grammar already
+    for kw in ({}, seeded) if model == "bundled" else ({},):
         reference = plain_m.generate(ids, 32, grammar=plain_m.grammar(json_schema=schema), **kw)
         for method, gen in fast.items():
             out = gen.generate(ids, 32, grammar=gen.grammar(json_schema=schema), **kw)
