@@ -29,7 +29,7 @@ from lattice_inference.drafters.build import build_drafter
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
 from lattice_inference.generation import Generation, GenerationResult
-from lattice_inference.grammar import Grammar, GrammarCache, GrammarError, GrammarState, response_format_grammar
+from lattice_inference.grammar import Grammar, GrammarCache, GrammarError
 from lattice_inference.loading import LoadedModel, eos_token_ids_of, load_model
 from lattice_inference.mtp import MtpHead, load_mtp_head
 from lattice_inference.mtp.head_file import load_head_file, shipped_head
@@ -302,7 +302,8 @@ class Generator:
         options = self.sampling(**sampling)
         index = suffix_index if suffix_index is not None else self.suffix_index
         ids = self.encode(prompt, chat)
-        state = self._grammar_state(grammar, response_format)
+        chosen = self._chosen_grammar(grammar, response_format)
+        state = None if chosen is None else chosen.state()
         return self.decoder.start(
             ids, max_new_tokens, options, logprobs=logprobs, suffix_index=index, scope=scope, grammar=state
         )
@@ -318,17 +319,11 @@ class Generator:
             raise GrammarError("give exactly one of json_schema, regex and lark")
         return self.grammars.get(*chosen[0])
 
-    def _grammar_state(self, grammar: Grammar | None, response_format: Mapping[str, Any] | None) -> GrammarState | None:
-        """A new request's place in ``grammar`` or ``response_format``'s (at most one of them; None: neither)."""
+    def _chosen_grammar(self, grammar: Grammar | None, response_format: Mapping[str, Any] | None) -> Grammar | None:
+        """The grammar a request follows: ``grammar`` or ``response_format``'s (at most one of them; None: neither)."""
         if grammar is not None and response_format is not None:
             raise GrammarError("give a grammar or a response_format, not both")
-        chosen = grammar if grammar is not None else self.response_format(response_format)
-        return None if chosen is None else chosen.state()
-
-    def response_format(self, response_format: Mapping[str, Any] | None) -> Grammar | None:
-        """The grammar of an OpenAI ``response_format`` (`response_format_grammar`: None for text)."""
-        found = response_format_grammar(response_format)
-        return None if found is None else self.grammars.get(*found)
+        return grammar if grammar is not None else self.grammars.response_format(response_format)
 
     def clear_suffix_index(self) -> None:
         """Forget the earlier generations the suffix methods draft from (nothing for other methods)."""
@@ -400,6 +395,7 @@ class Generator:
         its own place in it)."""
         driver = Driver(max_batch)  # checks max_batch before anything runs
         options = self.sampling(**sampling)
+        chosen = self._chosen_grammar(grammar, response_format)
         gens = [
             self.decoder.new_generation(
                 self.encode(p, chat),
@@ -407,7 +403,7 @@ class Generator:
                 options,
                 logprobs=logprobs,
                 suffix_index=self.suffix_index,
-                grammar=self._grammar_state(grammar, response_format),
+                grammar=None if chosen is None else chosen.state(),
             )
             for p in prompts
         ]

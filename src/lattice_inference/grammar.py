@@ -231,6 +231,11 @@ class GrammarCache:
             self._grammars[key] = compiled
         return compiled
 
+    def response_format(self, response_format: Mapping[str, Any] | None) -> Grammar | None:
+        """The grammar of an OpenAI ``response_format`` (`response_format_grammar`; None for text), compiled once."""
+        found = response_format_grammar(response_format)
+        return None if found is None else self.get(*found)
+
 
 def grammar_file(path: str | Path, kind: str) -> tuple[str, str | dict[str, Any]]:
     """``(kind, source)`` of a grammar file the CLI is given: ``kind`` ``"json_schema"`` (a JSON schema) or

@@ -20,7 +20,7 @@ from jinja2 import TemplateError
 from lattice_inference.api import Generator, mtp_head_for
 from lattice_inference.errors import ConfigError, LatticeError
 from lattice_inference.generation import Generation
-from lattice_inference.grammar import Grammar, GrammarCache, GrammarError, response_format_grammar
+from lattice_inference.grammar import Grammar, GrammarCache, GrammarError
 from lattice_inference.loading import LoadedModel
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.mtp import MtpHead
@@ -215,8 +215,7 @@ class Engine:
         try:
             if tools:
                 return self.grammars.get("lark", tools_grammar(tools, parallel=parallel))
-            found = response_format_grammar(response_format)
-            return None if found is None else self.grammars.get(*found)
+            return self.grammars.response_format(response_format)
         except GrammarError as exc:
             param = "tools" if tools else "response_format"
             raise bad_request(f"{param}: {exc}", param=param) from None
