@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from lattice_inference import Generator
 from lattice_inference.batching import Driver
@@ -184,3 +185,41 @@ def test_what_cannot_be_compiled_is_a_clear_error(generators):
     with pytest.raises(GrammarError, match="exactly one of json_schema, regex and lark"):
         g.grammar(json_schema=PERSON, regex="a+")
     assert g.grammar(json_schema=PERSON) is g.grammar(json_schema=dict(PERSON)), "compiled once per source"
+
+
+def test_greedy_rows_under_a_grammar_choose_what_the_masked_rows_choose_masking_only_where_needed(generators):
+    """`GrammarState.choose_greedy` (what greedy decoding under a grammar runs) against the argmax of every row
+    masked (`GrammarState.constrain`), over the states of a real constrained answer: rows whose own argmax the
+    grammar allows, rows whose first maximum is a refused token tied with the draft's (only the mask can pick the
+    draft's), rows of noise (the grammar refuses most tokens), the end where only EOS is left, and rows past the
+    first disagreement (no mask computed, not chosen). The answer holds a token the matcher accepts and the mask
+    refuses (SmolLM2 writes ``":`` then ``"`` where the mask allows only ``":"``), so the mask must decide."""
+    plain = generators["greedy"]
+    grammar = plain.grammar(json_schema=PERSON)
+    answer = plain.generate(PROMPTS["person"], 60, chat=True, grammar=grammar)
+    assert answer.stop_reason == "eos"
+    eos = plain.tokenizer.eos_token_id
+    tokens = [*answer.token_ids, eos] if answer.token_ids[-1] != eos else list(answer.token_ids)
+    state, noise = grammar.state(), torch.Generator().manual_seed(0)
+    ties = 0
+    for start in range(len(tokens)):
+        draft = tokens[start : start + 4]
+        allowed = state.row_masks(draft[:-1]).clone()
+        assert all(allowed[i, t] for i, t in enumerate(draft[:-1]))  # plain decoding chose under these masks
+        scores = torch.randn(len(draft) + 1, grammar.vocab, generator=noise)
+        for i, token in enumerate(draft[:-1] if start % 3 else draft):
+            scores[i, token] = 10.0
+            refused = (~allowed[i, :token]).nonzero()
+            if i % 2 and len(refused):  # an earlier refused token ties with the draft's: the first maximum is refused
+                scores[i, int(refused[0])] = 10.0
+                ties += 1
+        before = state.masks
+        got = state.choose_greedy(scores, draft)
+        computed = state.masks - before
+        expected = state.constrain(scores, draft).argmax(dim=-1).tolist()
+        agree = next((i for i, (d, e) in enumerate(zip(draft, expected, strict=False)) if d != e), len(draft))
+        assert got[: agree + 1] == expected[: agree + 1], (start, draft)
+        assert got[agree + 1 :] == [-1] * (len(draft) - agree) and computed == agree + 1
+        if start < len(tokens) - 1:
+            state.advance(tokens[start : start + 1])
+    assert ties > 10

@@ -250,3 +250,18 @@ def test_bench_at_a_temperature(model_dir, tmp_path, capsys):
     assert all(r["identical_share"] == 1.0 for r in report["rows"])
     assert main([*argv, "--seed", "5"]) == 0
     assert "with seed 5 + i" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_first_max_is_torch_argmax_with_ties_to_the_lowest_index(dtype):
+    """`first_max` (numpy's argmax on the CPU) chooses what ``torch.argmax`` chooses, row by row: ties (many, in
+    bfloat16's coarse grid) to the lowest index, rows of minus infinity, a strided view."""
+    from lattice_inference.sampling import first_max
+
+    noise = torch.Generator().manual_seed(0)
+    rows = (torch.randn(64, 4096, generator=noise) * 4).round().to(dtype)  # coarse values: ties in every row
+    rows[3] = float("-inf")
+    rows[5, 7] = rows[5, 4000] = rows[5].max() + 1  # a tie at the maximum, far apart
+    for scores in (rows, rows[:, ::2], rows[10:11]):
+        assert first_max(scores) == scores.argmax(dim=-1).tolist()
+    assert first_max(rows)[5] == 7

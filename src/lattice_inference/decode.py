@@ -317,8 +317,7 @@ class SpeculativeDecoder:
             depths = planned.depths
             verdict = planned.tree.verify(sampler.choose_at(scores, [planned.position + 1 + d for d in depths]))
         else:
-            scores = gen.scores(logits, planned.tokens)
-            verdict = verify_prefix(draft, sampler.choose(scores, planned.position + 1))
+            verdict = verify_prefix(draft, gen.choose(logits, planned.tokens, planned.position + 1))
         if gen.planner is not None and self.costs is None:  # given costs stand as given
             gen.planner.observe_forward_seconds(width, seconds)
         rows = self._path_hidden(hidden, verdict.path)
@@ -453,13 +452,13 @@ class SpeculativeDecoder:
         if drafter is None or self._wants_hidden or not fused or budget < 2:
             logits = target.prefill(seq, prompt).unsqueeze(0)
             gen.metrics.cached_prompt_tokens = seq.reused
-            first = gen.sampler.choose(gen.scores(logits, prompt[-1:]), len(prompt))
+            first = gen.choose(logits, prompt[-1:], len(prompt))
             gen.pending = first[-1]
             return first, self._path_hidden(seq.hidden, len(prompt)), logits
         planned = self._draft(gen, budget - 1)
         draft = planned.verify
         logits = target.prefill_with_draft(seq, prompt, draft)
-        verdict = verify_prefix(draft, gen.sampler.choose(gen.scores(logits, [prompt[-1], *draft]), len(prompt)))
+        verdict = verify_prefix(draft, gen.choose(logits, [prompt[-1], *draft], len(prompt)))
         target.rollback(seq, len(prompt) + verdict.accepted)
         self._learn(gen, planned, verdict)
         if draft:

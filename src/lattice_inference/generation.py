@@ -126,16 +126,30 @@ class Generation:
         (`Penalties.apply`), then ``logit_bias`` added, then, under a grammar, the tokens it disallows after the
         emitted tokens and the draft before the row (``tokens[1:]`` of a chain) at minus infinity. ``logits`` is
         left raw (the log-probabilities come from it); as they are when none of these is on."""
-        out = logits if self.penalties is None else self.penalties.apply(logits, tokens, parents)
-        if self._bias is not None:
-            ids, values = self._bias
-            out = out.float().clone() if out is logits else out
-            out[:, ids.to(out.device)] += values.to(out.device)
+        out = self._adjusted(logits, tokens, parents)
         if self.grammar is not None:
             if parents is not None:
                 raise GrammarError("a draft tree cannot be verified under a grammar")
             out = self.grammar.constrain(out, tokens[1:])
         return out
+
+    def _adjusted(self, logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int] | None) -> torch.Tensor:
+        """`scores` before the grammar's mask: ``logits`` penalised, then ``logit_bias`` added."""
+        out = logits if self.penalties is None else self.penalties.apply(logits, tokens, parents)
+        if self._bias is not None:
+            ids, values = self._bias
+            out = out.float().clone() if out is logits else out
+            out[:, ids.to(out.device)] += values.to(out.device)
+        return out
+
+    def choose(self, logits: torch.Tensor, tokens: Sequence[int], first_index: int) -> list[int]:
+        """The token each row of a chain (``logits``, rows fed as ``tokens``; row ``i`` chooses sequence index
+        ``first_index + i``) chooses from its `scores`. Greedy under a grammar, a row's mask is computed only where
+        the grammar refuses the row's own argmax (`GrammarState.choose_greedy`: the same choice, without a mask per
+        row), and rows past the first that disagrees with the draft (``tokens[1:]``) are not chosen (``-1``)."""
+        if self.grammar is not None and self.sampler.greedy:
+            return self.grammar.choose_greedy(self._adjusted(logits, tokens, None), tokens[1:])
+        return self.sampler.choose(self.scores(logits, tokens), first_index)
 
     @property
     def seed(self) -> int | None:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from lattice_inference.errors import ConfigError
+from lattice_inference.sampling import first_max
 
 GRAMMAR_KINDS = ("json_schema", "regex", "lark")
 """What a `Grammar` is compiled from."""
@@ -123,15 +124,29 @@ class GrammarState:
         """Seconds spent computing masks."""
         self.masks = 0
         """Masks computed (one per verified row)."""
-        self._allowed = np.zeros((0, grammar.vocab), dtype=np.bool_)
+        self._allowed = np.zeros((1, grammar.vocab), dtype=np.bool_)
         self._scores: torch.Tensor | None = None
 
-    def _mask_into(self, row: np.ndarray) -> None:
-        """The tokens allowed now into ``row`` (bools over the vocabulary: ids past the tokenizer's never)."""
-        allowed = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    def _bitmask(self) -> np.ndarray:
+        """The tokens allowed now, packed: bit ``t % 8`` of byte ``t // 8`` is set where token ``t`` is."""
+        return np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+
+    def _mask_into(self, row: np.ndarray, packed: np.ndarray | None = None) -> None:
+        """The tokens allowed now (or by ``packed``, a `_bitmask`) into ``row`` (bools over the vocabulary: ids past
+        the tokenizer's never)."""
+        allowed = np.unpackbits(self._bitmask() if packed is None else packed, bitorder="little")
         n = min(row.shape[0], allowed.shape[0])
         row[:n] = allowed[:n].view(np.bool_)
         row[n:] = False
+
+    def _step(self, token: int) -> int:
+        """Consume ``token`` on the way to a look-ahead (`rollback` undoes it); returns the steps it took: 0 where the
+        matcher had stopped already (its grammar complete, EOS consumed without a step: rolling it back would undo
+        one token too many)."""
+        stopped = self._matcher.is_stopped()
+        if not self._matcher.consume_token(int(token)):
+            raise GrammarError(f"token {token} is not allowed here by the grammar")
+        return 0 if stopped else 1
 
     def row_masks(self, draft: Sequence[int]) -> torch.Tensor:
         """The allowed tokens ``[len(draft) + 1, vocab]`` of a round's rows: row ``i`` after the emitted tokens and
@@ -145,9 +160,7 @@ class GrammarState:
         consumed = 0
         try:
             for i, token in enumerate(draft, 1):
-                if not self._matcher.consume_token(int(token)):
-                    raise GrammarError(f"token {token} is not allowed here by the grammar")
-                consumed += 1
+                consumed += self._step(token)
                 self._mask_into(self._allowed[i])
         finally:
             if consumed:
@@ -173,6 +186,43 @@ class GrammarState:
         self.mask_s += time.perf_counter() - start
         return out
 
+    def choose_greedy(self, scores: torch.Tensor, draft: Sequence[int]) -> list[int]:
+        """Greedy choices of a round's rows (``scores``: ``[len(draft) + 1, vocab]``, the penalties and bias already
+        applied, no mask): row ``i``'s choice is the argmax of its row masked as `constrain` masks it, without
+        masking the row where that is not needed. A row's first maximum is the masked row's first maximum whenever
+        the mask allows it (masking only lowers other entries to minus infinity), so only a row whose argmax the
+        mask refuses is masked. The mask's own bit decides: llguidance's matcher accepts tokenizations its mask
+        refuses (``":`` then ``"`` where the mask allows only the canonical ``":"``). Rows are chosen up to the
+        first that disagrees with the draft (a round emits nothing past it): no mask is computed past it, and the
+        later rows are ``-1`` (a token id nothing may emit). The state is left as it was."""
+        rows, vocab = scores.shape
+        if vocab != self.grammar.vocab:
+            raise GrammarError(f"a grammar of {self.grammar.vocab} tokens for logits of {vocab}")
+        if rows != len(draft) + 1:
+            raise GrammarError(f"need {len(draft) + 1} rows for a draft of {len(draft)}, got {rows}")
+        best = first_max(scores)  # what greedy decoding without a grammar computes too: not the mask's cost
+        start = time.perf_counter()
+        choices = [-1] * rows
+        consumed = 0
+        try:
+            for i, token in enumerate(best):
+                packed = self._bitmask()
+                self.masks += 1
+                if not (packed[token >> 3] >> (token & 7)) & 1:
+                    row = self._allowed[0]
+                    self._mask_into(row, packed)
+                    masked = torch.where(torch.from_numpy(row).to(scores.device), scores[i], _MINUS_INFINITY)
+                    token = first_max(masked.reshape(1, -1))[0]
+                choices[i] = token
+                if i == len(draft) or token != draft[i]:
+                    break
+                consumed += self._step(token)
+        finally:
+            if consumed:
+                self._matcher.rollback(consumed)
+        self.mask_s += time.perf_counter() - start
+        return choices
+
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the grammar allows from here (the state does not change)."""
         return int(self._matcher.validate_tokens([int(t) for t in tokens])) if tokens else 0
@@ -186,9 +236,7 @@ class GrammarState:
         consumed = 0
         try:
             for token in after:
-                if not self._matcher.consume_token(int(token)):
-                    raise GrammarError(f"token {token} is not allowed here by the grammar")
-                consumed += 1
+                consumed += self._step(token)
             if self._matcher.is_stopped():
                 return []
             return [int(t) for t in self._matcher.compute_ff_tokens()[:limit]]

@@ -227,20 +227,30 @@ class Sampler(Protocol):
         ...
 
 
+def first_max(scores: torch.Tensor) -> list[int]:
+    """The index of each row's first maximum (``scores``: ``[rows, n]``): ``torch.argmax``'s choice, ties to the
+    lowest index. On the CPU through numpy, whose argmax (first occurrence too) takes about 3 us over a 49k-token
+    row where torch's takes 70 us (2-core Xeon, AVX512_BF16): a greedy round chooses one row per verified token."""
+    if scores.device.type != "cpu":
+        return scores.argmax(dim=-1).tolist()
+    rows = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
+    return rows.detach().numpy().argmax(axis=-1).tolist()
+
+
 class GreedySampler:
-    """Plain argmax (first index on ties, as ``torch.argmax``)."""
+    """Plain argmax (first index on ties, as ``torch.argmax``: `first_max`)."""
 
     greedy = True
     seed: int | None = None
 
     def choose(self, logits: torch.Tensor, first_index: int) -> list[int]:
-        return logits.argmax(dim=-1).tolist()
+        return first_max(logits)
 
     def choose_at(self, logits: torch.Tensor, indices: Sequence[int]) -> list[int]:
-        return logits.argmax(dim=-1).tolist()
+        return first_max(logits)
 
     def choose_draft(self, scores: torch.Tensor, index: int, token_ids: torch.Tensor | None = None) -> int:
-        best = int(torch.argmax(scores))
+        best = first_max(scores.reshape(1, -1))[0]
         return best if token_ids is None else int(token_ids[best])
 
     def rank_draft(self, scores: torch.Tensor, index: int, token_ids: torch.Tensor | None, count: int) -> list[int]:
@@ -282,7 +292,7 @@ class KeyedSampler:
             del self._noise[stale]
         vocab = logits.shape[-1]
         noise = [self.noise(i, vocab, logits.device) for i in indices]
-        return (process_logits(logits, self.options) + torch.stack(noise)).argmax(dim=-1).tolist()
+        return first_max(process_logits(logits, self.options) + torch.stack(noise))
 
     def choose_draft(self, scores: torch.Tensor, index: int, token_ids: torch.Tensor | None = None) -> int:
         return self.rank_draft(scores, index, token_ids, 1)[0]
@@ -297,11 +307,11 @@ class KeyedSampler:
 def top_tokens(scores: torch.Tensor, token_ids: torch.Tensor | None, count: int) -> list[int]:
     """The ids of the ``count`` highest ``scores`` (``token_ids[i]`` names row ``i`` where given), best first; the
     first is ``torch.argmax``'s (first index on ties)."""
+    first = first_max(scores.reshape(1, -1))[0]
     if count == 1:
-        best = [int(torch.argmax(scores))]
+        best = [first]
     else:
         best = torch.topk(scores, min(count, scores.shape[0])).indices.tolist()
-        first = int(torch.argmax(scores))
         if best[0] != first:  # topk's order among equal scores is unspecified; argmax's is the contract
             best = [first, *(b for b in best if b != first)][: len(best)]
     return best if token_ids is None else token_ids[best].tolist()
