@@ -123,7 +123,7 @@ class GrammarState:
         self.mask_s = 0.0
         """Seconds spent computing masks."""
         self.masks = 0
-        """Masks computed (one per verified row)."""
+        """Masks computed (one per masked row; greedy: one per row chosen, `choose_greedy`)."""
         self._allowed = np.zeros((1, grammar.vocab), dtype=np.bool_)
         self._scores: torch.Tensor | None = None
 
