@@ -209,3 +209,25 @@ def test_token_validation(tokens, message):
         NgramIndex().extend(tokens)
     with pytest.raises(TokenError, match="eos_token_ids"):
         NgramDrafter(eos_token_ids=[-1])
+
+
+def test_under_a_grammar_a_one_token_context_drafts_and_fallback_and_suffix_states_pass_it_on():
+    """`DrafterState.under_grammar`: prompt lookup tries n-grams down to `GRAMMAR_MIN_NGRAM` (1) in that generation
+    only; the default state (``min_ngram=2``) finds nothing after ``7 5``, the constrained one continues the
+    earlier ``5`` with ``6 7 5``. A fallback (``ngram+mtp``-like) and a suffix state pass it to their lookups."""
+    from lattice_inference.drafters.fallback import FallbackDrafter
+    from lattice_inference.drafters.suffix import SuffixDrafter
+
+    history = [5, 6, 7, 5]
+    drafter = NgramDrafter(max_ngram=3, min_ngram=2, max_draft=4)
+    plain, constrained = drafter.start(history), drafter.start(history)
+    constrained.under_grammar()
+    assert plain.propose(4) == [] and constrained.propose(4) == [6, 7, 5]
+    assert constrained.propose(4).key == 1 and drafter.min_ngram == 2 and plain.propose(4) == []
+    fallback = FallbackDrafter([NgramDrafter(max_ngram=3, min_ngram=2, max_draft=4)]).start(history)
+    fallback.under_grammar()
+    assert fallback.propose(4) == [6, 7, 5]
+    suffix = SuffixDrafter(1024, 4, max_ngram=3, min_ngram=2)
+    states = [suffix.start(history), suffix.start(history)]
+    states[1].under_grammar()
+    assert [s.propose(4) for s in states] == [[], [6, 7, 5]]

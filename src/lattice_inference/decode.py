@@ -447,6 +447,8 @@ class SpeculativeDecoder:
         target, drafter, prompt, seq = self.target, self.drafter, gen.prompt_ids, _sequence(gen)
         if drafter is not None:
             gen.drafter_state = drafter.start(prompt, sampler=gen.sampler, suffix_index=gen.suffix_index)
+            if gen.grammar is not None:
+                gen.drafter_state.under_grammar()
         budget = gen.max_new_tokens
         fused = target.fuses_prefill_and_draft and gen.grammar is None
         if drafter is None or self._wants_hidden or not fused or budget < 2:

@@ -112,6 +112,11 @@ class DrafterState:
         """Up to ``max_tokens`` tokens likely to follow the history (possibly none), with their planner key."""
         raise NotImplementedError
 
+    def under_grammar(self) -> None:
+        """The generation is constrained by a grammar (structured output), whose fixed spans repeat token for token:
+        a drafter may draft from shorter contexts (`NgramState`). Called once, before the first proposal; by
+        default nothing changes."""
+
     def propose_planned(self, max_tokens: int, plan: Plan) -> PlannedDraft:
         """This round's draft when a planner chooses its length. A free proposal is made at full length and the
         planner picks how much of it to verify; a drafter that runs a model is asked for the planned length only,

@@ -55,6 +55,11 @@ class FallbackState(DrafterState):
         self.key = 0
         """The latest proposal's planner key."""
 
+    def under_grammar(self) -> None:
+        """Every drafter's state learns that the generation is under a grammar."""
+        for state in self.states:
+            state.under_grammar()
+
     @property
     def forward_count(self) -> int:
         """Model forwards the drafters ran (an n-gram lookup runs none)."""

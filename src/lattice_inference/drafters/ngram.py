@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, overload
 
 from lattice_inference.drafters.base import Drafter, DrafterState, Proposal
 from lattice_inference.errors import ConfigError, TokenError
-from lattice_inference.options import DecodeOptions, MatchPolicy, check_match, check_ngram_range, check_positive
+from lattice_inference.options import (
+    GRAMMAR_MIN_NGRAM,
+    DecodeOptions,
+    MatchPolicy,
+    check_match,
+    check_ngram_range,
+    check_positive,
+)
 
 if TYPE_CHECKING:
     from lattice_inference.drafters.suffix_index import SuffixIndex
@@ -209,9 +216,18 @@ class NgramState(DrafterState):
     def __init__(self, drafter: NgramDrafter, prompt: list[int]) -> None:
         self.drafter = drafter
         self._history = prompt
+        self.min_ngram = drafter.min_ngram
+        """The shortest n-gram this generation looks up (the drafter's; `GRAMMAR_MIN_NGRAM` under a grammar)."""
         # Invariant after _catch_up(): the index holds history[:-1], i.e. only n-grams ending at positions
         # <= len(history) - 2, so every match found has at least one continuation token.
-        self._index = NgramIndex(drafter.min_ngram, drafter.max_ngram, keep=drafter.match)
+        self._index = NgramIndex(self.min_ngram, drafter.max_ngram, keep=drafter.match)
+
+    def under_grammar(self) -> None:
+        """Look up n-grams down to `GRAMMAR_MIN_NGRAM` tokens (a grammar's fixed spans repeat token for token: ``":``
+        then ``"`` before every string value). Before the first proposal only (the index is built lazily then)."""
+        if len(self._index) == 0 and GRAMMAR_MIN_NGRAM < self.min_ngram:
+            self.min_ngram = GRAMMAR_MIN_NGRAM
+            self._index = NgramIndex(self.min_ngram, self.drafter.max_ngram, keep=self.drafter.match)
 
     @property
     def history(self) -> TokenView:
@@ -251,7 +267,7 @@ class NgramState(DrafterState):
             return Proposal(), -1
         self._catch_up()
         maps = self._index._maps
-        for n in range(min(drafter.max_ngram, size - 1), drafter.min_ngram - 1, -1):
+        for n in range(min(drafter.max_ngram, size - 1), self.min_ngram - 1, -1):
             end = maps[n].get(tuple(history[size - n :]))
             if end is not None:
                 draft = history[end + 1 : end + 1 + k]

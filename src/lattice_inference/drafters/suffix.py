@@ -120,6 +120,10 @@ class SuffixState(DrafterState):
         self.last_from_lookup = False
         """Whether the latest proposal was the request's own prompt lookup's rather than the index's."""
 
+    def under_grammar(self) -> None:
+        """The request's own prompt lookup tries shorter n-grams (`NgramState.under_grammar`)."""
+        self._lookup.under_grammar()
+
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append accepted tokens to the history and index them."""
         tokens = validate_token_ids(token_ids)
