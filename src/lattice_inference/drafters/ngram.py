@@ -163,11 +163,11 @@ class NgramIndex:
 class NgramDrafter(Drafter):
     """Prompt-lookup drafter over the whole history (prompt and accepted output); implements ``Drafter``.
 
-    For ``n`` from ``max_ngram`` down to ``min_ngram`` (1 under a grammar: `NgramState.under_grammar`; clamped to
-    the history length), the last ``n`` history tokens are looked up among the occurrences that end before the last
-    history position (so the trailing self-match never counts). The first ``n`` with a match wins and the tokens that followed that occurrence
-    are proposed, at most ``min(max_draft, max_tokens)`` of them, cut before the first EOS token (EOS must
-    only ever come from the target model). Each generation's history and index live in its `NgramState`.
+    For ``n`` from ``max_ngram`` down to ``min_ngram`` (1 under a grammar: `NgramState.under_grammar`; clamped to the
+    history length), the last ``n`` history tokens are looked up among the occurrences that end before the last history
+    position (so the trailing self-match never counts). The first ``n`` with a match wins and the tokens that followed
+    that occurrence are proposed, at most ``min(max_draft, max_tokens)`` of them, cut before the first EOS token (EOS
+    must only ever come from the target model). Each generation's history and index live in its `NgramState`.
 
     Args:
         max_ngram: longest suffix length tried (>= 1).
