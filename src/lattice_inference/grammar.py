@@ -139,6 +139,11 @@ class GrammarState:
         row[:n] = allowed[:n].view(np.bool_)
         row[n:] = False
 
+    def _check_vocab(self, vocab: int) -> None:
+        """Logits of ``vocab`` columns fit this grammar (made for the model's tokenizer and vocabulary)."""
+        if vocab != self.grammar.vocab:
+            raise GrammarError(f"a grammar of {self.grammar.vocab} tokens for logits of {vocab}")
+
     def _step(self, token: int) -> int:
         """Consume ``token`` on the way to a look-ahead (`rollback` undoes it); returns the steps it took: 0 where the
         matcher had stopped already (its grammar complete, EOS consumed without a step: rolling it back would undo
@@ -176,8 +181,7 @@ class GrammarState:
         masks = self.row_masks(draft)
         start = time.perf_counter()
         rows, vocab = logits.shape
-        if vocab != self.grammar.vocab:
-            raise GrammarError(f"a grammar of {self.grammar.vocab} tokens for logits of {vocab}")
+        self._check_vocab(vocab)
         buffer = self._scores
         if buffer is None or buffer.shape[0] < rows or buffer.device != logits.device:
             buffer = self._scores = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
@@ -196,8 +200,7 @@ class GrammarState:
         first that disagrees with the draft (a round emits nothing past it): no mask is computed past it, and the
         later rows are ``-1`` (a token id nothing may emit). The state is left as it was."""
         rows, vocab = scores.shape
-        if vocab != self.grammar.vocab:
-            raise GrammarError(f"a grammar of {self.grammar.vocab} tokens for logits of {vocab}")
+        self._check_vocab(vocab)
         if rows != len(draft) + 1:
             raise GrammarError(f"need {len(draft) + 1} rows for a draft of {len(draft)}, got {rows}")
         best = first_max(scores)  # what greedy decoding without a grammar computes too: not the mask's cost
