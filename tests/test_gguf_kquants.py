@@ -100,9 +100,9 @@ def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(quant_ops, arc
     if overrides:
         assert model.config.tie_word_embeddings and model.config.rope_parameters["rope_type"] == "llama3"
     target = make_target(model)
-    layer = model.model.layers[0]
     assert isinstance(target, LeanTarget) and target.native
-    assert packed_kind(layer.self_attn.q_proj._lattice_packed_weight.packed) == "quant-Q4_K+Q4_K+Q6_K"
+    view = target.model.model.layers[0]  # the target packs its own view of the model
+    assert packed_kind(view.self_attn.q_proj._lattice_packed_weight.packed) == "quant-Q4_K+Q4_K+Q6_K"
     assert target._loop is not None and target.quantized and target.batches_sequences  # the native layer loop
     if arch == "gemma3_text":  # a sliding and a global layer, their rotary tables, output norms, GELU
         assert [layer.window for layer in target._layers] == [24, None] and target._loop.gelu is True  # GELU

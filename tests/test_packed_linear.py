@@ -70,9 +70,8 @@ def test_a_model_cast_after_packing_runs_its_new_dense_weights() -> None:
 
 
 def test_target_packs_by_default_and_can_be_told_not_to() -> None:
-    packed = toy_model(toy_config("qwen3"), seed=4)
-    TransformersTarget(packed)
-    assert any(hasattr(m, _PACKED) for m in packed.modules())
-    plain = toy_model(toy_config("qwen3"), seed=4)
-    TransformersTarget(plain, packed_weights=False)
-    assert not any(hasattr(m, _PACKED) for m in plain.modules())
+    model = toy_model(toy_config("qwen3"), seed=4)
+    assert any(hasattr(m, _PACKED) for m in TransformersTarget(model).model.modules())  # its own view
+    assert not any(hasattr(m, _PACKED) for m in model.modules())  # never the caller's model
+    plain = TransformersTarget(model, packed_weights=False)
+    assert not any(hasattr(m, _PACKED) for m in plain.model.modules())

@@ -198,7 +198,8 @@ def test_a_quantized_toy_model_decodes_speculatively_as_it_decodes_plainly(ops, 
     assert layer.self_attn.q_proj.weight.device.type == "meta"  # the dense copy is gone
     lean = LeanTarget(model)
     assert lean._loop is not None and lean._loop.runs(torch.empty(0))
-    assert packed_kind(layer.mlp.down_proj._lattice_packed_weight).startswith("quant-")
+    packed = lean.model.model.layers[0].mlp.down_proj._lattice_packed_weight  # the target's view is packed
+    assert packed_kind(packed).startswith("quant-")
     # close to the file dequantized to float32 (its inputs rounded to 8 bits), not equal to it
     prompts = [[(7 * i + j * j) % 250 for j in range(12 + i)] for i in range(4)]
     reference = LeanTarget(dense)
@@ -245,7 +246,7 @@ def test_quantized_layers_in_a_batch_and_under_the_transformers_forward(ops):
     through = Generator(model, byte_tokenizer(), method="greedy", target=slow)
     assert through.generate(prompts[0], 12).token_ids == plain.generate(prompts[0], 12).token_ids
     with pytest.raises(ValueError, match=r"quantized weights compute float32 inputs on the CPU, got torch\.bfloat16"):
-        model.model.layers[0].mlp.down_proj(torch.zeros(1, 128, dtype=torch.bfloat16))
+        slow.model.model.layers[0].mlp.down_proj(torch.zeros(1, 128, dtype=torch.bfloat16))  # the target's view
 
 
 def test_attaching_matches_by_content_and_leaves_what_matches_nothing(ops):

@@ -50,7 +50,7 @@ from lattice_inference.devices import WEIGHTS
 from lattice_inference.errors import ModelLoadError
 from lattice_inference.gguf_index import GGUFIndex, StoredTensor, read_index
 from lattice_inference.process import release_freed_memory
-from lattice_inference.targets.packed_linear import QUANT
+from lattice_inference.targets.packed_linear import QUANT, pack_linears
 from lattice_inference.targets.quant_linear import FORMATS, columns, dequantize, quant_pack
 
 _HASH_SEED = 0x5EED
@@ -145,8 +145,8 @@ def _kept_dense(model: nn.Module) -> set[int]:
 
 def attach_tensors(model: nn.Module, tensors: Iterable[tuple[str, str, torch.Tensor | None]]) -> QuantizedWeights:
     """Give every linear layer of ``model`` whose float32 weight one of ``tensors`` (`file_tensors`) dequantizes
-    to its quantized blocks (`packed_linear.QUANT`) and drop its dense copy (see the module docstring); ``model``
-    must not be packed yet (`pack_linears` then runs those layers on the blocks)."""
+    to its quantized blocks (`packed_linear.QUANT`) and drop its dense copy (see the module docstring), routing
+    those layers through their blocks (`pack_linears` with ``quantized_only``); ``model`` must not be packed yet."""
     candidates = _candidates(model)
     kept = _kept_dense(model)
     hashes_of: dict[int, torch.Tensor] = {}  # each candidate's row hashes, computed once
@@ -174,6 +174,7 @@ def attach_tensors(model: nn.Module, tensors: Iterable[tuple[str, str, torch.Ten
             break
         else:
             done.dequantized.append(f"{name} ({kind}, unmatched)")
+    pack_linears(model, quantized_only=True)  # layers without their dense weight compute from the blocks
     _mark(model, done)
     return done
 
@@ -326,6 +327,7 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
         return None  # a parameter the file does not hold
     release_freed_memory()
     _count_costs(done, reader)
+    pack_linears(model, quantized_only=True)  # layers without their dense weight compute from the blocks
     _mark(model, done)
     _announce(path, done)
     return model.eval(), tokenizer

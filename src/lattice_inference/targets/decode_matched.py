@@ -298,13 +298,19 @@ def decode_matched_sdpa(
     return torch.cat(outputs, dim=1), None
 
 
-AttentionInterface.register(ATTENTION, decode_matched_sdpa)
-AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+@functools.cache
+def _register_attention() -> None:
+    """Make `ATTENTION` known to transformers (its attention and mask functions), once, when a model first takes it:
+    importing this module changes nothing in transformers."""
+    AttentionInterface.register(ATTENTION, decode_matched_sdpa)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 def match_attention(model: nn.Module) -> bool:
-    """Switch ``model`` from ``sdpa`` attention to `ATTENTION` (the same outside decode-matched forwards); returns
-    whether its attention is now decode-matched (models on other implementations are left as they are)."""
+    """Switch ``model`` (a target's view: `model_view.runner_view`) from ``sdpa`` attention to `ATTENTION` (the same
+    outside decode-matched forwards); returns whether its attention is now decode-matched (models on other
+    implementations are left as they are)."""
+    _register_attention()
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
     current = {getattr(c, "_attn_implementation", None) for c in configs} - {None}
     if current and current <= {ATTENTION}:

@@ -137,6 +137,7 @@ class LeanTarget(TransformersTarget):
         if reason is not None:
             raise ConfigError(f"the lean forward cannot run this model: {reason}")
         super().__init__(model, packed_weights=packed_weights, decode_matched=decode_matched)
+        model = self.model  # this target's view, prepared by the base class
         self._layers = [Layer.of(layer) for layer in model.model.layers]
         text = model.config
         self._head_dim = head_dim_of(text)
@@ -164,6 +165,9 @@ class LeanTarget(TransformersTarget):
         if self._native is not None:
             self._native_forward = NativeForward(self._native, model, self._layers, self._loop, self.kv_dtype)
         """The native ops' path (where they run): matched forwards and prompts up to `NATIVE_PREFILL_MAX`."""
+        self._step_forward = self._native_forward if decode_matched else None
+        """What runs every forward after a prefill, chosen here: the native ops where they run and the forwards are
+        decode-matched; else (None) the PyTorch path, decode-matched or not as the target is."""
         self.prefix_cache = prefix_cache
         """Whether a `prefill` may keep the cached rows of the prompt's longest prefix already in the cache, where
         they are bit for bit what it would compute (`prefix_reuse`): from the live cache or from the caches of the
@@ -203,12 +207,14 @@ class LeanTarget(TransformersTarget):
 
     def _logits(self, seq: TargetSequence, fed: FedRows, logits_to_keep: int, prefill: bool) -> torch.Tensor:
         n, start, cache = fed.ids.shape[1], seq.length, self.cache_of(seq)
-        matched, native = decode_matched.active(), self._native_forward
-        short_prompt = prefill and fed.mask is None and start + n <= NATIVE_PREFILL_MAX
-        if native is not None and (matched or short_prompt):
+        if prefill:  # a prompt's rows: the native ops up to `NATIVE_PREFILL_MAX` tokens, else flash attention
+            native = self._native_forward if fed.mask is None and start + n <= NATIVE_PREFILL_MAX else None
+        else:
+            native = self._step_forward
+        if native is not None:
             hidden = native.hidden(cache, start, fed)
         else:
-            hidden = self._torch.hidden(cache, start, fed, matched)
+            hidden = self._torch.hidden(cache, start, fed, matched=not prefill and self.decode_matched)
         return self.model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
     def prefill(self, seq: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:

@@ -34,22 +34,29 @@ the inputs quantized once per kind of activation.
 
 `pack_linears` keeps a packed copy of every ``nn.Linear`` weight (so the linear weights take twice their memory;
 the dense ones stay, for the embedding tie, ``state_dict`` and MTP heads) and routes the module's ``forward``
-through it; `unpack_linears` undoes it. Only CPU modules whose weight a kernel here takes are touched (`packable`:
-ours, float32 and bfloat16 with out a multiple of 16, or oneDNN's: float32 everywhere, bfloat16 only with
-AVX512-BF16/AMX-class support). The results equal ``F.linear``'s up to
-float rounding (a different summation order), as any other kernel choice would. Inside a decode-matched forward
-each product runs under its row plan (`lattice_inference.targets.decode_matched`), so that its rows do not depend
-on how many there are.
+through it; `unpack_linears` undoes it. A target packs its own view of the model (`model_view.runner_view`), never
+the caller's modules; the packings are kept by weight tensor (`_shared_packing`), so every view of one model shares
+one packed copy of each weight. Layers that hold GGUF blocks compute from nothing else (their dense weight is gone),
+so the loader routes them as it attaches the blocks (``pack_linears(model, quantized_only=True)``): a model loaded
+from a GGUF file runs as loaded, and the views of it keep that routing, one copy of the blocks.
+
+Only CPU modules whose weight a kernel here takes are touched (`packable`: ours, float32 and bfloat16 with out a
+multiple of 16, or oneDNN's: float32 everywhere, bfloat16 only with AVX512-BF16/AMX-class support). The results
+equal ``F.linear``'s up to float rounding (a different summation order), as any other kernel choice would. Inside a
+decode-matched forward each product runs under its row plan (`lattice_inference.targets.decode_matched`), so that
+its rows do not depend on how many there are.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lattice_inference.process import release_freed_memory
 from lattice_inference.targets import native_ops
@@ -60,6 +67,7 @@ _PACKED = "_lattice_packed_weight"
 QUANT = "_lattice_quant_weight"
 """Attribute of an ``nn.Linear`` holding its GGUF-quantized weight in `quant_linear.quant_pack`'s layout (set by
 `lattice_inference.quantized`): `pack_linears` runs the module over it; the dense weight may be gone (meta)."""
+
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling projections (attribute names of one module) that read the same input, packed as one matrix."""
 
@@ -129,6 +137,24 @@ def rows_packed(packed: torch.Tensor) -> bool:
 
 Packed = torch.Tensor | list[torch.Tensor]
 """A packed weight: one matrix, or (quantized members of a fused group in several formats) its parts side by side."""
+
+
+_PACKINGS = WeakIdKeyDictionary()
+"""Packings made so far, by the first weight they pack (then by the ids of the rest: siblings fused): kept as long as
+that weight lives, whichever view of its model (`model_view.runner_view`) packed it first."""
+_PACKINGS_LOCK = threading.Lock()
+
+
+def _shared_packing(weights: Sequence[torch.Tensor], make: Callable[[], Packed]) -> Packed:
+    """The packing of ``weights`` (one matrix, or siblings fused as one), made by ``make`` once per set of weight
+    tensors: targets over one model, each packing its own view, share it."""
+    with _PACKINGS_LOCK:
+        made: dict[tuple[int, ...], Packed] = _PACKINGS.setdefault(weights[0], {})
+        key = tuple(id(w) for w in weights[1:])
+        packed = made.get(key)
+        if packed is None:
+            packed = made[key] = make()
+        return packed
 
 
 def _parts(packed: Packed) -> list[torch.Tensor]:
@@ -212,13 +238,16 @@ class _FusedGroup:
             if len(held) == len(quants) and len({quant_format(q) for q in held}) > 1:
                 self.packed = held  # several formats: the parts side by side, the inputs quantized once per kind
             elif len(held) == len(quants):
-                self.packed = concat_packed(held)
+                fused = _shared_packing(held, lambda: concat_packed(held))
+                assert isinstance(fused, torch.Tensor)
+                self.packed = fused
                 # each member's blocks become its slice of the fused matrix: one copy of the weights, not two
                 sizes = [q.shape[0] for q in held]
-                for member, part in zip(members, self.packed.split(sizes), strict=True):
+                for member, part in zip(members, fused.split(sizes), strict=True):
                     setattr(member, QUANT, part)
             else:
-                self.packed = pack_weight(torch.cat([m.weight.detach() for m in members]))
+                weights = [m.weight for m in members]
+                self.packed = _shared_packing(weights, lambda: pack_weight(torch.cat([w.detach() for w in weights])))
             biases = [m.bias for m in members]
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.kernel = functools.partial(packed_linear, packed=self.packed, bias=self.bias)
@@ -248,7 +277,10 @@ def products(members: Sequence[nn.Linear]) -> list[Product]:
     packed them as a group; else each member's own (`module_product`). Running them through
     `decode_matched.matched_product` gives what calling each member gives, bit for bit."""
     group = getattr(members[0], _PACKED, None)
-    if isinstance(group, _FusedGroup) and group.members == list(members):
+    # by the group each member routes to: a view's members (`model_view.runner_view`) share the loaded model's group
+    routed = isinstance(group, _FusedGroup) and len(group.members) == len(members)
+    if routed and all(getattr(m, _PACKED, None) is group for m in members):
+        assert isinstance(group, _FusedGroup)
         return [(group.key, group.kernel, group.splits)]
     return [module_product(m) for m in members]
 
@@ -283,11 +315,11 @@ def _fusable(members: list[object]) -> bool:
     )
 
 
-def _pack_groups(model: nn.Module) -> None:
+def _pack_groups(model: nn.Module, quantized_only: bool) -> None:
     for module in model.modules():
         for names in FUSED_GROUPS:
             members = [getattr(module, name, None) for name in names]
-            if not _fusable(members):
+            if not _fusable(members) or (quantized_only and not all(hasattr(m, QUANT) for m in members)):
                 continue
             group = _FusedGroup(members)  # type: ignore[arg-type]
             for index, member in enumerate(group.members):
@@ -296,15 +328,16 @@ def _pack_groups(model: nn.Module) -> None:
             release_freed_memory()  # quantized members' own blocks (now views of the fused matrix) were just freed
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Route every packable ``nn.Linear`` of ``model`` through a oneDNN-packed copy of its weight.
+def pack_linears(model: nn.Module, *, quantized_only: bool = False) -> int:
+    """Route every packable ``nn.Linear`` of ``model`` through a packed copy of its weight (``quantized_only``: only
+    those holding GGUF blocks, `QUANT`, which compute from nothing else).
 
     Returns how many modules are packed now (idempotent: packing twice packs once). See the module docstring.
     """
-    _pack_groups(model)
+    _pack_groups(model, quantized_only)
     count = 0
     for module in model.modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or (quantized_only and not hasattr(module, QUANT)):
             continue
         if hasattr(module, _PACKED):
             count += 1
@@ -314,7 +347,7 @@ def pack_linears(model: nn.Module) -> int:
         if packed is None:
             if not packable(weight):
                 continue
-            packed = pack_weight(weight)
+            packed = _shared_packing([weight], functools.partial(pack_weight, weight))
         setattr(module, _PACKED, packed)
         kernel = functools.partial(packed_linear, packed=packed, bias=module.bias)
         setattr(module, PRODUCT, (linear_key(packed_kind(packed), weight, module.bias), kernel, [module.out_features]))
@@ -324,8 +357,13 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def unpack_linears(model: nn.Module) -> None:
-    """Undo `pack_linears`: every module runs ``F.linear`` over its dense weight again."""
+    """Undo `pack_linears`: every module runs ``F.linear`` over its dense weight again (and a later `pack_linears`
+    of its weights packs them anew)."""
     for module in model.modules():
+        for weight in (getattr(module, "weight", None), getattr(module, QUANT, None)):
+            if isinstance(weight, torch.Tensor):
+                with _PACKINGS_LOCK:
+                    _PACKINGS.pop(weight, None)
         if hasattr(module, _PACKED):
             delattr(module, _PACKED)
             if hasattr(module, PRODUCT):

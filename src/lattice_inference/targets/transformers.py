@@ -27,6 +27,7 @@ from lattice_inference.errors import TokenError, UnsupportedModelError
 from lattice_inference.targets import decode_matched as decode_matched_module
 from lattice_inference.targets.base import Target, TargetSequence
 from lattice_inference.targets.kv_cache import GrowableLayer, record_past, use_growable_layers
+from lattice_inference.targets.model_view import runner_view
 from lattice_inference.targets.packed_linear import pack_linears
 
 
@@ -73,9 +74,10 @@ class CausalLMTarget(Target):
     A sequence made with ``capture_hidden=True`` keeps, after every `prefill`/`forward`, the post-final-norm hidden
     states of all fed positions in its ``hidden`` (``[n, hidden]``).
 
-    ``packed_weights`` (default on) runs the model's linear layers over oneDNN-packed weights where this CPU
-    supports their dtype (`pack_linears`: faster decode steps and much cheaper verification; it changes the
-    model's ``nn.Linear`` forwards in place and keeps a packed copy of their weights; `unpack_linears` undoes it).
+    ``packed_weights`` (default on) runs the model's linear layers over packed weights where this CPU supports
+    their dtype (`pack_linears`: faster decode steps and much cheaper verification; it routes the ``nn.Linear``
+    forwards of this target's view of the model, never the caller's, and keeps a packed copy of their weights, one
+    per weight however many targets share the model).
 
     ``decode_matched`` (default on) computes every row of a `forward` of several tokens bit for bit as a 1-token
     `forward` computes it (`lattice_inference.targets.decode_matched`: row-planned linear layers, per-row
@@ -86,7 +88,9 @@ class CausalLMTarget(Target):
     provides_hidden_states = True
 
     def __init__(self, model: PreTrainedModel, *, packed_weights: bool = True, decode_matched: bool = True) -> None:
-        self.model = model.eval()
+        self.model = model = runner_view(model).eval()
+        """This target's view of the model it was given (`model_view.runner_view`: the same weights, its own modules
+        and config), which it prepares below; the caller's model is left as it was."""
         if packed_weights:
             pack_linears(model)
         self.decode_matched = decode_matched
@@ -249,8 +253,8 @@ class TransformersTarget(CausalLMTarget):
         super().__init__(model, packed_weights=packed_weights, decode_matched=decode_matched)
         # A draft verified inside the prefill forward would be scored as prompt rows are, not as decode steps.
         self.fuses_prefill_and_draft = not decode_matched
-        layers = DynamicCache(config=model.config).layers
-        attention = getattr(model.config, "_attn_implementation", None)
+        layers = DynamicCache(config=self.model.config).layers
+        attention = getattr(self.model.config, "_attn_implementation", None)
         self.verifies_trees = attention in TREE_ATTENTION and all(type(layer) is DynamicLayer for layer in layers)
 
     def prefill(self, seq: TargetSequence, token_ids: Sequence[int]) -> torch.Tensor:
