@@ -19,6 +19,7 @@ def test_decode_options_name_their_target_and_nothing_per_request_changes_it():
     assert DecodeOptions(batched_verify=True).target == TargetOptions(decode_matched=False)
     cached = DecodeOptions(kv_cache="float16", prefix_budget=0).target
     assert cached == TargetOptions(kv_cache="float16", prefix_budget=0)
+    assert DecodeOptions(kv_slots=4).target == TargetOptions(kv_slots=4) != base.target
 
 
 @pytest.mark.parametrize(
@@ -27,6 +28,7 @@ def test_decode_options_name_their_target_and_nothing_per_request_changes_it():
         ({"forward": "fast"}, "forward"),
         ({"kv_cache": "int8"}, "kv_cache must be one of"),
         ({"prefix_budget": -1}, "prefix_budget"),
+        ({"kv_slots": -1}, "kv_slots must be a number of sequences"),
     ],
 )
 def test_target_options_are_checked_when_made(changes, message):

@@ -234,6 +234,8 @@ class Driver:
         """The batch of ``target``'s generations (made on first use)."""
         batch = self._batches.get(id(target))
         if batch is None or batch.target is not target:
+            if 0 < target.kv_slots < self.max_batch:  # every running generation holds a cache slot
+                raise ConfigError(f"kv_slots ({target.kv_slots}) must be at least max_batch ({self.max_batch})")
             batch = self._batches[id(target)] = Batch(target)
         return batch
 

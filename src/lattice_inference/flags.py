@@ -105,6 +105,11 @@ DRAFT_FLAGS: dict[str, DraftFlag] = {
         str,
         KV_CACHES,
     ),
+    "kv_slots": DraftFlag(
+        "preallocate the caches of this many sequences (the lean forward), each as long as the model's positions, "
+        "allocated once at fixed addresses (what a GPU graph replays); 0 (default): each cache grows as it needs",
+        count,
+    ),
     "draft_length": DraftFlag(
         f"mtp: tokens per round counting the target's ({MIN_DRAFT_LENGTH}..{MAX_DRAFT_LENGTH}, default "
         f"{D.draft_length})"

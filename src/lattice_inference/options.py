@@ -155,6 +155,12 @@ def check_prefix_budget(budget: int) -> None:
         raise ConfigError(f"prefix_budget must be a number of tokens >= 0, got {budget!r}")
 
 
+def check_kv_slots(slots: int) -> None:
+    """``kv_slots`` must be a number of sequences >= 0."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+        raise ConfigError(f"kv_slots must be a number of sequences >= 0, got {slots!r}")
+
+
 def check_budget(budget: int) -> None:
     """A suffix index budget is a positive number of tokens."""
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
@@ -194,26 +200,35 @@ def check_suffix_scope(mode: str) -> None:
 
 
 @dataclass(frozen=True)
-class TargetOptions:
-    """What builds a target and tells two targets apart (`targets.target_for`; the server keeps one target per
-    value): ``decode_matched`` (every verified row bit for bit the 1-token step's; off: ``batched_verify``),
-    ``forward``, ``prefix_cache``, ``prefix_budget`` and ``kv_cache``, as `DecodeOptions` documents them. The rest of
-    `DecodeOptions` is per generator or per request: it never changes the target."""
+class TargetFields:
+    """The fields that build a target, defined once: `TargetOptions` keys targets by them, `DecodeOptions` takes
+    them beside the per-request ones (its documentation says what each does)."""
 
-    decode_matched: bool = True
     forward: str = "auto"
     prefix_cache: bool = True
     prefix_budget: int = PREFIX_BUDGET
     kv_cache: str = "auto"
+    kv_slots: int = 0
 
     def __post_init__(self) -> None:
         check_forward(self.forward)
         check_prefix_budget(self.prefix_budget)
         check_kv_cache(self.kv_cache)
+        check_kv_slots(self.kv_slots)
 
 
 @dataclass(frozen=True)
-class DecodeOptions:
+class TargetOptions(TargetFields):
+    """What builds a target and tells two targets apart (`targets.target_for`; the server keeps one target per
+    value): the `TargetFields` and ``decode_matched`` (`DecodeOptions`'s ``batched_verify``, negated: every verified
+    row bit for bit the 1-token step's). The rest of `DecodeOptions` is per generator or per request: it never
+    changes the target."""
+
+    decode_matched: bool = True
+
+
+@dataclass(frozen=True)
+class DecodeOptions(TargetFields):
     """How to decode: ``method`` (``greedy``: plain decoding, the reference output; ``ngram``: prompt lookup;
     ``mtp``: the model's MTP head; ``ngram+mtp``: prompt lookup where an n-gram matches, the head otherwise;
     ``suffix``: continuations from earlier requests' prompts and outputs as well as this one's, a cross-request
@@ -247,7 +262,10 @@ class DecodeOptions:
     Beside the live cache, earlier sequences' caches are kept for it, least recently used dropped first, up to
     ``prefix_budget`` tokens in all (default 8192; each token's keys and values of every layer; 0: the live one
     only). ``kv_cache``: one of `KV_CACHES` (default ``auto``: float16 keys and values for a GGUF file run as
-    stored, else the model's dtype).
+    stored, else the model's dtype). ``kv_slots``: where the lean forward runs, preallocate the caches of that many
+    sequences, each as long as the model's positions, allocated once with fixed addresses (what a captured GPU graph
+    replays; `targets.kv_cache.CacheSlots`); live sequences and those kept for ``prefix_cache`` share them, the
+    least recently kept dropped to free one. 0 (default): each sequence's cache grows as it needs.
     """
 
     method: str = "ngram"
@@ -262,10 +280,6 @@ class DecodeOptions:
     max_leaves: int = MAX_LEAVES
     suffix_budget: int = SUFFIX_BUDGET
     batched_verify: bool = False
-    forward: str = "auto"
-    prefix_cache: bool = True
-    prefix_budget: int = PREFIX_BUDGET
-    kv_cache: str = "auto"
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
 
     def __post_init__(self) -> None:
@@ -277,23 +291,16 @@ class DecodeOptions:
         check_draft_length(self.draft_length)
         check_draft_vocab(self.draft_vocab)
         check_max_leaves(self.max_leaves)
-        check_forward(self.forward)
         check_budget(self.suffix_budget)
-        check_prefix_budget(self.prefix_budget)
-        check_kv_cache(self.kv_cache)
+        super().__post_init__()
         if not isinstance(self.sampling, SamplingOptions):
             raise ConfigError(f"sampling must be a SamplingOptions, got {type(self.sampling).__name__}")
 
     @property
     def target(self) -> TargetOptions:
         """The target these options build (`TargetOptions`)."""
-        return TargetOptions(
-            decode_matched=not self.batched_verify,
-            forward=self.forward,
-            prefix_cache=self.prefix_cache,
-            prefix_budget=self.prefix_budget,
-            kv_cache=self.kv_cache,
-        )
+        shared = {f.name: getattr(self, f.name) for f in fields(TargetFields)}
+        return TargetOptions(decode_matched=not self.batched_verify, **shared)
 
     @property
     def drafters(self) -> tuple[str, ...]:

@@ -5,7 +5,14 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from lattice_inference.errors import ConfigError
-from lattice_inference.options import FORWARDS, PREFIX_BUDGET, TargetOptions, check_forward, check_kv_cache
+from lattice_inference.options import (
+    FORWARDS,
+    PREFIX_BUDGET,
+    TargetOptions,
+    check_forward,
+    check_kv_cache,
+    check_kv_slots,
+)
 from lattice_inference.targets.base import Target
 from lattice_inference.targets.hybrid import HybridTarget, is_hybrid
 from lattice_inference.targets.lean import LeanTarget, lean_supported
@@ -23,19 +30,22 @@ def make_target(
     prefix_cache: bool = True,
     prefix_budget: int = PREFIX_BUDGET,
     kv_cache: str = "auto",
+    kv_slots: int = 0,
 ) -> Target:
     """The right `Target` for ``model``: Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) get `HybridTarget`, whose
     rollback restores recurrent state exactly; attention-cache models get `TransformersTarget`; anything else
     with recurrent state is refused with `UnsupportedModelError`. ``packed_weights``, ``decode_matched``: see
     `CausalLMTarget`; ``forward``: one of `FORWARDS` (``lean`` for a model it does not run is a `ConfigError`);
-    ``prefix_cache``, ``prefix_budget``, ``kv_cache``: see `LeanTarget` (the only target that reuses a prompt's
-    cached rows, and the only one whose cache may be float16: ``kv_cache="float16"`` elsewhere is a `ConfigError`)."""
+    ``prefix_cache``, ``prefix_budget``, ``kv_cache``, ``kv_slots``: see `LeanTarget` (the only target that reuses a
+    prompt's cached rows, and the only one whose cache may be float16 or preallocated: ``kv_cache="float16"`` or
+    ``kv_slots`` elsewhere is a `ConfigError`)."""
     check_forward(forward)
     check_kv_cache(kv_cache)
+    check_kv_slots(kv_slots)
     if is_hybrid(model):
         if forward == "lean":
             raise ConfigError("the lean forward runs Llama, Qwen2 and Qwen3 models, not Gated DeltaNet hybrids")
-        _model_cache_only(kv_cache, "Gated DeltaNet hybrids run on HybridTarget")
+        _model_cache_only(kv_cache, kv_slots, "Gated DeltaNet hybrids run on HybridTarget")
         return HybridTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)
     if forward == "lean" or (forward == "auto" and lean_supported(model) is None):
         return LeanTarget(  # says why not
@@ -45,8 +55,10 @@ def make_target(
             prefix_cache=prefix_cache,
             prefix_budget=prefix_budget,
             kv_cache=kv_cache,
+            kv_slots=kv_slots,
         )
-    _model_cache_only(kv_cache, f"this model runs on transformers' forward ({lean_supported(model) or 'as asked'})")
+    why = f"this model runs on transformers' forward ({lean_supported(model) or 'as asked'})"
+    _model_cache_only(kv_cache, kv_slots, why)
     return TransformersTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)
 
 
@@ -59,10 +71,14 @@ def target_for(model: PreTrainedModel, options: TargetOptions) -> Target:
         prefix_cache=options.prefix_cache,
         prefix_budget=options.prefix_budget,
         kv_cache=options.kv_cache,
+        kv_slots=options.kv_slots,
     )
 
 
-def _model_cache_only(kv_cache: str, why: str) -> None:
-    """A `ConfigError` where ``kv_cache`` asks for a float16 cache of a target that keeps the model's dtype."""
+def _model_cache_only(kv_cache: str, kv_slots: int, why: str) -> None:
+    """A `ConfigError` where ``kv_cache`` asks for a float16 cache, or ``kv_slots`` for preallocated ones, of a
+    target whose caches are transformers' own."""
     if kv_cache == "float16":
         raise ConfigError(f"kv_cache float16 needs the lean forward's native ops; {why}")
+    if kv_slots:
+        raise ConfigError(f"kv_slots needs the lean forward; {why}")

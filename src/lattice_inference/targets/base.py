@@ -28,9 +28,14 @@ class TargetSequence:
     the target holds no request's state: only weights, buffers and measured facts. Targets with more to keep per
     sequence (the ids of its cached rows, a recurrent model's rollback window) subclass it."""
 
-    def __init__(self, target: Target, owner: str | None = "", *, capture_hidden: bool = False) -> None:
+    def __init__(
+        self, target: Target, owner: str | None = "", *, capture_hidden: bool = False, probe: bool = False
+    ) -> None:
         self.target = target
         self.owner = owner
+        self.probe = probe
+        """Whether it is one of the target's own measurements (the self-check, forward costs), not a request's: it
+        never holds a preallocated cache slot (`kv_slots`), so measuring never waits for or evicts a request's."""
         """Whose earlier sequences its prefill may reuse rows of, and who may reuse its rows once released: only
         sequences of the same owner (``lattice serve`` gives each tenant's requests its tenant); None: it reuses
         none, and none of its rows are kept for later."""
@@ -88,16 +93,23 @@ class Target(Protocol):
     1-token `forward` at that position (`lattice_inference.targets.exactness` checks it before the first drafted
     generation), so that verification is lossless in any dtype."""
 
+    kv_slots: int = 0
+    """How many sequences' caches are preallocated (each sequence holds one slot while it lives or is kept); 0: each
+    cache grows as it needs, no limit."""
+
     batches_sequences: bool = False
     """Whether `forward_batch` computes the rows of several sequences in one forward, each row bit for bit what the
     sequence's forward alone computes (else a batch runs its sequences' forwards one after the other)."""
 
-    def new_sequence(self, owner: str | None = "", *, capture_hidden: bool = False) -> TargetSequence:
+    def new_sequence(
+        self, owner: str | None = "", *, capture_hidden: bool = False, probe: bool = False
+    ) -> TargetSequence:
         """A new, empty sequence on this target (its first call is `prefill`). ``owner``: whose earlier sequences
-        its prefill may reuse rows of (`TargetSequence.owner`); ``capture_hidden``: keep its rows' hidden states."""
+        its prefill may reuse rows of (`TargetSequence.owner`); ``capture_hidden``: keep its rows' hidden states;
+        ``probe``: one of the target's own measurements (`TargetSequence.probe`)."""
         if capture_hidden and not self.provides_hidden_states:
             raise ValueError(f"{type(self).__name__} does not provide hidden states")
-        return TargetSequence(self, owner, capture_hidden=capture_hidden)
+        return TargetSequence(self, owner, capture_hidden=capture_hidden, probe=probe)
 
     def release(self, sequence: TargetSequence) -> None:
         """Done with ``sequence`` (its generation ended): its cache is dropped, or kept for later prefills of the same

@@ -37,7 +37,7 @@ def check_exactness(target: Target, max_width: int) -> Exactness:
     vocab = target.vocab_size
     context = _tokens(CHECK_CONTEXT, vocab, 1)
     sequence = _tokens(max_width, vocab, 2)
-    seq = target.new_sequence(None)
+    seq = target.new_sequence(None, probe=True)
     try:
         target.prefill(seq, context)
         alone = []
@@ -78,7 +78,7 @@ def _check_batch(target: Target, context: list[int], sequence: list[int], alone:
     others = [_tokens(CHECK_CONTEXT // 2 + 5, vocab, 3), _tokens(CHECK_CONTEXT + 7, vocab, 4)]
     steps = [sequence[:1], _tokens(4, vocab, 5)]
     parents = [-1, 0, 0, 1] if target.verifies_trees else None
-    sequences = [target.new_sequence(None) for _ in range(BATCH_SEQUENCES)]
+    sequences = [target.new_sequence(None, probe=True) for _ in range(BATCH_SEQUENCES)]
     try:
         expected = [alone[: max(2, len(sequence) // 2)]]
         for seq, prompt, tokens in zip(sequences[1:], others, steps, strict=True):

@@ -39,7 +39,7 @@ def measure_forward_costs(
     scratch sequence of the target (released after)."""
     widths = sorted(set(widths) | {1})
     vocab = target.vocab_size
-    seq = target.new_sequence(None)
+    seq = target.new_sequence(None, probe=True)
     try:
         target.prefill(seq, [(7 * i + 3) % vocab for i in range(context)])
         warm = [(11 * i + 5) % vocab for i in range(widths[-1])]

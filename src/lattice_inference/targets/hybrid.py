@@ -147,8 +147,10 @@ class HybridSequence(TargetSequence):
     """A sequence of a `HybridTarget`: also its token ids (to prefill again where a rollback reaches before the last
     forward), the last forward's rollback window, and whether conv history from it is still kept."""
 
-    def __init__(self, target: Target, owner: str | None = "", *, capture_hidden: bool = False) -> None:
-        super().__init__(target, owner, capture_hidden=capture_hidden)
+    def __init__(
+        self, target: Target, owner: str | None = "", *, capture_hidden: bool = False, probe: bool = False
+    ) -> None:
+        super().__init__(target, owner, capture_hidden=capture_hidden, probe=probe)
         self.tokens: list[int] = []
         self.window: _Window | None = None
         self.uncommitted = False
@@ -210,8 +212,10 @@ class HybridTarget(CausalLMTarget):
 
     # -- Target protocol (vocab_size, max_positions, cache: see CausalLMTarget) ----------------------------------
 
-    def new_sequence(self, owner: str | None = "", *, capture_hidden: bool = False) -> HybridSequence:
-        return HybridSequence(self, owner, capture_hidden=capture_hidden)
+    def new_sequence(
+        self, owner: str | None = "", *, capture_hidden: bool = False, probe: bool = False
+    ) -> HybridSequence:
+        return HybridSequence(self, owner, capture_hidden=capture_hidden, probe=probe)
 
     def _hybrid(self, seq: TargetSequence) -> HybridSequence:
         self._own(seq)

@@ -5,9 +5,14 @@ crop slices, so the next append copies again): O(context) work per decode step, 
 with long prompts. `GrowableLayer` keeps one buffer with spare capacity (doubling when full), writes new keys and
 values in place at the current length, and returns views of the filled part; ``crop`` only moves the length.
 It is a drop-in for ``DynamicLayer`` inside a ``DynamicCache`` (same update/crop/get_seq_length contract).
+
+`CacheSlots` preallocates the buffers instead, for a fixed number of sequences of a fixed length (``kv_slots``):
+each sequence's layers are `GrowableLayer.over` its slot's rows, which never move.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from transformers import DynamicCache
@@ -41,7 +46,18 @@ class GrowableLayer(DynamicLayer):
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # batch entry 0 of the buffers (`append_in_place`)
+        self._fixed = False
         super().__init__()
+
+    @classmethod
+    def over(cls, keys: torch.Tensor, values: torch.Tensor) -> GrowableLayer:
+        """A layer whose buffers are ``keys`` and ``values`` (``[1, kv_heads, rows, dim]``, a `CacheSlots` slot) for
+        good: it never reallocates them (their addresses stay, as a captured graph needs), and a length past their
+        rows is an error."""
+        layer = cls()
+        layer.lazy_initialization(keys[..., :0, :], values[..., :0, :])
+        layer._k, layer._v, layer._rows, layer._fixed = keys, values, (keys[0], values[0]), True
+        return layer
 
     keys = _filled_view("_k", "keys")
     values = _filled_view("_v", "values")
@@ -50,6 +66,8 @@ class GrowableLayer(DynamicLayer):
         capacity = 0 if self._k is None else self._k.shape[-2]
         if self._k is not None and needed <= capacity:
             return
+        if self._fixed:
+            raise ValueError(f"a cache slot holds {capacity} positions, {needed} asked")
         size = max(needed, 2 * capacity, MIN_CAPACITY)
         # zeroed, not empty: `block_attention` reads past the length (masked, so only finiteness matters)
         new_k = keys.new_zeros((*keys.shape[:-2], size, keys.shape[-1]))
@@ -125,8 +143,47 @@ class GrowableLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self._filled = 0
-        self._k = self._v = None
-        self._rows = None
+        if not self._fixed:  # a slot's buffers stay its own
+            self._k = self._v = None
+            self._rows = None
+
+
+class CacheSlots:
+    """Preallocated keys and values for ``count`` sequences of up to ``rows`` positions each: per layer one key and
+    one value tensor ``[count, kv_heads, rows, dim]``, allocated once, here. A sequence's cache takes a free slot
+    (`take`: a `GrowableLayer.over` the slot's rows in every layer) and gives it back when that cache is dropped
+    (released and not kept, or evicted from the kept ones). Positions are explicit (each forward writes at the
+    sequence's length) and the buffers never move: what a captured GPU graph replays. Zeroed, as `GrowableLayer`'s
+    own buffers are: reads past a sequence's length see finite values (a slot's earlier sequence's, or zeros)."""
+
+    def __init__(
+        self, count: int, rows: int, layers: int, kv_heads: int, dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        if count < 1 or rows < 1:
+            raise ValueError(f"cache slots need a count and rows of at least 1, got {count} and {rows}")
+        shape = (count, kv_heads, rows, dim)
+        self.count, self.rows = count, rows
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self._free = list(range(count - 1, -1, -1))  # taken from the end: slot 0 first
+
+    @property
+    def free(self) -> int:
+        """Slots no cache holds."""
+        return len(self._free)
+
+    def take(self, cache: DynamicCache) -> bool:
+        """Give ``cache`` (empty) a free slot: its layers become the slot's rows of every layer, given back when
+        ``cache`` is dropped. False (``cache`` unchanged) where every slot is held."""
+        if not self._free:
+            return False
+        slot = self._free.pop()
+        cache.layers = [
+            GrowableLayer.over(k[slot : slot + 1], v[slot : slot + 1])
+            for k, v in zip(self.keys, self.values, strict=True)
+        ]
+        weakref.finalize(cache, self._free.append, slot)
+        return True
 
 
 def use_growable_layers(cache: DynamicCache) -> DynamicCache:

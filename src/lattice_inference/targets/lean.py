@@ -43,11 +43,11 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from lattice_inference.errors import ConfigError
-from lattice_inference.options import PREFIX_BUDGET, check_kv_cache
+from lattice_inference.errors import ConfigError, TokenError
+from lattice_inference.options import PREFIX_BUDGET, check_kv_cache, check_kv_slots
 from lattice_inference.targets import decode_matched, native_ops
 from lattice_inference.targets.base import Segment, SegmentOutput, Target, TargetSequence
-from lattice_inference.targets.kv_cache import GrowableLayer
+from lattice_inference.targets.kv_cache import CacheSlots, GrowableLayer
 from lattice_inference.targets.lean_forward import (
     ACTIVATIONS,
     Layer,
@@ -112,8 +112,10 @@ class LeanSequence(TargetSequence):
     """A sequence of a `LeanTarget`: also the ids of its cached rows and the key they were computed under
     (`CachedRows`), which a later prefill may reuse."""
 
-    def __init__(self, target: Target, owner: str | None = "", *, capture_hidden: bool = False) -> None:
-        super().__init__(target, owner, capture_hidden=capture_hidden)
+    def __init__(
+        self, target: Target, owner: str | None = "", *, capture_hidden: bool = False, probe: bool = False
+    ) -> None:
+        super().__init__(target, owner, capture_hidden=capture_hidden, probe=probe)
         self.rows = CachedRows()
 
 
@@ -131,8 +133,11 @@ class LeanTarget(TransformersTarget):
         prefix_cache: bool = True,
         prefix_budget: int = PREFIX_BUDGET,
         kv_cache: str = "auto",
+        kv_slots: int = 0,
+        slot_rows: int | None = None,
     ) -> None:
         check_kv_cache(kv_cache)
+        check_kv_slots(kv_slots)
         reason = lean_supported(model)
         if reason is not None:
             raise ConfigError(f"the lean forward cannot run this model: {reason}")
@@ -175,11 +180,46 @@ class LeanTarget(TransformersTarget):
         self._kept: KeptSequences[DynamicCache | None] = KeptSequences(prefix_budget if prefix_cache else 0)
         self._live: weakref.WeakSet[LeanSequence] = weakref.WeakSet()
         """The sequences handed out and not released (`forget_prefix` makes theirs unreusable too)."""
+        self.kv_slots = kv_slots
+        self._slots = self._cache_slots(kv_slots, slot_rows)
+        """Where ``kv_slots`` is set: that many preallocated caches (`kv_cache.CacheSlots`) of ``slot_rows`` positions
+        each (default the model's positions), one per sequence held (live or kept for prefix reuse; the least
+        recently kept is dropped to free one); else None: each sequence's cache grows as it needs."""
 
-    def new_sequence(self, owner: str | None = "", *, capture_hidden: bool = False) -> LeanSequence:
-        seq = LeanSequence(self, owner, capture_hidden=capture_hidden)
+    def new_sequence(
+        self, owner: str | None = "", *, capture_hidden: bool = False, probe: bool = False
+    ) -> LeanSequence:
+        seq = LeanSequence(self, owner, capture_hidden=capture_hidden, probe=probe)
         self._live.add(seq)
         return seq
+
+    def _cache_slots(self, count: int, rows: int | None) -> CacheSlots | None:
+        """The `CacheSlots` for ``kv_slots=count`` (None for 0): ``rows`` positions each, else the model's."""
+        if not count:
+            return None
+        rows = rows or self.max_positions
+        if not rows or rows < 1:
+            raise ConfigError("kv_slots needs slot_rows where the model does not say how many positions it has")
+        layers = len(self._layers)
+        return CacheSlots(count, rows, layers, self._kv_heads, self._head_dim, self.kv_dtype, self.device)
+
+    @property
+    def slots(self) -> CacheSlots | None:
+        """This target's preallocated cache slots (``kv_slots``), else None."""
+        return self._slots
+
+    def _check_room(self, seq: TargetSequence, rows: int) -> None:
+        """A `TokenError` where ``seq`` would need ``rows`` positions past its cache slot (before any change)."""
+        if self._slots is not None and not seq.probe and rows > self._slots.rows:
+            raise TokenError(f"{rows} positions do not fit a cache slot of {self._slots.rows} (kv_slots)")
+
+    def _check_prefill(self, seq: TargetSequence, token_ids: Sequence[int]) -> None:
+        super()._check_prefill(seq, token_ids)
+        self._check_room(seq, len(token_ids))
+
+    def _check_forward(self, seq: TargetSequence, token_ids: Sequence[int]) -> None:
+        super()._check_forward(seq, token_ids)
+        self._check_room(seq, seq.length + len(token_ids))
 
     def _lean(self, seq: TargetSequence) -> LeanSequence:
         """``seq`` as this target's (refusing another target's or a released one)."""
@@ -343,10 +383,15 @@ class LeanTarget(TransformersTarget):
         seq = self._lean(seq)
         self._kept.keep(seq.rows, self._cache_or_none(seq))
         super()._new_cache(seq)
-        if self._windowed:  # every layer's cache kept whole: a window cuts what a row sees
-            cache = self.cache_of(seq)
-            cache.layers = [GrowableLayer() for _ in cache.layers]
         seq.rows = CachedRows()
+        cache = self.cache_of(seq)
+        if self._windowed:  # every layer's cache kept whole: a window cuts what a row sees
+            cache.layers = [GrowableLayer() for _ in cache.layers]
+        if self._slots is not None and not seq.probe:
+            while not self._slots.take(cache):
+                if not self._kept.drop_oldest():  # the least recently kept sequence frees its slot
+                    seq.cache = None  # as before its first prefill
+                    raise RuntimeError(f"all {self._slots.count} cache slots (kv_slots) hold live sequences")
 
     def _fed(self, seq: TargetSequence, token_ids: Sequence[int]) -> None:
         self._lean(seq).rows.fed(token_ids)

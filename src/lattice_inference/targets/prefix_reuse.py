@@ -109,6 +109,14 @@ class KeptSequences(Generic[C]):
         while self.tokens > self.budget:
             del self._kept[0]
 
+    def drop_oldest(self) -> bool:
+        """Drop the least recently used kept sequence (its cache, and a cache slot it holds); False where none is
+        kept."""
+        if not self._kept:
+            return False
+        del self._kept[0]
+        return True
+
     def forget(self, owner: object = None) -> None:
         """Drop every kept sequence, or only ``owner``'s (the last element of its key)."""
         self._kept = [(r, c) for r, c in self._kept if owner is not None and not r.owned_by(owner)]
