@@ -37,6 +37,7 @@ calls.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Sequence
 
@@ -388,10 +389,15 @@ class LeanTarget(TransformersTarget):
         if self._windowed:  # every layer's cache kept whole: a window cuts what a row sees
             cache.layers = [GrowableLayer() for _ in cache.layers]
         if self._slots is not None and not seq.probe:
+            collected = False
             while not self._slots.take(cache):
-                if not self._kept.drop_oldest():  # the least recently kept sequence frees its slot
-                    seq.cache = None  # as before its first prefill
-                    raise RuntimeError(f"all {self._slots.count} cache slots (kv_slots) hold live sequences")
+                if self._kept.drop_oldest():  # the least recently kept sequence frees its slot
+                    continue
+                if not collected:  # a dropped cache caught in a reference cycle gives its slot back once collected
+                    collected = gc.collect() >= 0
+                    continue
+                seq.cache = None  # as before its first prefill
+                raise RuntimeError(f"all {self._slots.count} cache slots (kv_slots) hold live sequences")
 
     def _fed(self, seq: TargetSequence, token_ids: Sequence[int]) -> None:
         self._lean(seq).rows.fed(token_ids)
