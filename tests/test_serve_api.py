@@ -201,6 +201,7 @@ def test_api_key(loaded):
         ["--shutdown-timeout", "-1"],
         ["--shutdown-timeout", "inf"],
         ["--model", "/nonexistent/model"],
+        ["--kv-slots", "2", "--max-batch", "4"],
     ],
 )
 def test_serve_command_rejects_bad_options_with_one_line(argv, capsys):

@@ -139,11 +139,13 @@ def run(args: argparse.Namespace) -> int:
         return _serve_vllm(args)
     import torch
 
-    default_options(args)
+    options = default_options(args)
     check_shutdown_timeout(args.shutdown_timeout)
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be non-negative, got {args.max_queue}")
     check_max_batch(args.max_batch, "--max-batch")
+    if 0 < options.kv_slots < args.max_batch:  # before loading: every running request holds a cache slot
+        raise ConfigError(f"--kv-slots ({options.kv_slots}) must be at least --max-batch ({args.max_batch})")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be 1..65535, got {args.port}")
     if args.threads:
