@@ -174,7 +174,6 @@ def attach_tensors(model: nn.Module, tensors: Iterable[tuple[str, str, torch.Ten
             break
         else:
             done.dequantized.append(f"{name} ({kind}, unmatched)")
-    pack_linears(model, quantized_only=True)  # layers without their dense weight compute from the blocks
     _mark(model, done)
     return done
 
@@ -192,8 +191,10 @@ def _count_costs(done: QuantizedWeights, index: GGUFIndex) -> None:
 
 
 def _mark(model: nn.Module, done: QuantizedWeights) -> None:
-    """Record on ``model`` what was attached (`quantized_weights`) and, where any layer runs as stored, the weights
-    `devices.placement` reports."""
+    """Finish a load: route every layer holding blocks through them (``pack_linears(quantized_only=True)``: its dense
+    weight is gone, so it computes from nothing else and the loaded model runs as it is), and record on ``model`` what
+    was attached (`quantized_weights`) and, where any layer runs as stored, the weights `devices.placement` reports."""
+    pack_linears(model, quantized_only=True)
     setattr(model, _ATTACHED, done)
     if done.native:
         setattr(model, WEIGHTS, f"GGUF {done.formats}")
@@ -327,7 +328,6 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
         return None  # a parameter the file does not hold
     release_freed_memory()
     _count_costs(done, reader)
-    pack_linears(model, quantized_only=True)  # layers without their dense weight compute from the blocks
     _mark(model, done)
     _announce(path, done)
     return model.eval(), tokenizer

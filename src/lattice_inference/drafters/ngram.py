@@ -220,14 +220,18 @@ class NgramState(DrafterState):
         """The shortest n-gram this generation looks up (the drafter's; `GRAMMAR_MIN_NGRAM` under a grammar)."""
         # Invariant after _catch_up(): the index holds history[:-1], i.e. only n-grams ending at positions
         # <= len(history) - 2, so every match found has at least one continuation token.
-        self._index = NgramIndex(self.min_ngram, drafter.max_ngram, keep=drafter.match)
+        self._index = self._new_index()
+
+    def _new_index(self) -> NgramIndex:
+        """An empty index of this generation's n-grams (``min_ngram`` up to the drafter's ``max_ngram``)."""
+        return NgramIndex(self.min_ngram, self.drafter.max_ngram, keep=self.drafter.match)
 
     def under_grammar(self) -> None:
         """Look up n-grams down to `GRAMMAR_MIN_NGRAM` tokens (a grammar's fixed spans repeat token for token: ``":``
         then ``"`` before every string value). Before the first proposal only (the index is built lazily then)."""
         if len(self._index) == 0 and GRAMMAR_MIN_NGRAM < self.min_ngram:
             self.min_ngram = GRAMMAR_MIN_NGRAM
-            self._index = NgramIndex(self.min_ngram, self.drafter.max_ngram, keep=self.drafter.match)
+            self._index = self._new_index()
 
     @property
     def history(self) -> TokenView:

@@ -140,8 +140,9 @@ Packed = torch.Tensor | list[torch.Tensor]
 
 
 _PACKINGS = WeakIdKeyDictionary()
-"""Packings made so far, by the first weight they pack (then by the ids of the rest: siblings fused): kept as long as
-that weight lives, whichever view of its model (`model_view.runner_view`) packed it first."""
+"""Packings of dense weights made so far, by the first weight they pack (then by the ids of the rest: siblings fused):
+kept as long as that weight lives, whichever view of its model (`model_view.runner_view`) packed it first. (Quantized
+blocks are routed once, by the loader, and every view shares that routing.)"""
 _PACKINGS_LOCK = threading.Lock()
 
 
@@ -238,8 +239,7 @@ class _FusedGroup:
             if len(held) == len(quants) and len({quant_format(q) for q in held}) > 1:
                 self.packed = held  # several formats: the parts side by side, the inputs quantized once per kind
             elif len(held) == len(quants):
-                fused = _shared_packing(held, lambda: concat_packed(held))
-                assert isinstance(fused, torch.Tensor)
+                fused = concat_packed(held)  # once, as the file loads (`lattice_inference.quantized`)
                 self.packed = fused
                 # each member's blocks become its slice of the fused matrix: one copy of the weights, not two
                 sizes = [q.shape[0] for q in held]
@@ -278,9 +278,7 @@ def products(members: Sequence[nn.Linear]) -> list[Product]:
     `decode_matched.matched_product` gives what calling each member gives, bit for bit."""
     group = getattr(members[0], _PACKED, None)
     # by the group each member routes to: a view's members (`model_view.runner_view`) share the loaded model's group
-    routed = isinstance(group, _FusedGroup) and len(group.members) == len(members)
-    if routed and all(getattr(m, _PACKED, None) is group for m in members):
-        assert isinstance(group, _FusedGroup)
+    if isinstance(group, _FusedGroup) and [getattr(m, _PACKED, None) for m in members] == [group] * len(group.members):
         return [(group.key, group.kernel, group.splits)]
     return [module_product(m) for m in members]
 
@@ -360,10 +358,10 @@ def unpack_linears(model: nn.Module) -> None:
     """Undo `pack_linears`: every module runs ``F.linear`` over its dense weight again (and a later `pack_linears`
     of its weights packs them anew)."""
     for module in model.modules():
-        for weight in (getattr(module, "weight", None), getattr(module, QUANT, None)):
-            if isinstance(weight, torch.Tensor):
-                with _PACKINGS_LOCK:
-                    _PACKINGS.pop(weight, None)
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            with _PACKINGS_LOCK:
+                _PACKINGS.pop(weight, None)
         if hasattr(module, _PACKED):
             delattr(module, _PACKED)
             if hasattr(module, PRODUCT):
