@@ -347,7 +347,7 @@ class SpeculativeDecoder:
         m.drafter_forwards = gen.drafter_state.forward_count if gen.drafter_state is not None else 0
         if gen.grammar is not None:
             m.grammar_forced_tokens, m.grammar_mask_s = gen.grammar.forced_tokens, gen.grammar.mask_s
-            m.grammar_cut_tokens = gen.grammar.cut_tokens
+            m.grammar_cut_tokens, m.grammar_spelled_tokens = gen.grammar.cut_tokens, gen.grammar.spelled_tokens
 
     def _keep_learned(self, scope: str, stats: AcceptanceStats) -> None:
         self._learned[scope] = stats
@@ -391,11 +391,12 @@ class SpeculativeDecoder:
         left (up to ``cap`` in all): a closing quote and the next key after a value copied from the prompt."""
         valid = planned.verify[: grammar.valid_prefix(planned.verify)]
         grammar.cut_tokens += len(planned.verify) - len(valid)
-        forced = grammar.forced(cap - len(valid), after=valid)
-        if not forced:
+        forced, spelled = grammar.forced(cap - len(valid), after=valid)
+        if not forced and not spelled:
             return replace(planned, verify=valid, alternatives=[])
         grammar.forced_tokens += len(forced)
-        tokens = [*valid, *forced]
+        grammar.spelled_tokens += len(spelled)
+        tokens = [*valid, *forced, *spelled]
         return replace(planned, proposal=tokens, verify=tokens, alternatives=[], runners_up=[])
 
     def _leaves(self) -> int:

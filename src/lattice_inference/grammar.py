@@ -120,6 +120,11 @@ class GrammarState:
         """Tokens drafted because the grammar forced them."""
         self.cut_tokens = 0
         """Drafted tokens the grammar rejected (cut from their drafts, never verified)."""
+        self.spelled_tokens = 0
+        """Tokens drafted as spellings of bytes the grammar forces (`_spell`)."""
+        self._emitted = 0  # tokens consumed by `advance`
+        self._spellings: dict[bytes, int] = {}  # forced bytes -> the token the model began them with
+        self._spelled_at: tuple[int, bytes] | None = None  # this round's spelling: its output index, its bytes
         self.mask_s = 0.0
         """Seconds spent computing masks."""
         self.masks = 0
@@ -230,28 +235,63 @@ class GrammarState:
         """How many leading ``tokens`` the grammar allows from here (the state does not change)."""
         return int(self._matcher.validate_tokens([int(t) for t in tokens])) if tokens else 0
 
-    def forced(self, limit: int, after: Sequence[int] = ()) -> list[int]:
-        """Up to ``limit`` tokens the grammar forces (its only continuation) after the emitted tokens and then
-        ``after`` (tokens it allows: a valid draft), none where it allows a choice there. The state does not
-        change."""
+    def forced(self, limit: int, after: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+        """What the grammar drafts after the emitted tokens and then ``after`` (tokens it allows: a valid draft), up
+        to ``limit`` tokens in all: the tokens it forces (its only continuation; none where it allows a choice), then
+        a spelling of the bytes it forces past them (`_spell`). The state does not change."""
+        self._spelled_at = None
         if limit < 1:
-            return []
+            return [], []
         consumed = 0
         try:
             for token in after:
                 consumed += self._step(token)
             if self._matcher.is_stopped():
-                return []
-            return [int(t) for t in self._matcher.compute_ff_tokens()[:limit]]
+                return [], []
+            forced = [int(t) for t in self._matcher.compute_ff_tokens()[:limit]]
+            spelled = self._spell(forced, limit - len(forced), self._emitted + len(after) + len(forced))
+            return forced, spelled
         finally:
             if consumed:
                 self._matcher.rollback(consumed)
 
+    def _spell(self, forced: list[int], limit: int, position: int) -> list[int]:
+        """Tokens for the bytes the grammar forces past its ``forced`` tokens (which would be emitted from output
+        index ``position`` on), as far as the grammar allows them, at most ``limit``. llguidance leaves a forced
+        run's last token out where the bytes after it could merge into another token (``":"`` closing a key before
+        a string, ``"`` opening one): the bytes are certain, their token is not (SmolLM2 spells ``":"`` as ``":``
+        then ``"``). So they are spelled as this request's model spelled the same bytes before (`advance` learns
+        it), else as the tokenizer spells them, and verified like any drafted token."""
+        if limit < 1:
+            return []
+        tokenizer = self.grammar._tokenizer
+        done = tokenizer.decode_bytes(forced)
+        ahead = self._matcher.compute_ff_bytes()
+        if len(ahead) <= len(done) or not ahead.startswith(done):
+            return []
+        rest = ahead[len(done) :]
+        first = self._spellings.get(rest)
+        if first is None:
+            guess = [int(t) for t in tokenizer.tokenize_bytes(rest)]
+        else:
+            tail = rest[len(tokenizer.decode_bytes([first])) :]
+            guess = [first, *(int(t) for t in tokenizer.tokenize_bytes(tail))] if tail else [first]
+        guess = guess[:limit]
+        allowed = int(self._matcher.validate_tokens([*forced, *guess])) - len(forced)
+        self._spelled_at = (position, rest)
+        return guess[: max(allowed, 0)]
+
     def advance(self, tokens: Sequence[int]) -> None:
-        """The request emitted ``tokens`` (each chosen under this grammar's mask)."""
+        """The request emitted ``tokens`` (each chosen under this grammar's mask). Where one of them begins bytes
+        the grammar forced (`_spell`), how the model spelled them is kept for the next time."""
         for token in tokens:
             if not self._matcher.consume_token(int(token)):
                 raise GrammarError(f"the emitted token {token} is not allowed by the grammar")
+            if self._spelled_at is not None and self._spelled_at[0] == self._emitted:
+                rest = self._spelled_at[1]
+                if rest.startswith(self.grammar._tokenizer.decode_bytes([int(token)])):
+                    self._spellings[rest] = int(token)
+            self._emitted += 1
 
     @property
     def accepting(self) -> bool:

@@ -42,6 +42,9 @@ class GenerationMetrics:
     """Forward passes of a learned drafter (MTP head steps, catch-up batches included); 0 for n-gram lookup."""
     grammar_forced_tokens: int = 0
     """Tokens drafted because the request's grammar forced them (structured output; counted in ``drafted_tokens``)."""
+    grammar_spelled_tokens: int = 0
+    """Tokens drafted as a spelling of bytes the grammar forces past its forced tokens (``":"`` after a key): likely,
+    not certain, so the model may reject them (counted in ``drafted_tokens``)."""
     grammar_cut_tokens: int = 0
     """Drafted tokens the grammar rejected: cut from their drafts before verification (not in ``drafted_tokens``)."""
     grammar_mask_s: float = 0.0
@@ -147,6 +150,7 @@ class GenerationMetrics:
             "accepted_leaves": self.accepted_leaves,
             "drafter_forwards": self.drafter_forwards,
             "grammar_forced_tokens": self.grammar_forced_tokens,
+            "grammar_spelled_tokens": self.grammar_spelled_tokens,
             "grammar_cut_tokens": self.grammar_cut_tokens,
             "grammar_mask_s": self.grammar_mask_s,
             "grammar_mask_us_per_token": 1e6 * self.grammar_mask_s / self.new_tokens if self.new_tokens else 0.0,
