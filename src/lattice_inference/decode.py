@@ -391,7 +391,9 @@ class SpeculativeDecoder:
         left (up to ``cap`` in all): a closing quote and the next key after a value copied from the prompt."""
         valid = planned.verify[: grammar.valid_prefix(planned.verify)]
         grammar.cut_tokens += len(planned.verify) - len(valid)
-        forced, spelled = grammar.forced(cap - len(valid), after=valid)
+        end, full = grammar.clause_end(valid), len(valid)
+        valid = valid[:end]
+        forced, spelled = grammar.forced(cap - len(valid), after=valid, close=end < full)
         if not forced and not spelled:
             return replace(planned, verify=valid, alternatives=[])
         grammar.forced_tokens += len(forced)
@@ -449,7 +451,7 @@ class SpeculativeDecoder:
         if drafter is not None:
             gen.drafter_state = drafter.start(prompt, sampler=gen.sampler, suffix_index=gen.suffix_index)
             if gen.grammar is not None:
-                gen.drafter_state.under_grammar()
+                gen.drafter_state.under_grammar(gen.grammar.spelling)
         budget = gen.max_new_tokens
         fused = target.fuses_prefill_and_draft and gen.grammar is None
         if drafter is None or self._wants_hidden or not fused or budget < 2:

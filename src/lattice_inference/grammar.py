@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lattice_inference.drafters.base import Spelling
 from lattice_inference.errors import ConfigError
 from lattice_inference.sampling import first_max
 
@@ -106,6 +107,19 @@ class Grammar:
         return GrammarState(self)
 
 
+CLAUSE_ENDS = (b",", b".", b";", b"!", b"?")
+"""Tokens that end a clause before a space or a line break (`GrammarState.clause_end`)."""
+
+
+def _lead(data: bytes) -> bytes:
+    """``data``'s leading punctuation (up to its first letter or digit): what a spelling is learned under, so that
+    ``","city":"`` and ``","employer":"`` share how the model begins them."""
+    for i, byte in enumerate(data):
+        if chr(byte).isalnum():
+            return data[:i]
+    return data
+
+
 class GrammarState:
     """One request's place in its grammar: the tokens it emitted so far (`advance`), the masks of a round's rows,
     and what it cost (``forced_tokens`` drafted from the grammar, ``mask_s`` spent computing masks)."""
@@ -114,6 +128,8 @@ class GrammarState:
         ll = _llguidance()
         self.grammar = grammar
         self._matcher = ll.LLMatcher(grammar._tokenizer, grammar.source)
+        self.spelling: Spelling = grammar._tokenizer
+        """The tokenizer's bytes (llguidance's view of it): what a drafter reads the history's text with."""
         if self._matcher.is_error():
             raise GrammarError(f"cannot start this {grammar.kind}: {self._matcher.get_error()}")
         self.forced_tokens = 0
@@ -123,7 +139,8 @@ class GrammarState:
         self.spelled_tokens = 0
         """Tokens drafted as spellings of bytes the grammar forces (`_spell`)."""
         self._emitted = 0  # tokens consumed by `advance`
-        self._spellings: dict[bytes, int] = {}  # forced bytes -> the token the model began them with
+        self._spellings: dict[bytes, int] = {}  # forced bytes' `_lead` -> the token the model began them with
+        self._quote_token: int | None = None  # `_quote`, looked up once (-1: none)
         self._spelled_at: tuple[int, bytes] | None = None  # this round's spelling: its output index, its bytes
         self.mask_s = 0.0
         """Seconds spent computing masks."""
@@ -235,10 +252,12 @@ class GrammarState:
         """How many leading ``tokens`` the grammar allows from here (the state does not change)."""
         return int(self._matcher.validate_tokens([int(t) for t in tokens])) if tokens else 0
 
-    def forced(self, limit: int, after: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+    def forced(self, limit: int, after: Sequence[int] = (), close: bool = False) -> tuple[list[int], list[int]]:
         """What the grammar drafts after the emitted tokens and then ``after`` (tokens it allows: a valid draft), up
         to ``limit`` tokens in all: the tokens it forces (its only continuation; none where it allows a choice), then
-        a spelling of the bytes it forces past them (`_spell`). The state does not change."""
+        a spelling of the bytes it forces past them (`_spell`). With ``close`` (a JSON string ends after ``after``,
+        `clause_end`): no forced tokens, a spelling of the closing quote and the bytes forced after it. The state
+        does not change."""
         self._spelled_at = None
         if limit < 1:
             return [], []
@@ -248,38 +267,76 @@ class GrammarState:
                 consumed += self._step(token)
             if self._matcher.is_stopped():
                 return [], []
+            position = self._emitted + len(after)
+            if close:
+                quote = self._quote()
+                assert quote is not None
+                if self._step(quote):
+                    ahead = b'"' + self._matcher.compute_ff_bytes()
+                    self._matcher.rollback(1)
+                else:
+                    ahead = b'"'
+                return [], self._spell([], ahead, limit, position)
             forced = [int(t) for t in self._matcher.compute_ff_tokens()[:limit]]
-            spelled = self._spell(forced, limit - len(forced), self._emitted + len(after) + len(forced))
-            return forced, spelled
+            done = self.spelling.decode_bytes(forced)
+            ahead = self._matcher.compute_ff_bytes()
+            if len(ahead) <= len(done) or not ahead.startswith(done):
+                return forced, []
+            return forced, self._spell(forced, ahead[len(done) :], limit - len(forced), position + len(forced))
         finally:
             if consumed:
                 self._matcher.rollback(consumed)
 
-    def _spell(self, forced: list[int], limit: int, position: int) -> list[int]:
-        """Tokens for the bytes the grammar forces past its ``forced`` tokens (which would be emitted from output
-        index ``position`` on), as far as the grammar allows them, at most ``limit``. llguidance leaves a forced
-        run's last token out where the bytes after it could merge into another token (``":"`` closing a key before
-        a string, ``"`` opening one): the bytes are certain, their token is not (SmolLM2 spells ``":"`` as ``":``
-        then ``"``). So they are spelled as this request's model spelled the same bytes before (`advance` learns
-        it), else as the tokenizer spells them, and verified like any drafted token."""
-        if limit < 1:
+    def _spell(self, forced: list[int], rest: bytes, limit: int, position: int) -> list[int]:
+        """Tokens for ``rest``, bytes the grammar forces past its ``forced`` tokens (which would be emitted from
+        output index ``position`` on), as far as the grammar allows them, at most ``limit``. llguidance leaves a
+        forced run's last token out where the bytes after it could merge into another token (``":"`` closing a key
+        before a string, ``"`` opening one): the bytes are certain, their tokens are not (SmolLM2 spells ``":"`` as
+        ``":`` then ``"``). So they begin with the token this request's model began the same leading punctuation
+        with before (`advance` learns it), else as the tokenizer spells them, and are verified like any drafted
+        token."""
+        if limit < 1 or not rest:
             return []
-        tokenizer = self.grammar._tokenizer
-        done = tokenizer.decode_bytes(forced)
-        ahead = self._matcher.compute_ff_bytes()
-        if len(ahead) <= len(done) or not ahead.startswith(done):
-            return []
-        rest = ahead[len(done) :]
-        first = self._spellings.get(rest)
-        if first is None:
-            guess = [int(t) for t in tokenizer.tokenize_bytes(rest)]
-        else:
-            tail = rest[len(tokenizer.decode_bytes([first])) :]
-            guess = [first, *(int(t) for t in tokenizer.tokenize_bytes(tail))] if tail else [first]
+        tokenizer = self.spelling
+        guess: list[int] = []
+        tail = rest
+        while tail and len(guess) < limit:  # the learned leads, then the tokenizer's spelling of what is left
+            first = self._spellings.get(_lead(tail))
+            spelled = tokenizer.decode_bytes([first]) if first is not None else b""
+            if first is None or not tail.startswith(spelled):
+                guess += [int(t) for t in tokenizer.tokenize_bytes(tail)]
+                break
+            guess.append(first)
+            tail = tail[len(spelled) :]
         guess = guess[:limit]
         allowed = int(self._matcher.validate_tokens([*forced, *guess])) - len(forced)
         self._spelled_at = (position, rest)
         return guess[: max(allowed, 0)]
+
+    def _quote(self) -> int | None:
+        """The token that spells ``"`` alone (None where the tokenizer has none)."""
+        if self._quote_token is None:
+            tokens = self.spelling.tokenize_bytes(b'"')
+            self._quote_token = int(tokens[0]) if len(tokens) == 1 else -1
+        return None if self._quote_token < 0 else self._quote_token
+
+    def clause_end(self, draft: Sequence[int]) -> int:
+        """Where a JSON string value copied into ``draft`` (tokens the grammar allows) likely ends: the index of
+        its first token that ends a clause (``,`` ``.`` ``;`` ``!`` ``?`` before a space or a line break) where
+        the grammar allows closing the string instead, else ``len(draft)``. A value copied from a document runs
+        on in the document past where the model ends it (`` Robotics, where`` for ``" Robotics",``); a draft
+        closed at the clause's end (`forced` with ``close``) takes the next key in the same round instead of
+        verifying rows the model rejects."""
+        quote = self._quote() if self.grammar.kind == "json_schema" else None
+        if quote is None or len(draft) < 3:
+            return len(draft)
+        spell = self.spelling.decode_bytes
+        for i in range(1, len(draft) - 1):
+            if spell([draft[i]]) in CLAUSE_ENDS and spell([draft[i + 1]])[:1] in (b" ", b"\n"):
+                if int(self._matcher.validate_tokens([*draft[:i], quote])) == i + 1:
+                    return i
+                return len(draft)
+        return len(draft)
 
     def advance(self, tokens: Sequence[int]) -> None:
         """The request emitted ``tokens`` (each chosen under this grammar's mask). Where one of them begins bytes
@@ -288,10 +345,24 @@ class GrammarState:
             if not self._matcher.consume_token(int(token)):
                 raise GrammarError(f"the emitted token {token} is not allowed by the grammar")
             if self._spelled_at is not None and self._spelled_at[0] == self._emitted:
-                rest = self._spelled_at[1]
-                if rest.startswith(self.grammar._tokenizer.decode_bytes([int(token)])):
-                    self._spellings[rest] = int(token)
+                self._learn_spelling(int(token))
             self._emitted += 1
+
+    def _learn_spelling(self, token: int) -> None:
+        """The model emitted ``token`` where this round's spelled bytes went on (`_spelled_at`): where it spells
+        their leading punctuation, keep it as that punctuation's spelling, and follow the bytes on to the next
+        token while the model's tokens spell them."""
+        assert self._spelled_at is not None
+        position, rest = self._spelled_at
+        spelled = self.spelling.decode_bytes([token])
+        lead = _lead(rest)
+        if not spelled or not rest.startswith(spelled):
+            self._spelled_at = None
+            return
+        if len(spelled) <= len(lead):
+            self._spellings[lead] = token
+        tail = rest[len(spelled) :]
+        self._spelled_at = (position + 1, tail) if tail else None
 
     @property
     def accepting(self) -> bool:

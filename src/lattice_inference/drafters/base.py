@@ -28,6 +28,18 @@ if TYPE_CHECKING:
     from lattice_inference.sampling import Sampler
 
 
+class Spelling(Protocol):
+    """A tokenizer's bytes (llguidance's ``LLTokenizer`` is one): what tokens spell, and how it spells bytes."""
+
+    def decode_bytes(self, tokens: list[int]) -> bytes:
+        """The bytes ``tokens`` spell."""
+        ...
+
+    def tokenize_bytes(self, data: bytes) -> list[int]:
+        """The tokens the tokenizer spells ``data`` with."""
+        ...
+
+
 class Plan(Protocol):
     """What a drafter asks of the adaptive planner (`lattice_inference.draft_planner.DraftPlanner` is one)."""
 
@@ -112,10 +124,11 @@ class DrafterState:
         """Up to ``max_tokens`` tokens likely to follow the history (possibly none), with their planner key."""
         raise NotImplementedError
 
-    def under_grammar(self) -> None:
-        """The generation is constrained by a grammar (structured output), whose fixed spans repeat token for token:
-        a drafter may draft from shorter contexts (`NgramState`). Called once, before the first proposal; by
-        default nothing changes."""
+    def under_grammar(self, spelling: Spelling | None = None) -> None:
+        """The generation is constrained by a grammar (structured output), whose fixed spans repeat token for token
+        and whose values copy the prompt's text in other tokens (``"Madrid`` begins ``"Mad`` where the prompt has
+        `` Madrid``): a drafter may draft from shorter contexts and from the text its tokens spell (`NgramState`,
+        with ``spelling``). Called once, before the first proposal; by default nothing changes."""
 
     def propose_planned(self, max_tokens: int, plan: Plan) -> PlannedDraft:
         """This round's draft when a planner chooses its length. A free proposal is made at full length and the

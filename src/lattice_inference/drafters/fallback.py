@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from lattice_inference.acceptance import KEY_GROUP
-from lattice_inference.drafters.base import Drafter, DrafterState, Plan, PlannedDraft, Proposal
+from lattice_inference.drafters.base import Drafter, DrafterState, Plan, PlannedDraft, Proposal, Spelling
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
 from lattice_inference.sampling import Sampler
@@ -55,10 +55,10 @@ class FallbackState(DrafterState):
         self.key = 0
         """The latest proposal's planner key."""
 
-    def under_grammar(self) -> None:
+    def under_grammar(self, spelling: Spelling | None = None) -> None:
         """Every drafter's state learns that the generation is under a grammar."""
         for state in self.states:
-            state.under_grammar()
+            state.under_grammar(spelling)
 
     @property
     def forward_count(self) -> int:

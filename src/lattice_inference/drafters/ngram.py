@@ -16,7 +16,7 @@ import operator
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, overload
 
-from lattice_inference.drafters.base import Drafter, DrafterState, Proposal
+from lattice_inference.drafters.base import Drafter, DrafterState, Proposal, Spelling
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.options import (
     GRAMMAR_MIN_NGRAM,
@@ -30,6 +30,15 @@ from lattice_inference.options import (
 if TYPE_CHECKING:
     from lattice_inference.drafters.suffix_index import SuffixIndex
     from lattice_inference.sampling import Sampler
+
+TEXT_MATCH = 24
+"""Longest suffix of the history's text (bytes) `NgramState._spelled_lookup` looks for."""
+MIN_TEXT_MATCH = 2
+"""Shortest: fewer bytes than this match almost anywhere."""
+TEXT_AHEAD = 6
+"""Bytes of text taken per token wanted after a text match (English runs about 4 bytes a token)."""
+SPELLED_KEY = 0
+"""The planner key of a draft from the text (`NgramState._spelled_lookup`): no n-gram of tokens matched."""
 
 __all__ = ["MatchPolicy", "NgramDrafter", "NgramIndex", "NgramState", "TokenView", "validate_token_ids"]
 
@@ -221,17 +230,48 @@ class NgramState(DrafterState):
         # Invariant after _catch_up(): the index holds history[:-1], i.e. only n-grams ending at positions
         # <= len(history) - 2, so every match found has at least one continuation token.
         self._index = self._new_index()
+        self._spelling: Spelling | None = None
+        self._text = bytearray()  # what history[: self._spelled] spells (with a spelling only)
+        self._spelled = 0
 
     def _new_index(self) -> NgramIndex:
         """An empty index of this generation's n-grams (``min_ngram`` up to the drafter's ``max_ngram``)."""
         return NgramIndex(self.min_ngram, self.drafter.max_ngram, keep=self.drafter.match)
 
-    def under_grammar(self) -> None:
+    def under_grammar(self, spelling: Spelling | None = None) -> None:
         """Look up n-grams down to `GRAMMAR_MIN_NGRAM` tokens (a grammar's fixed spans repeat token for token: ``":``
-        then ``"`` before every string value). Before the first proposal only (the index is built lazily then)."""
+        then ``"`` before every string value), and with ``spelling`` the text where no n-gram matches
+        (`_spelled_lookup`). Before the first proposal only (the index is built lazily then)."""
         if len(self._index) == 0 and GRAMMAR_MIN_NGRAM < self.min_ngram:
             self.min_ngram = GRAMMAR_MIN_NGRAM
             self._index = self._new_index()
+        self._spelling = spelling
+
+    def _spelled_lookup(self, k: int) -> list[int]:
+        """Up to ``k`` tokens from the text: the history's text is searched for the longest of its own last
+        `TEXT_MATCH` bytes (at least the last token's, and `MIN_TEXT_MATCH`) that occurred before, and the text
+        after that occurrence is spelled in tokens (its last token left out unless the text ends there: the bytes
+        after the cut could merge into it). A value copied into JSON begins with other tokens than the prompt's
+        words (``"Mad`` then ``rid`` where the prompt spells `` Madrid``), so no n-gram of tokens matches there
+        while the text does."""
+        spelling = self._spelling
+        assert spelling is not None
+        history = self._history
+        if self._spelled < len(history):  # the text of the tokens appended since the last lookup
+            self._text += spelling.decode_bytes(history[self._spelled :])
+            self._spelled = len(history)
+        text = self._text
+        last = len(spelling.decode_bytes(history[-1:]))
+        for size in range(min(TEXT_MATCH, len(text) - 1), max(last, MIN_TEXT_MATCH) - 1, -1):
+            at = text.find(text[-size:])
+            if at + size < len(text):  # an occurrence before the text's own end
+                start = at + size
+                stop = start + TEXT_AHEAD * k
+                tokens = spelling.tokenize_bytes(bytes(text[start:stop]))
+                if stop < len(text):
+                    tokens = tokens[:-1]
+                return [int(t) for t in tokens[:k]]
+        return []
 
     @property
     def history(self) -> TokenView:
@@ -281,4 +321,6 @@ class NgramState(DrafterState):
                         if tok in eos:
                             return Proposal(draft[:i], n), end
                 return Proposal(draft, n), end
+        if self._spelling is not None:
+            return Proposal(self._spelled_lookup(k), SPELLED_KEY), -1
         return Proposal(), -1

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from lattice_inference.drafters.base import Drafter, DrafterState, Plan, PlannedDraft, Proposal
+from lattice_inference.drafters.base import Drafter, DrafterState, Plan, PlannedDraft, Proposal, Spelling
 from lattice_inference.drafters.ngram import NgramDrafter, NgramState, validate_token_ids
 from lattice_inference.drafters.suffix_index import MAX_MATCH, SuffixIndex, SuffixMatch, common_suffix
 from lattice_inference.options import DecodeOptions, MatchPolicy, check_budget
@@ -120,9 +120,9 @@ class SuffixState(DrafterState):
         self.last_from_lookup = False
         """Whether the latest proposal was the request's own prompt lookup's rather than the index's."""
 
-    def under_grammar(self) -> None:
-        """The request's own prompt lookup tries shorter n-grams (`NgramState.under_grammar`)."""
-        self._lookup.under_grammar()
+    def under_grammar(self, spelling: Spelling | None = None) -> None:
+        """The request's own prompt lookup tries shorter n-grams and the text (`NgramState.under_grammar`)."""
+        self._lookup.under_grammar(spelling)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append accepted tokens to the history and index them."""
@@ -138,7 +138,8 @@ class SuffixState(DrafterState):
         self.last_match = match
         own, end = self._lookup.lookup(max_tokens)
         depth = common_suffix(history, end, history) if own else 0
-        self.last_from_lookup = prefers_lookup(match, depth)
+        # the own lookup's text match (no occurrence, depth 0) drafts where the index has nothing
+        self.last_from_lookup = prefers_lookup(match, depth) or bool(own and not match.draft)
         if self.last_from_lookup:
             return own, LOOKUP + match_key(SuffixMatch(depth=depth, support=1)), []
         return match.draft, match_key(match), match.runners_up
