@@ -223,3 +223,55 @@ def test_greedy_rows_under_a_grammar_choose_what_the_masked_rows_choose_masking_
         if start < len(tokens) - 1:
             state.advance(tokens[start : start + 1])
     assert ties > 10
+
+
+def test_the_grammar_spells_the_bytes_it_forces_as_the_model_spelled_them_and_closes_copied_values(generators):
+    """Past llguidance's forced tokens the grammar still forces bytes (``":"`` after a key before a string): they
+    are drafted as the tokenizer spells them until the model spells the same leading punctuation otherwise
+    (SmolLM2: ``":`` then ``"``), then as the model did. A JSON string copied from a document is closed where its
+    clause ends (``,`` before a space), never inside a token run like ``.com`` or in a number."""
+    grammar = generators["greedy"].grammar(json_schema=PERSON)
+    state = grammar.state()
+    spell, text = state.spelling.tokenize_bytes, state.spelling.decode_bytes
+    state.advance(spell(b'{"name'))
+    forced, spelled = state.forced(8)
+    assert forced == [] and text(spelled) == b'":"' and spelled == spell(b'":"')
+    model = [*spell(b'":'), *spell(b'"')]  # the model's own spelling of the same bytes
+    assert len(model) == 2 and spelled != model
+    state.advance([model[0]])  # learned at the first token: `":` begins `":"`
+    state.advance([model[1], *spell(b"Maria"), *spell(b'",'), *spell(b'"age":23,"city')])
+    forced, spelled = state.forced(8)
+    assert forced == [] and spelled[0] == model[0] and text(spelled) == b'":"'
+    state.advance(spelled[:1] + spell(b'"'))
+    copied = spell(b" Madrid, where she lives")
+    end = state.clause_end(copied)
+    assert text(copied[:end]) == b" Madrid" and end < len(copied)
+    forced, spelled = state.forced(8, after=copied[:end], close=True)
+    assert forced == [] and text(spelled).startswith(b'","skills":[')
+    assert state.clause_end(spell(b"dan.okafor@example.com")) == len(spell(b"dan.okafor@example.com"))
+    numbers = grammar.state()
+    numbers.advance(spell(b'{"name":"Maria","age":'))
+    digits = spell(b"23, 24 and")
+    assert numbers.clause_end(digits) == len(digits)  # no string to close in a number
+
+
+def test_prompt_lookup_under_a_grammar_drafts_from_the_text_where_no_token_ngram_matches(generators):
+    """A value copied into JSON begins with other tokens than the prompt's words (``"Mad`` where the prompt spells
+    `` Madrid``): no n-gram of tokens matches, the text does, and its continuation is spelled in tokens (the last,
+    maybe cut, left out)."""
+    from lattice_inference.drafters.ngram import NgramDrafter
+
+    spelling = generators["greedy"].grammar(json_schema=PERSON).state().spelling
+    spell, text = spelling.tokenize_bytes, spelling.decode_bytes
+    prompt = spell(b"Maria Lopez lives in Madrid, Spain, and works at Acme Robotics.")
+    output = spell(b'{"city":"Mad')
+    assert output[-1] not in prompt  # no 1-gram of tokens to match
+    state = NgramDrafter(max_draft=6).new_state(prompt)
+    plain = NgramDrafter(max_draft=6).new_state(prompt)
+    plain.under_grammar()
+    plain.extend(output)
+    assert list(plain.propose(6)) == []
+    state.under_grammar(spelling)
+    state.extend(output)
+    draft = list(state.propose(6))
+    assert draft and text(draft).startswith(b"rid, Spain") and len(draft) <= 6
