@@ -145,6 +145,7 @@ def test_drafts_are_cut_by_the_grammar_forced_tokens_drafted_and_the_model_rejec
     person = ngram_output(generators, ngram_outputs, "person")  # under PERSON, as generated above
     m = person.metrics
     assert m.grammar_forced_tokens > 0  # '{"name":"' and the later keys are forced
+    assert m.grammar_spelled_tokens > 0  # '":"' after a key: forced bytes, drafted as spelled
     assert m.drafted_tokens > m.accepted_tokens  # the model rejected some drafted tokens
 
 
@@ -275,3 +276,27 @@ def test_prompt_lookup_under_a_grammar_drafts_from_the_text_where_no_token_ngram
     state.extend(output)
     draft = list(state.propose(6))
     assert draft and text(draft).startswith(b"rid, Spain") and len(draft) <= 6
+    # a string's first word, nowhere after a quote before: looked for as a word of the text
+    state = NgramDrafter(max_draft=6).new_state(spell(b"The owner is Priya Shah, and Tom Berg helps."))
+    state.under_grammar(spelling)
+    state.extend(spell(b'{"owner":"P'))
+    assert text(list(state.propose(6))).startswith(b"riya Shah")
+
+
+def test_what_the_model_spelled_is_kept_for_the_next_request_of_its_scope(generators):
+    """The spellings one constrained generation learned (`GrammarState.spellings`) seed the next generation of the
+    same scope (the decoder keeps them with the acceptance statistics), and only of that scope."""
+    fast = generators["ngram"]
+    decoder, prompt = fast.decoder, fast.encode(PROMPTS["person"], True)
+    grammar = fast.grammar(json_schema=PERSON)
+    first = decoder.start(prompt, 24, grammar=grammar.state(), scope="spellings-a")
+    first.result()
+    assert first.grammar is not None and first.grammar.spellings  # SmolLM2 spells '":"' as '":' then '"'
+    later = decoder.start(prompt, 4, grammar=grammar.state(), scope="spellings-a")
+    other = decoder.start(prompt, 4, grammar=grammar.state(), scope="spellings-b")
+    for gen in (later, other):
+        next(iter(gen))  # opened: the prefill's tokens emitted, nothing drafted or learned yet
+    assert later.grammar is not None and other.grammar is not None
+    assert later.grammar.spellings == first.grammar.spellings and other.grammar.spellings == {}
+    later.result()
+    other.result()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Generator, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypedDict, Unpack
 
 import torch
@@ -53,6 +53,15 @@ __all__ = ["Generation", "GenerationResult", "Round", "SpeculativeDecoder"]
 _GREEDY = SamplingOptions()
 MAX_SCOPES = 256
 """Most scopes whose learned acceptance a decoder keeps (the least recently used dropped first; a few KB each)."""
+
+
+@dataclass
+class Learned:
+    """What a scope's generations leave to its next one: the last planner's acceptance statistics, and how the
+    model spells the bytes grammars force (`GrammarState.spellings`: leading punctuation -> its first token)."""
+
+    stats: AcceptanceStats | None = None
+    spellings: dict[bytes, int] = field(default_factory=dict)
 
 
 class RequestArgs(TypedDict, total=False):
@@ -122,7 +131,7 @@ class SpeculativeDecoder:
             name = type(target).__name__
             raise ConfigError(f"the drafter needs hidden states, which {name} cannot provide")
         self._wants_hidden = wants_hidden
-        self._learned: OrderedDict[str, AcceptanceStats] = OrderedDict()  # scope -> its last planner's stats
+        self._learned: OrderedDict[str, Learned] = OrderedDict()  # scope -> what its last generation learned
 
     def _validate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         if not prompt_ids:
@@ -245,9 +254,11 @@ class SpeculativeDecoder:
             m.calibration_s = time.perf_counter() - start
             if self.exactness is not None:
                 m.exact, m.exactness = self.exactness.exact, self.exactness.line()
+            kept = self._learned.get(gen.scope) if gen.scope is not None else None
+            if kept is not None and gen.grammar is not None:
+                gen.grammar.spellings.update(kept.spellings)
             if costs is not None:
-                learned = self._learned.get(gen.scope) if gen.scope is not None else None
-                learned = learned.carried() if learned is not None else None
+                learned = kept.stats.carried() if kept is not None and kept.stats is not None else None
                 priors = self.drafter.key_priors if self.drafter is not None else None
                 gen.planner = DraftPlanner(costs, max_leaves=self._leaves(), learned=learned, priors=priors)
         gen.sequence = self.target.new_sequence(owner, capture_hidden=self._wants_hidden)
@@ -338,8 +349,8 @@ class SpeculativeDecoder:
         m = gen.metrics
         if gen.sequence is not None:
             self.target.release(gen.sequence)
-        if gen.planner is not None and gen.scope is not None:
-            self._keep_learned(gen.scope, gen.planner.stats)
+        if gen.scope is not None and (gen.planner is not None or gen.grammar is not None):
+            self._keep_learned(gen.scope, gen)
         now = time.perf_counter()
         if gen.opened_at is not None:
             m.decode_s = now - gen.opened_at
@@ -349,15 +360,23 @@ class SpeculativeDecoder:
             m.grammar_forced_tokens, m.grammar_mask_s = gen.grammar.forced_tokens, gen.grammar.mask_s
             m.grammar_cut_tokens, m.grammar_spelled_tokens = gen.grammar.cut_tokens, gen.grammar.spelled_tokens
 
-    def _keep_learned(self, scope: str, stats: AcceptanceStats) -> None:
-        self._learned[scope] = stats
+    def _keep_learned(self, scope: str, gen: Generation) -> None:
+        """Keep what ``gen`` learned for the next generation of ``scope``: its planner's acceptance statistics (or
+        the last ones kept), and the spellings its grammar learned added to those kept."""
+        kept = self._learned.get(scope) or Learned()
+        if gen.planner is not None:
+            kept.stats = gen.planner.stats
+        if gen.grammar is not None:
+            kept.spellings.update(gen.grammar.spellings)
+        self._learned[scope] = kept
         self._learned.move_to_end(scope)
         while len(self._learned) > MAX_SCOPES:
             self._learned.popitem(last=False)
 
     def learned(self, scope: str = "") -> AcceptanceStats | None:
         """What the last generation of ``scope`` learned about acceptance (None: no generation of it kept)."""
-        return self._learned.get(scope)
+        kept = self._learned.get(scope)
+        return None if kept is None else kept.stats
 
     def forget(self, scope: str) -> None:
         """Drop what generations of ``scope`` learned (a tenant clearing what it left behind)."""

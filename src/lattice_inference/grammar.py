@@ -139,7 +139,9 @@ class GrammarState:
         self.spelled_tokens = 0
         """Tokens drafted as spellings of bytes the grammar forces (`_spell`)."""
         self._emitted = 0  # tokens consumed by `advance`
-        self._spellings: dict[bytes, int] = {}  # forced bytes' `_lead` -> the token the model began them with
+        self.spellings: dict[bytes, int] = {}
+        """How the model spells bytes the grammar forces: their leading punctuation (`_lead`) -> the token it began
+        them with (`_spell`; learned by `advance`, seeded from earlier requests by the decoder)."""
         self._quote_token: int | None = None  # `_quote`, looked up once (-1: none)
         self._spelled_at: tuple[int, bytes] | None = None  # this round's spelling: its output index, its bytes
         self.mask_s = 0.0
@@ -301,7 +303,7 @@ class GrammarState:
         guess: list[int] = []
         tail = rest
         while tail and len(guess) < limit:  # the learned leads, then the tokenizer's spelling of what is left
-            first = self._spellings.get(_lead(tail))
+            first = self.spellings.get(_lead(tail))
             spelled = tokenizer.decode_bytes([first]) if first is not None else b""
             if first is None or not tail.startswith(spelled):
                 guess += [int(t) for t in tokenizer.tokenize_bytes(tail)]
@@ -360,7 +362,7 @@ class GrammarState:
             self._spelled_at = None
             return
         if len(spelled) <= len(lead):
-            self._spellings[lead] = token
+            self.spellings[lead] = token
         tail = rest[len(spelled) :]
         self._spelled_at = (position + 1, tail) if tail else None
 

@@ -253,7 +253,8 @@ class NgramState(DrafterState):
         after that occurrence is spelled in tokens (its last token left out unless the text ends there: the bytes
         after the cut could merge into it). A value copied into JSON begins with other tokens than the prompt's
         words (``"Mad`` then ``rid`` where the prompt spells `` Madrid``), so no n-gram of tokens matches there
-        while the text does."""
+        while the text does. Where no suffix occurred before, a string's first word (after the last ``"``) is
+        looked for as a word of the text (after a space): ``"P`` as `` P``."""
         spelling = self._spelling
         assert spelling is not None
         history = self._history
@@ -262,16 +263,24 @@ class NgramState(DrafterState):
             self._spelled = len(history)
         text = self._text
         last = len(spelling.decode_bytes(history[-1:]))
+        start = -1
         for size in range(min(TEXT_MATCH, len(text) - 1), max(last, MIN_TEXT_MATCH) - 1, -1):
             at = text.find(text[-size:])
             if at + size < len(text):  # an occurrence before the text's own end
                 start = at + size
-                stop = start + TEXT_AHEAD * k
-                tokens = spelling.tokenize_bytes(bytes(text[start:stop]))
-                if stop < len(text):
-                    tokens = tokens[:-1]
-                return [int(t) for t in tokens[:k]]
-        return []
+                break
+        quote = text.rfind(b'"')
+        word = text[quote + 1 :]
+        if start < 0 and quote >= 0 and 0 < len(word) <= TEXT_MATCH and len(word) + 1 >= last and b" " not in word:
+            at = text.find(b" " + word, 0, quote)  # a string's first word, as the prompt spells a word: after a space
+            start = at + 1 + len(word) if at >= 0 else -1
+        if start < 0:
+            return []
+        stop = start + TEXT_AHEAD * k
+        tokens = spelling.tokenize_bytes(bytes(text[start:stop]))
+        if stop < len(text):
+            tokens = tokens[:-1]
+        return [int(t) for t in tokens[:k]]
 
     @property
     def history(self) -> TokenView:
