@@ -142,7 +142,9 @@ class GrammarState:
         self.spellings: dict[bytes, int] = {}
         """How the model spells bytes the grammar forces: their leading punctuation (`_lead`) -> the token it began
         them with (`_spell`; learned by `advance`, seeded from earlier requests by the decoder)."""
-        self._quote_token: int | None = None  # `_quote`, looked up once (-1: none)
+        quote = self.spelling.tokenize_bytes(b'"') if grammar.kind == "json_schema" else []
+        self._quote = int(quote[0]) if len(quote) == 1 else None
+        """The token spelling a JSON string's closing ``"`` alone (None: not a JSON schema, or no such token)."""
         self._spelled_at: tuple[int, bytes] | None = None  # this round's spelling: its output index, its bytes
         self.mask_s = 0.0
         """Seconds spent computing masks."""
@@ -271,13 +273,10 @@ class GrammarState:
                 return [], []
             position = self._emitted + len(after)
             if close:
-                quote = self._quote()
-                assert quote is not None
-                if self._step(quote):
-                    ahead = b'"' + self._matcher.compute_ff_bytes()
-                    self._matcher.rollback(1)
-                else:
-                    ahead = b'"'
+                assert self._quote is not None
+                self._step(self._quote)  # the matcher has not stopped: one step, undone at once
+                ahead = b'"' + self._matcher.compute_ff_bytes()
+                self._matcher.rollback(1)
                 return [], self._spell([], ahead, limit, position)
             forced = [int(t) for t in self._matcher.compute_ff_tokens()[:limit]]
             done = self.spelling.decode_bytes(forced)
@@ -315,13 +314,6 @@ class GrammarState:
         self._spelled_at = (position, rest)
         return guess[: max(allowed, 0)]
 
-    def _quote(self) -> int | None:
-        """The token that spells ``"`` alone (None where the tokenizer has none)."""
-        if self._quote_token is None:
-            tokens = self.spelling.tokenize_bytes(b'"')
-            self._quote_token = int(tokens[0]) if len(tokens) == 1 else -1
-        return None if self._quote_token < 0 else self._quote_token
-
     def clause_end(self, draft: Sequence[int]) -> int:
         """Where a JSON string value copied into ``draft`` (tokens the grammar allows) likely ends: the index of
         its first token that ends a clause (``,`` ``.`` ``;`` ``!`` ``?`` before a space or a line break) where
@@ -329,7 +321,7 @@ class GrammarState:
         on in the document past where the model ends it (`` Robotics, where`` for ``" Robotics",``); a draft
         closed at the clause's end (`forced` with ``close``) takes the next key in the same round instead of
         verifying rows the model rejects."""
-        quote = self._quote() if self.grammar.kind == "json_schema" else None
+        quote = self._quote
         if quote is None or len(draft) < 3:
             return len(draft)
         spell = self.spelling.decode_bytes
