@@ -6,8 +6,11 @@ error."""
 from __future__ import annotations
 
 import json
+import random
 import re
+from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -202,7 +205,7 @@ def test_greedy_rows_under_a_grammar_choose_what_the_masked_rows_choose_masking_
     eos = plain.tokenizer.eos_token_id
     tokens = [*answer.token_ids, eos] if answer.token_ids[-1] != eos else list(answer.token_ids)
     state, noise = grammar.state(), torch.Generator().manual_seed(0)
-    ties = 0
+    ties = masks = chosen = 0
     for start in range(len(tokens)):
         draft = tokens[start : start + 4]
         allowed = state.row_masks(draft[:-1]).clone()
@@ -220,10 +223,61 @@ def test_greedy_rows_under_a_grammar_choose_what_the_masked_rows_choose_masking_
         expected = state.constrain(scores, draft).argmax(dim=-1).tolist()
         agree = next((i for i, (d, e) in enumerate(zip(draft, expected, strict=False)) if d != e), len(draft))
         assert got[: agree + 1] == expected[: agree + 1], (start, draft)
-        assert got[agree + 1 :] == [-1] * (len(draft) - agree) and computed == agree + 1
+        refused = sum(not allowed[i, int(scores[i].argmax())] for i in range(min(agree + 1, len(draft))))
+        assert got[agree + 1 :] == [-1] * (len(draft) - agree) and refused <= computed <= agree + 1
+        masks += computed
+        chosen += agree + 1
         if start < len(tokens) - 1:
             state.advance(tokens[start : start + 1])
     assert ties > 10
+    assert 0 < masks < chosen, "a mask only where the row's argmax is refused"
+
+
+def test_whether_the_mask_allows_a_token_is_told_without_the_mask_as_the_mask_tells_it(generators, ngram_outputs):
+    """`GrammarState._allows` (what greedy decoding under a grammar asks before it computes a mask) against the
+    mask's own bit, over every state of real constrained answers (the four schemas and a regex): every token of
+    every eighth state; in the others the tokens that share a first byte with the forced bytes (a spelling of
+    their beginning, the mask allows it unchecked; or tokens that begin with them), those the mask allows, EOS and
+    a random sample. All three kinds of state occur: a forced token (the mask allows it alone), forced bytes that
+    no token spells for sure (``":"`` before a string), none forced."""
+    fast = generators["ngram"]
+    answers = [
+        (fast.grammar(json_schema=SCHEMAS[n]), ngram_output(generators, ngram_outputs, n).token_ids) for n in SCHEMAS
+    ]
+    plain = generators["greedy"]
+    sentence = plain.grammar(regex=SENTENCE)
+    answers.append((sentence, plain.generate("Where is Maria from?", BUDGET, grammar=sentence).token_ids))
+    spelling, vocab = answers[0][0].state().spelling, answers[0][0].vocab
+    by_first: dict[bytes, list[int]] = {}
+    for t in range(vocab):
+        by_first.setdefault(spelling.decode_bytes([t])[:1], []).append(t)
+    rng, kinds, checked = random.Random(0), Counter(), 0
+    for grammar, tokens in answers:
+        state = grammar.state()
+        for k, token in enumerate([*tokens, None]):
+            matcher = state._matcher
+            if matcher.is_stopped():
+                assert state._allows(0) is None
+                break
+            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            ahead = matcher.compute_ff_bytes()
+            kind = "forced token" if ahead and matcher.compute_ff_tokens() else "forced bytes" if ahead else "free"
+            kinds[kind] += 1
+            if k % 8 == 0:
+                candidates: set[int] = set(range(vocab))
+            else:
+                allowed = np.flatnonzero(bits[:vocab])[:200].tolist()
+                candidates = {*by_first.get(ahead[:1], []), *allowed, *rng.sample(range(vocab), 200), *state._eos}
+            for t in candidates:
+                assert state._allows(t) == bool(bits[t]), (kind, ahead, spelling.decode_bytes([t]))
+                if kind == "forced bytes" and bits[t] and len(spelling.decode_bytes([t])) < len(ahead):
+                    kinds["a beginning of the forced bytes allowed"] += 1
+            checked += len(candidates)
+            if token is None:
+                break
+            state.advance([token])
+    assert min(kinds.values()) > 0 and len(kinds) == 4, kinds
+    assert checked > 500_000
 
 
 def test_the_grammar_spells_the_bytes_it_forces_as_the_model_spelled_them_and_closes_copied_values(generators):
