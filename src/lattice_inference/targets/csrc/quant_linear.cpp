@@ -225,7 +225,7 @@ const char* const KERNEL = "";  // neither: quantized weights are dequantized at
 namespace {
 
 constexpr int GROUP = 2;      // blocks of 16 outputs per pass (weight streams per thread)
-constexpr int64_t AHEAD = 4;  // superblocks fetched ahead of the one being read
+constexpr int64_t AHEAD = 8;  // superblocks fetched ahead of the one being read
 
 enum class Quant { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K };
 // Per format: INPUTS per superblock (and per scale of the inputs: 32, or 256 for the K-quants, whose inputs are
@@ -432,9 +432,11 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
     const uint8_t* sb[G];
     for (int g = 0; g < G; ++g) {
       sb[g] = w + g * block + b * bytes;
-      if (b + AHEAD < nb)
-        for (int64_t line = 0; line < bytes; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(sb[g] + AHEAD * bytes + line), _MM_HINT_T0);
+      // AHEAD superblocks on; past this group's last, the next group's first (a thread's next pass): its weights
+      // then arrive during this pass's products instead of stalling the next pass's first loads.
+      const uint8_t* ahead = b + AHEAD < nb ? sb[g] + AHEAD * bytes : w + (G + g) * block + (b + AHEAD - nb) * bytes;
+      for (int64_t line = 0; line < bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
     }
     const int8_t* xb[R];
     for (int r = 0; r < R; ++r) xb[r] = xq.q.data() + (r0 + r) * in + b * inputs;
