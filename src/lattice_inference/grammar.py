@@ -149,7 +149,8 @@ class GrammarState:
         self.mask_s = 0.0
         """Seconds spent computing masks."""
         self.masks = 0
-        """Masks computed (one per masked row; greedy: one per row chosen, `choose_greedy`)."""
+        """Masks computed (one per masked row; greedy: one per row whose argmax the mask refuses or where `_allows`
+        cannot tell, `choose_greedy`)."""
         self._allowed = np.zeros((1, grammar.vocab), dtype=np.bool_)
         self._canonical = bool(self.spelling.is_canonical)
         self._eos = frozenset(int(t) for t in self.spelling.eos_tokens)
@@ -165,9 +166,10 @@ class GrammarState:
         (`compute_ff_bytes`): the first forced token alone where the forced bytes spell any (`compute_ff_tokens`),
         else the tokens that spell a beginning of the forced bytes, and those that begin with them and that the
         grammar takes (its tokenizer's trie walked from the forced bytes); where none are forced, the
-        tokens the grammar takes; EOS where the grammar may end. A mask read after the forward costs about 190 us
-        on a 2-core Xeon (the forward's weights evict llguidance's tables from the cache); this, a few. The
-        equality with the mask is tested token by token (`tests/test_grammar.py`)."""
+        tokens the grammar takes; EOS where the grammar may end. Read after a forward on a 2-core Xeon, a mask
+        costs about 190 us (median; the forward evicts llguidance's tables from the cache) and this about 60 (most
+        of it llguidance's first tokenizing of the forced bytes in a new state). The equality with the mask is
+        tested token by token (`tests/test_grammar.py`)."""
         matcher = self._matcher
         if self._canonical is False or matcher.is_stopped():
             return None

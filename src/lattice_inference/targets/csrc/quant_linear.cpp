@@ -434,7 +434,9 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
       sb[g] = w + g * block + b * bytes;
       // AHEAD superblocks on; past this group's last, the next group's first (a thread's next pass): its weights
       // then arrive during this pass's products instead of stalling the next pass's first loads.
-      const uint8_t* ahead = b + AHEAD < nb ? sb[g] + AHEAD * bytes : w + (G + g) * block + (b + AHEAD - nb) * bytes;
+      // (An address, not a pointer: past the weights' last group it points nowhere, and a prefetch never faults.)
+      const int64_t off = b + AHEAD < nb ? g * block + (b + AHEAD) * bytes : (G + g) * block + (b + AHEAD - nb) * bytes;
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + off;
       for (int64_t line = 0; line < bytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
     }
