@@ -147,7 +147,7 @@ class GrammarState:
         """The token spelling a JSON string's closing ``"`` alone (None: not a JSON schema, or no such token)."""
         self._spelled_at: tuple[int, bytes] | None = None  # this round's spelling: its output index, its bytes
         self.mask_s = 0.0
-        """Seconds spent computing masks."""
+        """Seconds spent computing masks and telling tokens allowed without them (`_allows`)."""
         self.masks = 0
         """Masks computed (one per masked row; greedy: one per row whose argmax the mask refuses or where `_allows`
         cannot tell, `choose_greedy`)."""
@@ -171,7 +171,7 @@ class GrammarState:
         of it llguidance's first tokenizing of the forced bytes in a new state). The equality with the mask is
         tested token by token (`tests/test_grammar.py`)."""
         matcher = self._matcher
-        if self._canonical is False or matcher.is_stopped():
+        if not self._canonical or matcher.is_stopped():
             return None
         ahead = matcher.compute_ff_bytes()
         if ahead:
@@ -266,19 +266,14 @@ class GrammarState:
         consumed = 0
         try:
             for i, token in enumerate(best):
-                allowed, packed = self._allows(token), None
-                if allowed is None:
+                if not self._allows(token):  # refused, or not told without the mask: the mask decides
                     packed = self._bitmask()
                     self.masks += 1
-                    allowed = bool((packed[token >> 3] >> (token & 7)) & 1)
-                if not allowed:
-                    if packed is None:
-                        packed = self._bitmask()
-                        self.masks += 1
-                    row = self._allowed[0]
-                    self._mask_into(row, packed)
-                    masked = torch.where(torch.from_numpy(row).to(scores.device), scores[i], _MINUS_INFINITY)
-                    token = first_max(masked.reshape(1, -1))[0]
+                    if not (packed[token >> 3] >> (token & 7)) & 1:
+                        row = self._allowed[0]
+                        self._mask_into(row, packed)
+                        masked = torch.where(torch.from_numpy(row).to(scores.device), scores[i], _MINUS_INFINITY)
+                        token = first_max(masked.reshape(1, -1))[0]
                 choices[i] = token
                 if i == len(draft) or token != draft[i]:
                     break

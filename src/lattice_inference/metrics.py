@@ -48,7 +48,8 @@ class GenerationMetrics:
     grammar_cut_tokens: int = 0
     """Drafted tokens the grammar rejected: cut from their drafts before verification (not in ``drafted_tokens``)."""
     grammar_mask_s: float = 0.0
-    """Seconds spent computing the grammar's token masks (one per verified row; in ``decode_s``)."""
+    """Seconds the grammar's masks cost: computing them, and under greedy telling a row's argmax allowed without
+    one (`GrammarState.choose_greedy`; in ``decode_s``)."""
     prefill_s: float = 0.0
     decode_s: float = 0.0
     latency_s: float = 0.0
