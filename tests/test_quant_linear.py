@@ -125,6 +125,29 @@ def test_rows_equal_one_row_products_at_every_width(ops, kind):
     assert torch.equal(ops.quant_linear(x[3:9].reshape(2, 3, inp), packed, None).reshape(6, 80), alone[3:9])
 
 
+@pytest.mark.parametrize("kind", [k for k in FORMATS if FORMATS[k].inputs == 32])
+def test_products_on_amx_tiles_are_the_vector_kernels_bits(ops, kind):
+    """Where the CPU grants AMX, the 32-input formats take their dots from tiles from a few rows on (Q8_0 from 8,
+    the others from 17, their nibbles spread once per pass): every width (1..40: one tile of rows, two, a partial
+    last), output counts that leave passes of 1..4 blocks, and a bias give the vector kernel's bits exactly."""
+    if not ops.quant_linear_tiles():
+        pytest.skip("this CPU or build runs no AMX tiles (or LATTICE_AMX=0)")
+    inp = 224  # 7 blocks of 32
+    for out in (16, 48, 80, 112):
+        packed = quant_pack(quantized(_rand(out, inp, seed=out), kind), kind)
+        bias, x = _rand(out, seed=1), _rand(40, inp, seed=2) * 4
+        x[5, :32] = 0.0  # an all-zero block of inputs
+        tiles = [ops.quant_linear(x[:width], packed, bias) for width in range(1, 41)]
+        try:
+            ops.prefer_amx(False)
+            assert not ops.quant_linear_tiles()
+            vector = [ops.quant_linear(x[:width], packed, bias) for width in range(1, 41)]
+        finally:
+            ops.prefer_amx(True)
+        for width, (a, b) in enumerate(zip(tiles, vector, strict=True), 1):
+            assert torch.equal(a, b), (kind, out, width)
+
+
 def test_bad_input_gets_a_clear_error(ops):
     raw = quantized(_rand(32, 64, seed=7), "Q4_0")
     packed = quant_pack(raw, "Q4_0")

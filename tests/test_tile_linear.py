@@ -31,10 +31,10 @@ def tiles(request):
     if built is None:
         why = native_ops.unavailable() or "no AVX512-BF16 or AMX, or LATTICE_TILES=0"
         pytest.skip(f"our bfloat16 products do not run here ({why})")
-    built.tile_linear_prefer_amx(request.param == "amx")
+    built.prefer_amx(request.param == "amx")
     assert built.tile_linear_kernel() == request.param
     yield built
-    built.tile_linear_prefer_amx(True)
+    built.prefer_amx(True)
 
 
 def _rand(*shape: int, seed: int = 0) -> torch.Tensor:

@@ -116,7 +116,7 @@ def _load() -> tuple[ModuleType | None, str | None]:
         reason = f"could not build the native ops ({first})"
         print(f"lattice: {reason}; the lean forward runs its slower PyTorch path", file=sys.stderr)
         return None, reason
-    module.tile_linear_prefer_amx(not _switched_off("LATTICE_AMX"))
+    module.prefer_amx(not _switched_off("LATTICE_AMX"))
     module.attention_bf16_dots(bf16_attention_dots())
     return module, None
 
@@ -173,10 +173,14 @@ def quant() -> ModuleType | None:
 
 
 def quant_kernel() -> str | None:
-    """Which vector instructions quantized products run on here: ``"avx512_vnni"``, ``"avx512"``, ``"avx2"``, or
-    None (GGUF files are dequantized, see `quant`)."""
+    """Which vector instructions quantized products run on here: ``"avx512_vnni"``, ``"avx512"``, ``"avx2"``, with
+    ``"+amx_int8"`` where Q8_0 products of several rows take their dots from AMX tiles (``LATTICE_AMX=0``: never),
+    or None (GGUF files are dequantized, see `quant`)."""
     module = quant()
-    return None if module is None else str(module.quant_linear_kernel())
+    if module is None:
+        return None
+    tiles = str(module.quant_linear_tiles())
+    return str(module.quant_linear_kernel()) + (f"+{tiles}" if tiles else "")
 
 
 def product_kernel(dtype: torch.dtype) -> str | None:

@@ -892,13 +892,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_bf16_dots", [](bool on) { bf16_attention_dots = on; });
   m.def("tile_linear_available", &tile_linear_available);
   m.def("tile_linear_kernel", &tile_linear_kernel);
-  m.def("tile_linear_prefer_amx", &tile_linear_prefer_amx);
+  m.def("prefer_amx", &prefer_amx);
   m.def("tile_pack", &tile_pack);
   m.def("tile_linear", &tile_linear);
   m.def("rows_linear_kernel", &rows_linear_kernel);
   m.def("rows_pack", &rows_pack);
   m.def("rows_linear", &rows_linear);
   m.def("quant_linear_kernel", &quant_linear_kernel);
+  m.def("quant_linear_tiles", &quant_linear_tiles);
   m.def("quant_linear", &quant_linear);
   m.def("quant_linear_parts", &quant_linear_parts);
   m.def("quant_pack", &quant_pack_native);

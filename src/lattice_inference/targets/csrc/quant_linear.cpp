@@ -29,6 +29,7 @@
 // inputs 4 chunks of 64 bytes, chunk c holding group c (inputs 4c..4c+3) in its low nibbles and group c + 4 (inputs
 // 16+4c..) in its high ones; the bits above the nibble after all the nibbles: Q5's fifth bits as 64 bytes per 32
 // inputs (bit g of byte i: group g's byte i), Q6_K's two high bits as two vectors of 64 bytes (groups 0-3, 4-7).
+#include "amx.h"
 #include "quant_linear.h"
 #include "tensor_checks.h"
 
@@ -418,6 +419,53 @@ __attribute__((always_inline)) inline void nibble_dots(const uint8_t* const* qua
   }
 }
 
+template <Quant F>
+constexpr bool has_min = F == Quant::Q4_1 || F == Quant::Q5_1 || F == Quant::Q4_K || F == Quant::Q5_K;
+
+// Step 3 for one block ``b`` of superblock ``sb`` and row ``row``: ``acc`` plus the block's exact integer dot ``sum``
+// scaled (the weights' scales ``dw``, minimums or dmins ``mw``), whichever kernel computed the dot.
+template <Quant F>
+__attribute__((always_inline)) inline VF block_sum(VF acc, VI sum, VF dw, VF mw, const uint8_t* sb,
+                                                   const QuantRows& xq, int64_t row, int64_t b) {
+  const int64_t i = row * xq.blocks + b;
+  if constexpr (F == Quant::Q4_0) sum = minus(sum, 8 * xq.s[i]);  // quants minus 8
+  if constexpr (F == Quant::Q5_0) sum = minus(sum, 16 * xq.s[i]);  // quants minus 16
+  acc = fma_int(scaled(dw, xq.d[i]), sum, acc);
+  if constexpr (F == Quant::Q4_1 || F == Quant::Q5_1) acc = fma_scalar(mw, xq.ds[i], acc);
+  if constexpr (F == Quant::Q4_K || F == Quant::Q5_K) {  // minus dmin * d_x * sum_j min_j * (the rows' sum j)
+    const int32_t* s = xq.s.data() + row * xq.sums + b * 16;
+    VI mins = izero();
+    for (int j = 0; j < 8; ++j) mins = add(mins, mul(widen_u8(sb + 192 + 16 * j), s[2 * j] + s[2 * j + 1]));
+    acc = fnma_int(scaled(mw, xq.d[i]), mins, acc);
+  }
+  return acc;
+}
+
+// The first ``rows`` rows' sums ``acc`` [rows][G] into ``out`` [rows][stride] from column ``col``, plus the bias.
+template <int G>
+inline void store_rows(const VF (*acc)[G], int rows, const float* bias, float* out, int64_t stride, int64_t col) {
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < G; ++g) {
+      float* o = out + r * stride + col + g * 16;
+      store(o, acc[r][g]);
+      if (bias)
+        for (int j = 0; j < 16; ++j) o[j] += bias[col + g * 16 + j];
+    }
+}
+
+// Fetches the G superblocks ``AHEAD`` on from block ``b`` of ``nb`` (``block`` bytes between G's, ``bytes`` per
+// superblock); past this pass's last, the next pass's first (a thread's next pass): its weights then arrive during
+// this pass's products instead of stalling the next pass's first loads. (An address, not a pointer: past the weights'
+// last group it points nowhere, and a prefetch never faults.)
+template <int G>
+inline void prefetch_ahead(const uint8_t* w, int64_t b, int64_t nb, int64_t block, int64_t bytes) {
+  for (int g = 0; g < G; ++g) {
+    const int64_t off = b + AHEAD < nb ? g * block + (b + AHEAD) * bytes : (G + g) * block + (b + AHEAD - nb) * bytes;
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + off;
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+  }
+}
+
 // R rows (from ``r0``) times G blocks of weights (``block`` bytes apart) into ``out`` [R][stride] from column
 // ``col``, plus the bias: steps 2 and 3 of the file comment, each output's blocks in input order.
 template <Quant F, int R, int G>
@@ -430,16 +478,8 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
     for (int g = 0; g < G; ++g) acc[r][g] = fzero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* sb[G];
-    for (int g = 0; g < G; ++g) {
-      sb[g] = w + g * block + b * bytes;
-      // AHEAD superblocks on; past this group's last, the next group's first (a thread's next pass): its weights
-      // then arrive during this pass's products instead of stalling the next pass's first loads.
-      // (An address, not a pointer: past the weights' last group it points nowhere, and a prefetch never faults.)
-      const int64_t off = b + AHEAD < nb ? g * block + (b + AHEAD) * bytes : (G + g) * block + (b + AHEAD - nb) * bytes;
-      const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + off;
-      for (int64_t line = 0; line < bytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
-    }
+    for (int g = 0; g < G; ++g) sb[g] = w + g * block + b * bytes;
+    prefetch_ahead<G>(w, b, nb, block, bytes);
     const int8_t* xb[R];
     for (int r = 0; r < R; ++r) xb[r] = xq.q.data() + (r0 + r) * in + b * inputs;
     VI dot[R][G];
@@ -512,31 +552,11 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
       }
     }
     for (int g = 0; g < G; ++g) {
-      constexpr bool has_min = F == Quant::Q4_1 || F == Quant::Q5_1 || F == Quant::Q4_K || F == Quant::Q5_K;
-      const VF dw = half16(sb[g]), mw = has_min ? half16(sb[g] + 32) : dw;
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = (r0 + r) * nb + b;
-        VI sum = dot[r][g];
-        if constexpr (F == Quant::Q4_0) sum = minus(sum, 8 * xq.s[i]);  // quants minus 8
-        if constexpr (F == Quant::Q5_0) sum = minus(sum, 16 * xq.s[i]);  // quants minus 16
-        acc[r][g] = fma_int(scaled(dw, xq.d[i]), sum, acc[r][g]);
-        if constexpr (F == Quant::Q4_1 || F == Quant::Q5_1) acc[r][g] = fma_scalar(mw, xq.ds[i], acc[r][g]);
-        if constexpr (F == Quant::Q4_K || F == Quant::Q5_K) {  // minus dmin * d_x * sum_j min_j * (the rows' sum j)
-          const int32_t* s = xq.s.data() + (r0 + r) * xq.sums + b * 16;
-          VI mins = izero();
-          for (int j = 0; j < 8; ++j) mins = add(mins, mul(widen_u8(sb[g] + 192 + 16 * j), s[2 * j] + s[2 * j + 1]));
-          acc[r][g] = fnma_int(scaled(mw, xq.d[i]), mins, acc[r][g]);
-        }
-      }
+      const VF dw = half16(sb[g]), mw = has_min<F> ? half16(sb[g] + 32) : dw;
+      for (int r = 0; r < R; ++r) acc[r][g] = block_sum<F>(acc[r][g], dot[r][g], dw, mw, sb[g], xq, r0 + r, b);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) {
-      float* o = out + r * stride + col + g * 16;
-      store(o, acc[r][g]);
-      if (bias)
-        for (int j = 0; j < 16; ++j) o[j] += bias[col + g * 16 + j];
-    }
+  store_rows<G>(acc, R, bias, out, stride, col);
 }
 
 template <Quant F, int R, int G>
@@ -558,10 +578,163 @@ void quant_group(const QuantRows& xq, int64_t n, const uint8_t* w, int64_t block
   if (r < n) quant_tail<F, ROWS - 1, G>(xq, r, n - r, w, block, bias, out + r * stride, stride, col);
 }
 
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define LATTICE_QUANT_TILES 1
+// --- AMX tiles ------------------------------------------------------------------------------------------------------
+// From `tile_rows` rows, the 32-input formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) take step 2's dots from AMX: one tile
+// product gives up to 16 rows x 16 outputs' exact dots over a block of 32 inputs (the rows' signed bytes times the
+// weights' bytes into int32: `tdpbssd` for Q8_0's signed quants, `tdpbsud` for the others' unsigned ones), where the
+// vector kernel spends 8 dot products per row. A Q8_0 superblock's 512 bytes of quants are the tile's B layout as
+// they are (8 rows of 4 inputs x 16 outputs); the others' nibbles (and fifth bits) are spread to bytes in that layout
+// first, once for all the rows. Step 3 is `block_sum`, the vector kernel's operations in the same order, so every sum
+// is the same bits at any width and on either path. A pass's weights (4 blocks of 16 outputs) stay in the cache
+// while every 16 rows of a long input pass over them.
+
+// Fewest rows whose products run on tiles: a tile product costs about the same at any number of rows, and below this
+// many the vector dots cost less (Q8_0's need no unpacking; measured, bench/RESULTS.md 2026-12-07).
+template <Quant F>
+constexpr int64_t tile_rows = F == Quant::Q8_0 ? 8 : 17;
+template <Quant F>
+constexpr bool TILED = !K_QUANT<F>;
+constexpr int TILE_GROUP = 4;  // blocks of 16 outputs per pass, one int32 tile each (tiles 0-3)
+
+struct QuantTileConfig {  // palette 1: tiles 0-3 the dots (m rows x 16 int32), 4 the rows' 32 inputs, 5-6 weights
+  uint8_t palette = 1, start_row = 0, reserved[14] = {0};
+  uint16_t colsb[16] = {64, 64, 64, 64, 32, 64, 64};
+  uint8_t rows[16] = {0, 0, 0, 0, 0, 8, 8};
+  explicit QuantTileConfig(int m) {
+    for (int t = 0; t < 5; ++t) rows[t] = static_cast<uint8_t>(m);
+  }
+};
+
+// One superblock's quants in the tiles' B layout: Q8_0's as stored, the others' spread into ``buffer`` (512 bytes).
+template <Quant F>
+inline const uint8_t* b_layout(const uint8_t* sb, uint8_t* buffer) {
+  constexpr int64_t head = Format<F>::HEAD;
+  if constexpr (F == Quant::Q8_0) {
+    return sb + head;
+  } else {
+    for (int c = 0; c < 4; ++c) {
+      VI lo, hi;
+      nibbles(sb + head + 64 * c, lo, hi);
+      if constexpr (F == Quant::Q5_0 || F == Quant::Q5_1) {
+        const VI h = load64(sb + head + 256);
+        lo = high_bits(lo, h, c, 1);
+        hi = high_bits(hi, h, c + 4, 1);
+      }
+      _mm512_store_si512(buffer + 64 * c, lo.v);
+      _mm512_store_si512(buffer + 64 * (c + 4), hi.v);
+    }
+    return buffer;
+  }
+}
+
+// Tile C = the rows (tile 4) times 32 inputs' weights ``quants`` (B layout) of format F, loaded into tile B. A macro:
+// the compiler's tile intrinsics take the tiles' numbers as literal text.
+#define LATTICE_TILE_DOT(F, C, B, quants)                   \
+  do {                                                      \
+    _tile_zero(C);                                          \
+    _tile_loadd(B, quants, 64);                             \
+    if constexpr (F == Quant::Q8_0) _tile_dpbssd(C, 4, B);  \
+    else _tile_dpbsud(C, 4, B);                             \
+  } while (0)
+
+// Rows [r0, r0 + m) (m <= 16, the tile configuration for m rows loaded) times G blocks of weights (``block`` bytes
+// apart) into ``out`` [m][stride] from column ``col``, plus the bias. ``spread``: the G blocks' quants already in the
+// B layout ([blocks][G][512], `spread_pass`), else null (spread here). With ``prefetch`` the weights are fetched
+// ahead as `quant_pass` fetches them (a later 16 rows finds them in the cache).
+template <Quant F, int G>
+void tile_pass(const QuantRows& xq, int64_t r0, int m, const uint8_t* w, int64_t block, const float* bias,
+               float* out, int64_t stride, int64_t col, const uint8_t* spread, bool prefetch) {
+  constexpr int64_t bytes = Format<F>::BYTES;
+  const int64_t in = xq.in, nb = xq.blocks;
+  alignas(64) int32_t dots[G][16][16];
+  alignas(64) uint8_t here[G][512];
+  VF acc[16][G];
+  for (int r = 0; r < m; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = fzero();
+  const int8_t* x = xq.q.data() + r0 * in;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* sb[G];
+    for (int g = 0; g < G; ++g) sb[g] = w + g * block + b * bytes;
+    if (prefetch) prefetch_ahead<G>(w, b, nb, block, bytes);
+    const uint8_t* quants[G];
+    for (int g = 0; g < G; ++g) quants[g] = spread ? spread + (b * G + g) * 512 : b_layout<F>(sb[g], here[g]);
+    _tile_loadd(4, x + b * 32, in);
+    LATTICE_TILE_DOT(F, 0, 5, quants[0]);
+    if constexpr (G > 1) LATTICE_TILE_DOT(F, 1, 6, quants[1]);
+    if constexpr (G > 2) LATTICE_TILE_DOT(F, 2, 5, quants[2]);
+    if constexpr (G > 3) LATTICE_TILE_DOT(F, 3, 6, quants[3]);
+    _tile_stored(0, dots[0], 64);
+    if constexpr (G > 1) _tile_stored(1, dots[1], 64);
+    if constexpr (G > 2) _tile_stored(2, dots[2], 64);
+    if constexpr (G > 3) _tile_stored(3, dots[3], 64);
+    for (int g = 0; g < G; ++g) {
+      const VF dw = half16(sb[g]), mw = has_min<F> ? half16(sb[g] + 32) : dw;
+      for (int r = 0; r < m; ++r)
+        acc[r][g] = block_sum<F>(acc[r][g], load64(reinterpret_cast<const uint8_t*>(dots[g][r])), dw, mw, sb[g], xq,
+                                 r0 + r, b);
+    }
+  }
+  store_rows<G>(acc, m, bias, out, stride, col);
+}
+
+// A pass's G blocks' quants of format F (not Q8_0, whose are the B layout already) in the B layout, once for all
+// its 16-row chunks: ``out`` [blocks][G][512].
+template <Quant F>
+void spread_pass(const uint8_t* w, int64_t block, int64_t nb, int64_t width, uint8_t* out) {
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t g = 0; g < width; ++g)
+      b_layout<F>(w + g * block + b * Format<F>::BYTES, out + (b * width + g) * 512);
+}
+
+// ``n`` rows times every block of 16 outputs, on tiles: per pass of G blocks, every 16 rows.
+template <Quant F>
+void tile_all(const QuantRows& xq, int64_t n, const uint8_t* wp, int64_t blocks, const float* bias, float* out,
+              int64_t stride, int64_t col) {
+  const int64_t block = xq.blocks * Format<F>::BYTES;
+  constexpr bool spreads = F != Quant::Q8_0;
+  at::parallel_for(0, blocks, TILE_GROUP, [&](int64_t b0, int64_t b1) {
+    int loaded = 0;  // the rows the loaded configuration is for
+    // with more than one chunk of rows, the nibbles are spread once per pass, not once per chunk
+    std::vector<uint8_t> bytes(spreads && n > 16 ? xq.blocks * TILE_GROUP * 512 + 64 : 0);
+    uint8_t* spread = bytes.empty() ? nullptr : bytes.data() + (-reinterpret_cast<uintptr_t>(bytes.data()) & 63);
+    for (int64_t b = b0; b < b1; b += TILE_GROUP) {
+      const int64_t width = std::min<int64_t>(TILE_GROUP, b1 - b);
+      const uint8_t* w = wp + b * block;
+      if (spread) spread_pass<F>(w, block, xq.blocks, width, spread);
+      for (int64_t r = 0; r < n; r += 16) {
+        const int m = static_cast<int>(std::min<int64_t>(16, n - r));
+        if (m != loaded) {
+          const QuantTileConfig config(m);
+          _tile_loadconfig(&config);
+          loaded = m;
+        }
+        float* o = out + r * stride;
+        const int64_t c = col + b * 16;
+        if (width == 4) tile_pass<F, 4>(xq, r, m, w, block, bias, o, stride, c, spread, r == 0);
+        else if (width == 3) tile_pass<F, 3>(xq, r, m, w, block, bias, o, stride, c, spread, r == 0);
+        else if (width == 2) tile_pass<F, 2>(xq, r, m, w, block, bias, o, stride, c, spread, r == 0);
+        else tile_pass<F, 1>(xq, r, m, w, block, bias, o, stride, c, spread, r == 0);
+      }
+    }
+    if (loaded) _tile_release();
+  });
+}
+
+// Whether products of ``n`` rows of format F run on tiles in this process.
+template <Quant F>
+bool on_tiles(int64_t n) { return TILED<F> && n >= tile_rows<F> && amx_preferred() && amx_granted(); }
+#endif  // AMX
+
 // ``n`` rows times every block of 16 outputs into ``out`` [n][stride] from column ``col``.
 template <Quant F>
 void quant_all(const QuantRows& xq, int64_t n, const uint8_t* wp, int64_t blocks, const float* bias, float* out,
                int64_t stride, int64_t col) {
+#ifdef LATTICE_QUANT_TILES
+  if constexpr (TILED<F>)
+    if (on_tiles<F>(n)) return tile_all<F>(xq, n, wp, blocks, bias, out, stride, col);
+#endif
   const int64_t block = xq.blocks * Format<F>::BYTES;
   at::parallel_for(0, blocks, GROUP, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b += GROUP) {
@@ -575,6 +748,13 @@ void quant_all(const QuantRows& xq, int64_t n, const uint8_t* wp, int64_t blocks
 #endif  // LATTICE_QUANT
 
 std::string quant_linear_kernel() { return KERNEL; }
+
+std::string quant_linear_tiles() {
+#ifdef LATTICE_QUANT_TILES
+  if (amx_preferred() && amx_granted()) return "amx_int8";
+#endif
+  return "";
+}
 
 namespace {
 

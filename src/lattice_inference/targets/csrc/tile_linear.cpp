@@ -22,6 +22,7 @@
 //   operations at any width.
 // Either way the bias is added last and the sum rounded to bfloat16 (round to nearest even): a k-row product
 // equals k 1-row products bit for bit. The two kernels round differently from each other; one process uses one.
+#include "amx.h"
 #include "tensor_checks.h"
 #include "tile_linear.h"
 
@@ -36,8 +37,6 @@
 #endif
 #if defined(LATTICE_DOTS) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define LATTICE_TILES 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 torch::Tensor tile_pack(const torch::Tensor& weight) {
@@ -176,12 +175,6 @@ inline void tile_group(const uint16_t* a, int64_t stride, const uint16_t* w, int
   if (G > 3) _tile_stored(3, sums + 48, G * 64);
 }
 
-bool amx_granted() {
-  // Linux hands out the tiles' register state only on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA).
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
 void amx_linear(const uint16_t* xp, int64_t n, int64_t in, const uint16_t* wp, int64_t blocks, const float* bias,
                 uint16_t* op) {
   const int64_t full = n / 16, tail = n % 16, chunks = in / 32, out = blocks * 16;
@@ -209,13 +202,11 @@ void amx_linear(const uint16_t* xp, int64_t n, int64_t in, const uint16_t* wp, i
 }
 #endif  // LATTICE_TILES
 
-bool prefer_amx = true;  // `tile_linear_prefer_amx`
-
 }  // namespace
 
 std::string tile_linear_kernel() {
 #ifdef LATTICE_TILES
-  if (prefer_amx && amx_granted()) return "amx";
+  if (amx_preferred() && amx_granted()) return "amx";
 #endif
 #ifdef LATTICE_DOTS
   return "avx512_bf16";
@@ -224,7 +215,7 @@ std::string tile_linear_kernel() {
 #endif
 }
 
-void tile_linear_prefer_amx(bool prefer) { prefer_amx = prefer; }
+void prefer_amx(bool prefer) { amx_preferred() = prefer; }
 
 bool tile_linear_available() { return !tile_linear_kernel().empty(); }
 

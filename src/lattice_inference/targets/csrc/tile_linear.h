@@ -9,8 +9,9 @@
 std::string tile_linear_kernel();
 // Whether `tile_linear` runs here (`tile_linear_kernel` is not empty).
 bool tile_linear_available();
-// Whether to run AMX where it is granted (the default) or the AVX512-BF16 kernel: set once, before any product.
-void tile_linear_prefer_amx(bool prefer);
+// Whether to run AMX tiles where they are built and granted (the default), in the bfloat16 products (else the
+// AVX512-BF16 kernel) and the quantized ones (else their vector kernel at every width): set once, before any product.
+void prefer_amx(bool prefer);
 // A dense bfloat16 weight [out, in] (out a multiple of 16, in of 32) laid out for `tile_linear`:
 // [out / 16, in / 2, 16, 2], each block of 16 outputs holding pairs of inputs side by side (the tiles' B layout).
 torch::Tensor tile_pack(const torch::Tensor& weight);
