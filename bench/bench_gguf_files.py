@@ -39,8 +39,9 @@ A markdown table per file ends the run (``--summarise FILE`` prints it again).
 
 The llama.cpp build of this machine was made with ``GGML_NATIVE=ON``: its AMX kernels are compiled in, but this VM
 does not give processes the AMX tile state, so llama-server dies (SIGSEGV in ``ggml_backend_amx_mul_mat``) on its
-first batched forward. ``--llama-lib`` puts a ``libggml-cpu.so`` built without AMX (same sources, AVX-512 VNNI/BF16
-on) in front; see bench/README.md.
+first batched forward (on a later VM that grants the tiles it died with SIGILL as its thread pool started).
+``--llama-lib`` puts a ``libggml-cpu.so`` built without AMX (same sources, AVX-512 VNNI/BF16 on) in front; see
+bench/README.md.
 
     LL=/path/to/llama   # where real-files.md's recipe built llama.cpp; LATTICE_REAL_FILES: the joined real files
     .venv/bin/python bench/bench_gguf_files.py --per-kind 2 \\
