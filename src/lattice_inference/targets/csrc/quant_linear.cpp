@@ -581,8 +581,8 @@ void quant_group(const QuantRows& xq, int64_t n, const uint8_t* w, int64_t block
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define LATTICE_QUANT_TILES 1
 // --- AMX tiles ------------------------------------------------------------------------------------------------------
-// From `tile_rows` rows (8 to 32), the 32-input formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) take step 2's dots from AMX: one tile
-// product gives up to 16 rows x 16 outputs' exact dots over a block of 32 inputs (the rows' signed bytes times the
+// From `tile_rows` rows (8 to 32), the 32-input formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) take step 2's dots from AMX:
+// one tile product gives up to 16 rows x 16 outputs' exact dots over a block of 32 inputs (the rows' signed bytes times the
 // weights' bytes into int32: `tdpbssd` for Q8_0's signed quants, `tdpbsud` for the others' unsigned ones), where the
 // vector kernel spends 8 dot products per row. A Q8_0 superblock's 512 bytes of quants are the tile's B layout as
 // they are (8 rows of 4 inputs x 16 outputs); the others' nibbles (and fifth bits) are spread to bytes in that layout
@@ -590,8 +590,9 @@ void quant_group(const QuantRows& xq, int64_t n, const uint8_t* w, int64_t block
 // is the same bits at any width and on either path. A pass's weights (4 blocks of 16 outputs) stay in the cache
 // while every 16 rows of a long input pass over them.
 
-// Fewest rows whose products run on tiles: a tile product costs about the same at any number of rows, and below this
-// many the vector dots cost less: Q8_0's need no spreading; the nibble formats' are spread once per pass, which pays
+// Fewest rows whose products run on tiles: a tile product, and the store of its sums that every block of 32 inputs
+// needs (each block has its own scales), cost about the same at any number of rows, and below this many the vector
+// dots cost less: Q8_0's need no spreading; the nibble formats' are spread once per pass, which pays
 // from two chunks of rows on, and Q4_0/Q4_1's vector dots are cheap enough that tiles win only from 32 rows
 // (measured, bench/RESULTS.md 2026-12-07).
 template <Quant F>
