@@ -581,7 +581,7 @@ void quant_group(const QuantRows& xq, int64_t n, const uint8_t* w, int64_t block
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define LATTICE_QUANT_TILES 1
 // --- AMX tiles ------------------------------------------------------------------------------------------------------
-// From `tile_rows` rows (8 to 32), the 32-input formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) take step 2's dots from AMX:
+// From `tile_rows` rows (5 or 32), the 32-input formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) take step 2's dots from AMX:
 // one tile product gives up to 16 rows x 16 outputs' exact dots over a block of 32 inputs (the rows' signed bytes times the
 // weights' bytes into int32: `tdpbssd` for Q8_0's signed quants, `tdpbsud` for the others' unsigned ones), where the
 // vector kernel spends 8 dot products per row. A Q8_0 superblock's 512 bytes of quants are the tile's B layout as
@@ -591,12 +591,12 @@ void quant_group(const QuantRows& xq, int64_t n, const uint8_t* w, int64_t block
 // while every 16 rows of a long input pass over them.
 
 // Fewest rows whose products run on tiles: a tile product, and the store of its sums that every block of 32 inputs
-// needs (each block has its own scales), cost about the same at any number of rows, and below this many the vector
-// dots cost less: Q8_0's need no spreading; the nibble formats' are spread once per pass, which pays
-// from two chunks of rows on, and Q4_0/Q4_1's vector dots are cheap enough that tiles win only from 32 rows
-// (measured, bench/RESULTS.md 2026-12-07).
+// needs (each block has its own scales), cost about the same at any number of rows, so below some rows the vector dots
+// cost less. Q8_0's quants need no spreading: tiles from 5 rows. The nibble formats' are spread once per pass, which
+// pays from two chunks of rows on, and their vector dots are cheap: tiles from 32 rows (`bench/bench_quant_tiles.py`,
+// bench/RESULTS.md 2026-12-07).
 template <Quant F>
-constexpr int64_t tile_rows = F == Quant::Q8_0 ? 8 : F == Quant::Q4_0 || F == Quant::Q4_1 ? 32 : 17;
+constexpr int64_t tile_rows = F == Quant::Q8_0 ? 5 : 32;
 template <Quant F>
 constexpr bool TILED = !K_QUANT<F>;
 constexpr int TILE_GROUP = 4;  // blocks of 16 outputs per pass, one int32 tile each (tiles 0-3)

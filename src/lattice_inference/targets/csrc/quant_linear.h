@@ -7,8 +7,8 @@
 // The vector instructions `quant_linear` runs on in this build: "avx512_vnni", "avx512", "avx2", or "" (neither:
 // quantized weights are dequantized at load instead).
 std::string quant_linear_kernel();
-// "amx_int8" where products of the 32-input formats take their dots from AMX tiles from some rows on (Q8_0 from 8,
-// Q5_0/Q5_1 from 17, Q4_0/Q4_1 from 32) in this process (built with AMX, granted, preferred: `prefer_amx`), else "".
+// "amx_int8" where products of the 32-input formats take their dots from AMX tiles from some rows on (Q8_0 from 5,
+// the others from 32) in this process (built with AMX, granted, preferred: `prefer_amx`), else "".
 // The same bits either way.
 std::string quant_linear_tiles();
 // x [..., in] (float32) @ weight.T + bias over a GGUF-quantized weight in `quant_pack`'s layout (uint8 [out / 16,
