@@ -128,9 +128,8 @@ def test_rows_equal_one_row_products_at_every_width(ops, kind):
 @pytest.mark.parametrize("kind", [k for k in FORMATS if FORMATS[k].inputs == 32])
 def test_products_on_amx_tiles_are_the_vector_kernels_bits(ops, kind):
     """Where the CPU grants AMX, the 32-input formats take their dots from tiles from some rows on (Q8_0 from 5, the
-    nibble formats from 32, spread once per pass): every width (1..40: one tile of rows,
-    two, three, a partial last), output counts that leave passes of 1..4 blocks, and a bias give the vector kernel's
-    bits exactly."""
+    nibble formats from 32, spread once per pass): every width (1..40: part of a tile of rows, one, two, a partial
+    third), output counts that leave passes of 1..4 blocks, and a bias give the vector kernel's bits exactly."""
     if not ops.quant_linear_tiles():
         pytest.skip("this CPU or build runs no AMX tiles (or LATTICE_AMX=0)")
     inp = 224  # 7 blocks of 32

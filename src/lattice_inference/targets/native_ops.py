@@ -174,8 +174,8 @@ def quant() -> ModuleType | None:
 
 def quant_kernel() -> str | None:
     """Which vector instructions quantized products run on here: ``"avx512_vnni"``, ``"avx512"``, ``"avx2"``, with
-    ``"+amx_int8"`` where Q8_0 products of several rows take their dots from AMX tiles (``LATTICE_AMX=0``: never),
-    or None (GGUF files are dequantized, see `quant`)."""
+    ``"+amx_int8"`` where the 32-input formats' products of several rows (Q8_0 from 5, the others from 32) take their
+    dots from AMX tiles (``LATTICE_AMX=0``: never), or None (GGUF files are dequantized, see `quant`)."""
     module = quant()
     if module is None:
         return None
