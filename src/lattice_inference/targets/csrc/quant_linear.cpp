@@ -617,11 +617,12 @@ inline const uint8_t* b_layout(const uint8_t* sb, uint8_t* buffer) {
   if constexpr (F == Quant::Q8_0) {
     return sb + head;
   } else {
+    constexpr bool fifth = F == Quant::Q5_0 || F == Quant::Q5_1;
+    const VI h = fifth ? load64(sb + head + 256) : izero();  // the fifth bits, once for the 4 chunks
     for (int c = 0; c < 4; ++c) {
       VI lo, hi;
       nibbles(sb + head + 64 * c, lo, hi);
-      if constexpr (F == Quant::Q5_0 || F == Quant::Q5_1) {
-        const VI h = load64(sb + head + 256);
+      if constexpr (fifth) {
         lo = high_bits(lo, h, c, 1);
         hi = high_bits(hi, h, c + 4, 1);
       }
@@ -725,9 +726,6 @@ void tile_all(const QuantRows& xq, int64_t n, const uint8_t* wp, int64_t blocks,
   });
 }
 
-// Whether products of ``n`` rows of format F run on tiles in this process.
-template <Quant F>
-bool on_tiles(int64_t n) { return TILED<F> && n >= tile_rows<F> && amx_preferred() && amx_granted(); }
 #endif  // AMX
 
 // ``n`` rows times every block of 16 outputs into ``out`` [n][stride] from column ``col``.
@@ -736,7 +734,7 @@ void quant_all(const QuantRows& xq, int64_t n, const uint8_t* wp, int64_t blocks
                int64_t stride, int64_t col) {
 #ifdef LATTICE_QUANT_TILES
   if constexpr (TILED<F>)
-    if (on_tiles<F>(n)) return tile_all<F>(xq, n, wp, blocks, bias, out, stride, col);
+    if (n >= tile_rows<F> && amx_on()) return tile_all<F>(xq, n, wp, blocks, bias, out, stride, col);
 #endif
   const int64_t block = xq.blocks * Format<F>::BYTES;
   at::parallel_for(0, blocks, GROUP, [&](int64_t b0, int64_t b1) {
@@ -754,7 +752,7 @@ std::string quant_linear_kernel() { return KERNEL; }
 
 std::string quant_linear_tiles() {
 #ifdef LATTICE_QUANT_TILES
-  if (amx_preferred() && amx_granted()) return "amx_int8";
+  if (amx_on()) return "amx_int8";
 #endif
   return "";
 }

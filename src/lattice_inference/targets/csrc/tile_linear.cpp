@@ -206,7 +206,7 @@ void amx_linear(const uint16_t* xp, int64_t n, int64_t in, const uint16_t* wp, i
 
 std::string tile_linear_kernel() {
 #ifdef LATTICE_TILES
-  if (amx_preferred() && amx_granted()) return "amx";
+  if (amx_on()) return "amx";
 #endif
 #ifdef LATTICE_DOTS
   return "avx512_bf16";
