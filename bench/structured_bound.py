@@ -1,20 +1,25 @@
-"""How fast can prompt lookup make constrained decoding on the structured task set? A floor on its rounds, next to
-what ``ngram`` does, on the default model.
+"""How fast can prompt lookup make constrained decoding on the structured task set? Two bounds, next to what
+``ngram`` does, on the default model.
 
 Why: issue 53 asks constrained ``ngram`` for 2x constrained greedy on whole requests. Every verification round
 emits exactly one token that was not drafted (the target's own, after the accepted draft), and a lookup drafter
 can only draft a token that the grammar forces, or that followed the previous token somewhere earlier in the
 request (prompt or output: a draft is a copy of what followed an earlier occurrence), or that continues earlier
-text (`NgramState._spelled_lookup` re-spells text). A token that is none of these must be some round's own token,
-so their count is a floor on the rounds of any lookup drafter, however it picks its occurrences and lengths.
+text (`NgramState._spelled_lookup` re-spells text).
 
-For each task of `bench/structured_tasks.jsonl` (its schema as a grammar, batch 1, one generator per method on one
-shared target) it runs constrained greedy and ``ngram`` ``--reps`` times, alternating, and prints per task: the new
-tokens, those the grammar forces, the undraftable ones (the floor), and ``ngram``'s target forwards. Then the totals
-and an optimistic time for that floor: each floor round a one-token forward, every other new token one more row at
-the cheapest marginal row cost the target's measured forward costs show (``t(w) - t(1)) / (w - 1)``, least over
-widths 2..11), against the measured medians of prefill and decode; that gives the most any lookup drafter could
-reach on whole requests on this machine, next to what ``ngram`` reaches.
+- The floor: tokens that are none of these must each be some round's own token, so their count is a floor on the
+  rounds of any lookup drafter (optimistic: it assumes the right occurrence and length are always guessed).
+- The oracle, measured: a lookup drafter that knows greedy's output (`OracleDrafter`) drafts, at each position, the
+  longest agreeing continuation among every occurrence of the context's last 1..``max_ngram`` tokens and ``ngram``'s
+  own proposal (its text lookup included), cut where it stops agreeing, and verifies all of it (no planner): no row
+  is ever wasted and no occurrence is chosen wrongly, so its whole requests are the fastest any n-gram lookup
+  drafter could make with this target's verification costs. Its proposals are computed before the timed passes.
+
+For each task of `bench/structured_tasks.jsonl` (its schema as a grammar, batch 1, one shared target) it runs
+constrained greedy, ``ngram`` and the oracle ``--reps`` times, taking turns task by task, every output checked
+identical to greedy's, and prints per task the new tokens, those the grammar forces, the floor and each drafter's
+target forwards; then per method the medians over passes of prefill and decode seconds, and the ratios to greedy
+on whole requests (prefill + decode) and on decode alone. Rows are printed as they are measured.
 
     .venv/bin/python bench/structured_bound.py --threads 2 --reps 3
 """
@@ -25,12 +30,17 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from bench_serve_concurrency import cpu_line
 
+from lattice_inference.drafters.base import Drafter, DrafterState, Proposal, Spelling
+from lattice_inference.drafters.ngram import NgramDrafter, NgramState
+
 TASKS = Path(__file__).with_name("structured_tasks.jsonl")
+METHODS = ("greedy", "ngram", "oracle")
 
 
 def undraftable(tokenizer: Any, grammar: Any, prompt: list[int], output: list[int]) -> tuple[int, int]:
@@ -56,6 +66,64 @@ def undraftable(tokenizer: Any, grammar: Any, prompt: list[int], output: list[in
     return forced_count, floor
 
 
+def best_copies(prompt: list[int], output: list[int], max_ngram: int, limit: int) -> list[list[int]]:
+    """For each position ``i`` of ``output``: the longest run of ``output[i:]`` (at most ``limit`` tokens) that
+    follows some earlier occurrence of the history's last 1..``max_ngram`` tokens (the history: ``prompt`` and
+    ``output[:i]``), as the copy a lookup drafter would make there if it chose the best occurrence."""
+    history = list(prompt)
+    copies = []
+    for i in range(len(output)):
+        want, size, best = output[i : i + limit], len(history), []
+        for n in range(1, min(max_ngram, size - 1) + 1):
+            suffix = history[size - n :]
+            for end in range(n - 1, size - 1):
+                if history[end] != suffix[-1] or history[end - n + 1 : end + 1] != suffix:
+                    continue
+                k = 0
+                while k < len(want) and end + 1 + k < size and history[end + 1 + k] == want[k]:
+                    k += 1
+                if k > len(best):
+                    best = want[:k]
+        copies.append(best)
+        history.append(output[i])
+    return copies
+
+
+class OracleState(DrafterState):
+    """One generation of `OracleDrafter`: ``ngram``'s own state beside the precomputed best copies."""
+
+    def __init__(self, lookup: NgramState, prompt: int, reference: list[int], copies: list[list[int]]) -> None:
+        self.lookup, self.prompt, self.reference, self.copies = lookup, prompt, reference, copies
+
+    def under_grammar(self, spelling: Spelling | None = None) -> None:
+        self.lookup.under_grammar(spelling)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        self.lookup.extend(token_ids)
+
+    def propose(self, max_tokens: int) -> Proposal:
+        """The longer of the best copy and ``ngram``'s proposal, each cut where it leaves greedy's output."""
+        i = len(self.lookup.history) - self.prompt
+        want = self.reference[i : i + max_tokens]
+        own = self.lookup.propose(max_tokens)
+        k = 0
+        while k < len(own) and k < len(want) and own[k] == want[k]:
+            k += 1
+        copy = self.copies[i][:max_tokens] if i < len(self.copies) else []
+        return Proposal(copy if len(copy) > k else own[:k])
+
+
+class OracleDrafter(Drafter):
+    """A lookup drafter that knows each prompt's greedy output (`OracleState`); for measuring a ceiling only."""
+
+    def __init__(self, lookup: NgramDrafter, outputs: dict[tuple[int, ...], tuple[list[int], list[list[int]]]]) -> None:
+        self.lookup, self.outputs = lookup, outputs
+
+    def new_state(self, prompt_ids: Sequence[int], sampler: Any = None, suffix_index: Any = None) -> OracleState:
+        reference, copies = self.outputs[tuple(prompt_ids)]
+        return OracleState(self.lookup.new_state(prompt_ids), len(prompt_ids), reference, copies)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -67,62 +135,69 @@ def main() -> None:
     import torch
 
     from lattice_inference import Generator
+    from lattice_inference.decode import SpeculativeDecoder
     from lattice_inference.loading import load_model
-    from lattice_inference.targets.forward_cost import forward_costs
+    from lattice_inference.options import DecodeOptions
 
     torch.set_num_threads(args.threads)
     print(cpu_line(), f"{args.threads} threads")
     tasks = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
     loaded = load_model("smollm2")
-    greedy = Generator(loaded.model, loaded.tokenizer, method="greedy", eos_token_ids=loaded.eos_token_ids,
-                       prefix_cache=False)  # fmt: skip
-    ngram = Generator(loaded.model, loaded.tokenizer, method="ngram", eos_token_ids=loaded.eos_token_ids,
-                      prefix_cache=False, target=greedy.decoder.target)  # fmt: skip
+    eos = list(loaded.eos_token_ids)
+    greedy = Generator(loaded.model, loaded.tokenizer, method="greedy", eos_token_ids=eos, prefix_cache=False)
+    target = greedy.decoder.target
+    ngram = Generator(loaded.model, loaded.tokenizer, method="ngram", eos_token_ids=eos, prefix_cache=False,
+                      target=target)  # fmt: skip
     ngram.prepare()
-    costs = forward_costs(greedy.decoder.target, ngram.decoder.widest())
-    step = costs.seconds(1)
-    row = min((costs.seconds(w) - step) / (w - 1) for w in range(2, 12))
-    times: dict[str, dict[str, list[float]]] = {m: {"prefill": [], "decode": []} for m in ("greedy", "ngram")}
-    print("| task | new tokens | forced | undraftable (floor) | ngram forwards |")
-    print("|---|---|---|---|---|")
-    totals = [0, 0, 0, 0]
+    prompts = [f"{t['question']}\n\n{t['document']}" for t in tasks]
+    ids = [greedy.codec.encode(p, chat=True) for p in prompts]
+    grammars = [greedy.grammar(json_schema=t["schema"]) for t in tasks]
+    options = DecodeOptions()
+    outputs, rows = {}, []
+    for task, prompt, grammar in zip(tasks, ids, grammars, strict=True):  # greedy's outputs, the oracle's copies
+        out = greedy.decoder.start(prompt, args.max_tokens, grammar=grammar.state()).result().token_ids
+        outputs[tuple(prompt)] = (out, best_copies(prompt, out, options.max_ngram, options.max_draft))
+        rows.append([task["id"], len(out), *undraftable(loaded.tokenizer, grammar, prompt, out)])
+    lookup = NgramDrafter(eos_token_ids=eos)
+    decoders = {
+        "greedy": greedy.decoder,
+        "ngram": ngram.decoder,
+        "oracle": SpeculativeDecoder(
+            target, OracleDrafter(lookup, outputs), max_draft=options.max_draft, eos_token_ids=eos, adaptive=False
+        ),
+    }
+    times: dict[str, dict[str, list[float]]] = {m: {"prefill": [], "decode": []} for m in METHODS}
+    forwards = {m: [0] * len(tasks) for m in METHODS}
     for rep in range(args.reps):
-        sums = {m: [0.0, 0.0] for m in times}
-        for i, task in enumerate(tasks):
-            prompt = f"{task['question']}\n\n{task['document']}"
-            outs = {}
-            for name, gen in (("greedy", greedy), ("ngram", ngram))[:: 1 if i % 2 else -1]:
-                outs[name] = gen.generate(
-                    prompt, args.max_tokens, chat=True, grammar=gen.grammar(json_schema=task["schema"])
-                )
-                sums[name][0] += outs[name].metrics.prefill_s
-                sums[name][1] += outs[name].metrics.decode_s
-            if outs["ngram"].token_ids != outs["greedy"].token_ids:
-                raise SystemExit(f"{task['id']}: ngram's output differs from constrained greedy's")
-            if rep == 0:
-                ids = greedy.codec.encode(prompt, chat=True)
-                out = outs["greedy"].token_ids
-                forced, floor = undraftable(loaded.tokenizer, greedy.grammar(json_schema=task["schema"]), ids, out)
-                forwards = outs["ngram"].metrics.target_forwards
-                print(f"| {task['id']} | {len(out)} | {forced} | {floor} | {forwards} |", flush=True)
-                for j, v in enumerate((len(out), forced, floor, forwards)):
-                    totals[j] += v
-        for name, (prefill, decode) in sums.items():
-            times[name]["prefill"].append(prefill)
-            times[name]["decode"].append(decode)
-    new, forced, floor, forwards = totals
-    print(f"| all | {new} | {forced} | {floor} | {forwards} |")
+        sums = {m: [0.0, 0.0] for m in METHODS}
+        for i, (prompt, grammar) in enumerate(zip(ids, grammars, strict=True)):
+            for method in METHODS[i % 3 :] + METHODS[: i % 3]:
+                result = decoders[method].start(prompt, args.max_tokens, grammar=grammar.state()).result()
+                if result.token_ids != outputs[tuple(prompt)][0]:
+                    raise SystemExit(f"{tasks[i]['id']}: {method}'s output differs from constrained greedy's")
+                sums[method][0] += result.metrics.prefill_s
+                sums[method][1] += result.metrics.decode_s
+                forwards[method][i] = result.metrics.target_forwards
+        for method, (prefill, decode) in sums.items():
+            times[method]["prefill"].append(prefill)
+            times[method]["decode"].append(decode)
+        print(f"[bound] pass {rep + 1}/{args.reps}: decode s " + ", ".join(f"{m} {sums[m][1]:.3f}" for m in METHODS),
+              flush=True)  # fmt: skip
+    print("\n| task | new tokens | forced | undraftable (floor) | ngram forwards | oracle forwards |")
+    print("|---|---|---|---|---|---|")
+    for i, (name, new, forced, floor) in enumerate(rows):
+        print(f"| {name} | {new} | {forced} | {floor} | {forwards['ngram'][i]} | {forwards['oracle'][i]} |")
+    totals = [sum(r[j] for r in rows) for j in (1, 2, 3)]
+    print(f"| all | {totals[0]} | {totals[1]} | {totals[2]} | {sum(forwards['ngram'])} | {sum(forwards['oracle'])} |")
     med = {m: {k: statistics.median(v) for k, v in parts.items()} for m, parts in times.items()}
-    prefill = statistics.median(med[m]["prefill"] for m in med)
-    # the first token of each request comes from the prefill: the floor's rounds emit the rest
-    ideal = floor * step + (new - len(tasks) - floor) * row
-    g, n = med["greedy"]["decode"], med["ngram"]["decode"]
-    print(f"\nforward costs: one token {step * 1e3:.2f} ms, cheapest marginal row {row * 1e3:.2f} ms")
-    print(f"prefill {prefill:.3f} s (median over passes, all tasks); decode: greedy {g:.3f} s, ngram {n:.3f} s, "
-          f"the floor's {ideal:.3f} s at the least")  # fmt: skip
-    print(f"whole requests x greedy: ngram {(prefill + g) / (prefill + n):.2f}x, any lookup drafter at most "
-          f"{(prefill + g) / (prefill + ideal):.2f}x; decode alone {g / n:.2f}x, at most {g / ideal:.2f}x")  # fmt: skip
-    print(f"(measured {time.strftime('%Y-%m-%d %H:%M')})")
+    print("\n| method | prefill s | decode s | whole x greedy | decode x greedy |")
+    print("|---|---|---|---|---|")
+    g = med["greedy"]
+    for m in METHODS:
+        whole = (g["prefill"] + g["decode"]) / (med[m]["prefill"] + med[m]["decode"])
+        print(f"| {m} | {med[m]['prefill']:.3f} | {med[m]['decode']:.3f} | {whole:.2f}x | "
+              f"{g['decode'] / med[m]['decode']:.2f}x |")  # fmt: skip
+    print(f"(medians over {args.reps} passes; measured {time.strftime('%Y-%m-%d %H:%M')})")
 
 
 if __name__ == "__main__":
