@@ -19,7 +19,8 @@ For each task of `bench/structured_tasks.jsonl` (its schema as a grammar, batch 
 constrained greedy, ``ngram`` and the oracle ``--reps`` times, taking turns task by task, every output checked
 identical to greedy's, and prints per task the new tokens, those the grammar forces, the floor and each drafter's
 target forwards; then per method the medians over passes of prefill and decode seconds, and the ratios to greedy
-on whole requests (prefill + decode) and on decode alone. Rows are printed as they are measured.
+on whole requests (prefill + decode) and on decode alone. Every measured request and each task's counts are
+appended to ``--out`` (JSONL) as they come, so a failure later loses none.
 
     .venv/bin/python bench/structured_bound.py --threads 2 --reps 3
 """
@@ -29,12 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_serve_concurrency import cpu_line
+from bench_serve_concurrency import RowWriter, cpu_line
 
 from lattice_inference.drafters.base import Drafter, DrafterState, Proposal, Spelling
 from lattice_inference.drafters.ngram import NgramDrafter, NgramState
@@ -130,6 +132,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=320)
     ap.add_argument("--tasks", default=str(TASKS))
+    ap.add_argument("--out", help="JSONL the rows are appended to (default: a new file in the temporary folder)")
     args = ap.parse_args()
 
     import torch
@@ -141,6 +144,13 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     print(cpu_line(), f"{args.threads} threads")
+    out_path = Path(
+        args.out or Path(tempfile.gettempdir()) / f"structured_bound-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    )
+    writer = RowWriter(out_path)
+    print(f"[bound] rows go to {out_path} as they come", flush=True)
+    writer.write({"what": "run", "cpu": cpu_line(), "threads": args.threads, "reps": args.reps,
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S")})  # fmt: skip
     tasks = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
     loaded = load_model("smollm2")
     eos = list(loaded.eos_token_ids)
@@ -153,11 +163,12 @@ def main() -> None:
     ids = [greedy.codec.encode(p, chat=True) for p in prompts]
     grammars = [greedy.grammar(json_schema=t["schema"]) for t in tasks]
     options = DecodeOptions()
-    outputs, rows = {}, []
+    outputs, floors = {}, []
     for task, prompt, grammar in zip(tasks, ids, grammars, strict=True):  # greedy's outputs, the oracle's copies
         out = greedy.decoder.start(prompt, args.max_tokens, grammar=grammar.state()).result().token_ids
         outputs[tuple(prompt)] = (out, best_copies(prompt, out, options.max_ngram, options.max_draft))
-        rows.append([task["id"], len(out), *undraftable(loaded.tokenizer, grammar, prompt, out)])
+        floors.append([task["id"], len(out), *undraftable(loaded.tokenizer, grammar, prompt, out)])
+        writer.write({"what": "floor", **dict(zip(("task", "new_tokens", "forced", "floor"), floors[-1], strict=True))})
     lookup = NgramDrafter(eos_token_ids=eos)
     decoders = {
         "greedy": greedy.decoder,
@@ -175,9 +186,13 @@ def main() -> None:
                 result = decoders[method].start(prompt, args.max_tokens, grammar=grammar.state()).result()
                 if result.token_ids != outputs[tuple(prompt)][0]:
                     raise SystemExit(f"{tasks[i]['id']}: {method}'s output differs from constrained greedy's")
-                sums[method][0] += result.metrics.prefill_s
-                sums[method][1] += result.metrics.decode_s
-                forwards[method][i] = result.metrics.target_forwards
+                m = result.metrics
+                sums[method][0] += m.prefill_s
+                sums[method][1] += m.decode_s
+                forwards[method][i] = m.target_forwards
+                writer.write({"what": "request", "method": method, "rep": rep, "task": tasks[i]["id"],
+                              "prefill_s": round(m.prefill_s, 5), "decode_s": round(m.decode_s, 5),
+                              "forwards": m.target_forwards})  # fmt: skip
         for method, (prefill, decode) in sums.items():
             times[method]["prefill"].append(prefill)
             times[method]["decode"].append(decode)
@@ -185,9 +200,9 @@ def main() -> None:
               flush=True)  # fmt: skip
     print("\n| task | new tokens | forced | undraftable (floor) | ngram forwards | oracle forwards |")
     print("|---|---|---|---|---|---|")
-    for i, (name, new, forced, floor) in enumerate(rows):
+    for i, (name, new, forced, floor) in enumerate(floors):
         print(f"| {name} | {new} | {forced} | {floor} | {forwards['ngram'][i]} | {forwards['oracle'][i]} |")
-    totals = [sum(r[j] for r in rows) for j in (1, 2, 3)]
+    totals = [sum(r[j] for r in floors) for j in (1, 2, 3)]
     print(f"| all | {totals[0]} | {totals[1]} | {totals[2]} | {sum(forwards['ngram'])} | {sum(forwards['oracle'])} |")
     med = {m: {k: statistics.median(v) for k, v in parts.items()} for m, parts in times.items()}
     print("\n| method | prefill s | decode s | whole x greedy | decode x greedy |")
@@ -197,7 +212,8 @@ def main() -> None:
         whole = (g["prefill"] + g["decode"]) / (med[m]["prefill"] + med[m]["decode"])
         print(f"| {m} | {med[m]['prefill']:.3f} | {med[m]['decode']:.3f} | {whole:.2f}x | "
               f"{g['decode'] / med[m]['decode']:.2f}x |")  # fmt: skip
-    print(f"(medians over {args.reps} passes; measured {time.strftime('%Y-%m-%d %H:%M')})")
+    print(f"(medians over {args.reps} passes; measured {time.strftime('%Y-%m-%d %H:%M')}; rows in {out_path})")
+    writer.close()
 
 
 if __name__ == "__main__":
