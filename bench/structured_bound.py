@@ -68,6 +68,14 @@ def undraftable(tokenizer: Any, grammar: Any, prompt: list[int], output: list[in
     return forced_count, floor
 
 
+def agreeing(candidate: Sequence[int], want: Sequence[int]) -> int:
+    """How many leading tokens of ``candidate`` equal ``want``'s."""
+    k = 0
+    while k < len(candidate) and k < len(want) and candidate[k] == want[k]:
+        k += 1
+    return k
+
+
 def best_copies(prompt: list[int], output: list[int], max_ngram: int, limit: int) -> list[list[int]]:
     """For each position ``i`` of ``output``: the longest run of ``output[i:]`` (at most ``limit`` tokens) that
     follows some earlier occurrence of the history's last 1..``max_ngram`` tokens (the history: ``prompt`` and
@@ -81,9 +89,7 @@ def best_copies(prompt: list[int], output: list[int], max_ngram: int, limit: int
             for end in range(n - 1, size - 1):
                 if history[end] != suffix[-1] or history[end - n + 1 : end + 1] != suffix:
                     continue
-                k = 0
-                while k < len(want) and end + 1 + k < size and history[end + 1 + k] == want[k]:
-                    k += 1
+                k = agreeing(history[end + 1 : end + 1 + len(want)], want)
                 if k > len(best):
                     best = want[:k]
         copies.append(best)
@@ -108,9 +114,7 @@ class OracleState(DrafterState):
         i = len(self.lookup.history) - self.prompt
         want = self.reference[i : i + max_tokens]
         own = self.lookup.propose(max_tokens)
-        k = 0
-        while k < len(own) and k < len(want) and own[k] == want[k]:
-            k += 1
+        k = agreeing(own, want)
         copy = self.copies[i][:max_tokens] if i < len(self.copies) else []
         return Proposal(copy if len(copy) > k else own[:k])
 
