@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from bench_serve_concurrency import cpu_line
 
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 from lattice_inference.options import KV_CACHES, check_kv_cache
 from lattice_inference.targets import make_target
 from lattice_inference.targets.base import Segment

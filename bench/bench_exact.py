@@ -24,7 +24,7 @@ from lattice_inference import Generator
 from lattice_inference.api import mtp_head_for
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prompts
 from lattice_inference.cli import quiet_transformers
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 from lattice_inference.targets.exactness import check_exactness
 
 

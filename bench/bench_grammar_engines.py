@@ -25,7 +25,7 @@ from typing import Any
 
 from bench_serve_concurrency import cpu_line
 
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 
 SCHEMA = {
     "type": "object",

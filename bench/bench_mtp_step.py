@@ -32,7 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from lattice_inference.api import mtp_head_for
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 from lattice_inference.mtp import MtpConfig, MtpHead, MtpWeights
 from lattice_inference.testing.toy import qwen35_08b_shape_config
 

@@ -44,8 +44,8 @@ from lattice_inference.api import mtp_head_for
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, first_per_kind, load_prompts
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.devices import placement
-from lattice_inference.loading import load_model, torch_dtype
-from lattice_inference.model_source import resolve_model
+from lattice_inference.models.load import load_model, torch_dtype
+from lattice_inference.models.source import resolve_model
 from lattice_inference.mtp.head_file import shipped_head
 from lattice_inference.options import DecodeOptions
 

@@ -19,7 +19,7 @@ import time
 import torch
 
 from lattice_inference.cli import quiet_transformers
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 from lattice_inference.targets import LeanTarget, lean, make_target
 from lattice_inference.targets.base import TargetSequence
 

@@ -27,7 +27,7 @@ import torch
 from lattice_inference import traces
 from lattice_inference.api import Generator
 from lattice_inference.cli import quiet_transformers
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 from lattice_inference.options import DecodeOptions
 
 SETTINGS = {"off": {"prefix_cache": False}, "live": {"prefix_budget": 0}, "kept": {}}

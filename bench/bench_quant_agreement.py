@@ -21,7 +21,7 @@ import torch
 from lattice_inference import Generator
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, first_per_kind, load_prompts
 from lattice_inference.cli import quiet_transformers
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 
 
 def first_difference(a: list[int], b: list[int]) -> int:

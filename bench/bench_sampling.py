@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOptions
 from lattice_inference.targets import make_target
 

@@ -44,8 +44,8 @@ import torch
 from lattice_inference import benchmark
 from lattice_inference.api import Generator, mtp_head_for, needs_mtp_head
 from lattice_inference.cli import quiet_transformers
-from lattice_inference.loading import load_model
-from lattice_inference.model_source import resolve_model
+from lattice_inference.models.load import load_model
+from lattice_inference.models.source import resolve_model
 from lattice_inference.streaming import TextStream
 
 

@@ -69,7 +69,7 @@ from typing import IO, Any
 from peer_llamacpp import PEERS_PYTHON_ENV, llamacpp_available, peers_python  # bench sibling (the script's folder)
 
 from lattice_inference.benchmark import GROUNDED_TASKS, BenchPrompt, load_prompts
-from lattice_inference.model_source import DEFAULT_MODEL, resolve_model, smollm2_gguf
+from lattice_inference.models.source import DEFAULT_MODEL, resolve_model, smollm2_gguf
 
 ENGINES = ("ours", "vllm", "llamacpp")
 SEED_HONOURED = {"ours": True, "vllm": True, "llamacpp": True}

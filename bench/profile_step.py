@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 from lattice_inference.benchmark import GROUNDED_TASKS, load_prompts
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.devices import placement
-from lattice_inference.loading import LoadedModel, load_model
+from lattice_inference.models.load import LoadedModel, load_model
 from lattice_inference.targets import LeanTarget, TransformersTarget, native_ops
 from lattice_inference.targets.base import TargetSequence
 from lattice_inference.targets.exactness import check_exactness

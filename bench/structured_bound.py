@@ -143,7 +143,7 @@ def main() -> None:
 
     from lattice_inference import Generator
     from lattice_inference.decode import SpeculativeDecoder
-    from lattice_inference.loading import load_model
+    from lattice_inference.models.load import load_model
     from lattice_inference.options import DecodeOptions
 
     torch.set_num_threads(args.threads)

@@ -44,7 +44,7 @@ def smollm2():
     """The real default model in float32 (``load_model("smollm2", dtype="float32")``), loaded once per session for
     the modules on it (they skip where it is absent). Generators pack its weights, as every target does; tests must
     not change it otherwise."""
-    from lattice_inference.loading import load_model
+    from lattice_inference.models.load import load_model
 
     return load_model("smollm2", dtype="float32")
 
@@ -76,9 +76,10 @@ def smollm2_plain(smollm2_generators):
 @pytest.fixture(scope="session")
 def smollm2_dequantized():
     """``load_model("smollm2", dtype="float32")`` with the GGUF cache off (``LATTICE_GGUF_CACHE=0``): the file
-    dequantized anew by transformers (what `gguf.load_gguf` returns uncached, on the CPU, in eval mode), the slowest
-    load there is, once per session. Compared with, never changed: copy it (``copy.deepcopy``) to change it."""
-    from lattice_inference.loading import load_model
+    dequantized anew by transformers (what `gguf_dequantized.load_gguf` returns uncached, on the CPU, in eval mode),
+    the slowest load there is, once per session. Compared with, never changed: copy it (``copy.deepcopy``) to change
+    it."""
+    from lattice_inference.models.load import load_model
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LATTICE_GGUF_CACHE", "0")
@@ -90,7 +91,7 @@ def tiny_gguf(tmp_path_factory):
     """``tiny_gguf(fmt)``: the small random-weight llama GGUF file in ``fmt`` that ``bench/bench_quant_sizes.py``
     writes (``tiny-{fmt}.gguf``: the ``tiny`` shape, ``tiny256`` for the K-quant mix ``Q4_K_M``; the real default
     model's metadata, so only where it is installed), written once per session; tests read it, never change it."""
-    from lattice_inference.model_source import smollm2_gguf
+    from lattice_inference.models.source import smollm2_gguf
 
     from .helpers import bench_module
 

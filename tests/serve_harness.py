@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 import uvicorn  # noqa: E402
 
 from lattice_inference.api import Generator  # noqa: E402
-from lattice_inference.loading import LoadedModel, load_model  # noqa: E402
+from lattice_inference.models.load import LoadedModel, load_model  # noqa: E402
 from lattice_inference.options import DecodeOptions  # noqa: E402
 from lattice_inference.serve.app import create_app  # noqa: E402
 from lattice_inference.serve.engine import Engine  # noqa: E402

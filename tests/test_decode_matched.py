@@ -22,7 +22,7 @@ from lattice_inference.api import mtp_head_for
 from lattice_inference.cpu_features import has_native_bf16
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.drafters.ngram import NgramDrafter
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets import decode_matched, make_target
 from lattice_inference.targets.decode_matched import (

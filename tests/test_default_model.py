@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lattice_inference import Generator
-from lattice_inference.model_source import BUNDLED_DIR
+from lattice_inference.models.source import BUNDLED_DIR
 from lattice_inference.mtp import load_mtp_head
 
 MODEL_DIR = BUNDLED_DIR

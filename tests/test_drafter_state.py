@@ -17,7 +17,7 @@ from lattice_inference.drafters.fallback import FallbackDrafter
 from lattice_inference.drafters.mtp import MtpDrafter
 from lattice_inference.drafters.ngram import NgramDrafter
 from lattice_inference.drafters.suffix import SuffixDrafter
-from lattice_inference.loading import LoadedModel, load_model
+from lattice_inference.models.load import LoadedModel, load_model
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets import make_target
 

@@ -11,8 +11,8 @@ import gguf
 import numpy as np
 import pytest
 
-from lattice_inference.gguf_index import _parse, read_index
-from lattice_inference.model_source import smollm2_gguf
+from lattice_inference.models.gguf_index import _parse, read_index
+from lattice_inference.models.source import smollm2_gguf
 
 from .helpers import skip_without_real_model
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lattice_inference.quantized import QuantizedEmbedding, attach_tensors
+from lattice_inference.models.gguf_quantized import QuantizedEmbedding, attach_tensors
 from lattice_inference.targets.packed_linear import QUANT, packed_kind
 from lattice_inference.targets.quant_linear import dequantize, quant_pack
 from lattice_inference.testing.gguf_blocks import quantize

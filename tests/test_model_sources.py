@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lattice_inference import model_source
 from lattice_inference.errors import ModelLoadError
-from lattice_inference.loading import load_model
-from lattice_inference.model_source import BUNDLED_DIR, SMOLLM2_INSTALL, resolve_model
+from lattice_inference.models import source as model_source
+from lattice_inference.models.load import load_model
+from lattice_inference.models.source import BUNDLED_DIR, SMOLLM2_INSTALL, resolve_model
 
 
 def write_gguf(path: Path, arch: str, tensor: np.ndarray, raw_dtype: object = None) -> Path:
@@ -116,7 +116,7 @@ def test_gguf_auto_dtype_follows_where_bfloat16_products_run(monkeypatch: pytest
     float32 where only torch's emulation would run it; bfloat16 on a GPU."""
     import torch
 
-    from lattice_inference import loading
+    from lattice_inference.models import load as loading
     from lattice_inference.targets import native_ops
 
     gguf = model_source.ModelSource("gguf", "m.gguf", "m.gguf")

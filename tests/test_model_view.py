@@ -77,7 +77,7 @@ def test_the_view_has_its_own_modules_hooks_and_config() -> None:
 
 
 def test_a_quantized_model_runs_as_loaded_and_every_target_reads_its_blocks(quant_ops) -> None:
-    from lattice_inference.quantized import attach_tensors
+    from lattice_inference.models.gguf_quantized import attach_tensors
     from lattice_inference.targets.quant_linear import dequantize
     from lattice_inference.testing.gguf_blocks import quantize
 

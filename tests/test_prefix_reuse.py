@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lattice_inference import Generator
-from lattice_inference.loading import LoadedModel
+from lattice_inference.models.load import LoadedModel
 from lattice_inference.options import DecodeOptions
 from lattice_inference.targets import LeanTarget
 from lattice_inference.targets import lean as lean_module

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lattice_inference.quantized import attach_tensors, quantized_weights
+from lattice_inference.models.gguf_quantized import attach_tensors, quantized_weights
 from lattice_inference.targets.packed_linear import QUANT, pack_linears, packed_kind, quant_packed
 from lattice_inference.targets.quant_linear import (
     FORMATS,
@@ -318,7 +318,7 @@ def test_the_native_pass_packs_the_reference_layout(ops, kind):
 def test_rows_read_back_from_the_layout_are_the_files_values_bit_for_bit(ops, kind):
     """An embedding tied to its output layer reads its rows from that layer's packed blocks (one copy of the
     vocabulary): every row equals GGUF's dequantization of the file's blocks, whatever their bits."""
-    from lattice_inference.quantized import QuantizedEmbedding
+    from lattice_inference.models.gguf_quantized import QuantizedEmbedding
 
     fmt = FORMATS[kind]
     generator = torch.Generator().manual_seed(17)

@@ -1,8 +1,8 @@
-"""Loading a GGUF file as stored without dequantizing it whole (`quantized.load_as_stored`) builds the same model as
-dequantizing it to float32 and attaching the blocks by content (`gguf.load_gguf` + `quantized.attach`): the same
-blocks on the same layers in the same row order (llama's q/k rows permuted in the file), the same dense tensors, the
-same tensors dropped, the same load line. On small random-weight llama files in each format (written as
-``bench/bench_quant_sizes.py`` writes its files) and on the real default model's Q4_1 file."""
+"""Loading a GGUF file as stored without dequantizing it whole (`gguf_quantized.load_as_stored`) builds the same model
+as dequantizing it to float32 and attaching the blocks by content (`gguf_dequantized.load_gguf` +
+`gguf_quantized.attach`): the same blocks on the same layers in the same row order (llama's q/k rows permuted in the
+file), the same dense tensors, the same tensors dropped, the same load line. On small random-weight llama files in each
+format (written as ``bench/bench_quant_sizes.py`` writes its files) and on the real default model's Q4_1 file."""
 
 from __future__ import annotations
 
@@ -13,10 +13,16 @@ import pytest
 import torch
 from torch import nn
 
-from lattice_inference.gguf import load_gguf
-from lattice_inference.loading import load_model
-from lattice_inference.model_source import smollm2_gguf
-from lattice_inference.quantized import QuantizedEmbedding, attach, dense_embeddings, load_as_stored, quantized_weights
+from lattice_inference.models.gguf_dequantized import load_gguf
+from lattice_inference.models.gguf_quantized import (
+    QuantizedEmbedding,
+    attach,
+    dense_embeddings,
+    load_as_stored,
+    quantized_weights,
+)
+from lattice_inference.models.load import load_model
+from lattice_inference.models.source import smollm2_gguf
 from lattice_inference.targets import make_target, native_ops
 from lattice_inference.targets.packed_linear import QUANT
 
@@ -133,7 +139,7 @@ def test_packing_slice_by_slice_from_the_mapped_file_gives_the_whole_tensors_blo
     """Matrices and the tied embedding are packed 32 rows at a time here (4096 in use), each slice's rows taken in
     transformers' order (llama's q/k rows permuted across slices) and its file pages dropped: the same blocks, the
     same model, as packing each tensor whole."""
-    import lattice_inference.quantized as quantized
+    import lattice_inference.models.gguf_quantized as quantized
 
     monkeypatch.setenv("LATTICE_GGUF_CACHE", "0")
     monkeypatch.setattr(quantized, "_PACK_ROWS", 32)
@@ -160,7 +166,7 @@ def test_the_default_models_file_loads_as_stored_as_it_attaches_by_content(smoll
 
 def test_load_model_takes_the_stored_way_for_auto(monkeypatch):
     calls: list[Path] = []
-    import lattice_inference.loading as loading
+    import lattice_inference.models.load as loading
 
     def spy(path):
         calls.append(Path(path))
@@ -176,8 +182,8 @@ def test_load_model_takes_the_stored_way_for_auto(monkeypatch):
 
 def test_the_cached_tokenizer_is_the_files_own_first_and_later(tmp_path, tiny_gguf, by_content, monkeypatch):
     """The first load (transformers reads the file's vocabulary, then the cache is written) and a later one (the
-    cache's ``tokenizer.json`` read in one pass, `gguf.saved_tokenizer`) give tokenizers that encode, decode and
-    template as transformers' own tokenizer of the file."""
+    cache's ``tokenizer.json`` read in one pass, `gguf_dequantized.saved_tokenizer`) give tokenizers that encode, decode
+    and template as transformers' own tokenizer of the file."""
     monkeypatch.setenv("LATTICE_CACHE_DIR", str(tmp_path / "cache"))
     path = tiny_gguf("Q8_0")
     # transformers' own: ``AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)``, as `load_gguf` reads it

@@ -15,7 +15,7 @@ import torch
 from lattice_inference import Generator
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prompts
 from lattice_inference.cli import main
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 
 from .helpers import FLAT_COSTS, skip_without_real_model
 

@@ -23,7 +23,7 @@ from lattice_inference import Generator
 from lattice_inference.api import mtp_head_for
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prompts
 from lattice_inference.cpu_features import has_native_bf16
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 from lattice_inference.targets import make_target
 from lattice_inference.targets.exactness import check_exactness
 

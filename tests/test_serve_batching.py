@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 
 from .helpers import skip_without_real_model
 from .serve_harness import MODEL_NAME, running_server

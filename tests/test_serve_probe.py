@@ -143,7 +143,7 @@ def test_415_through_the_openai_client(server):
 def test_serve_caps_the_onednn_primitive_cache_before_loading(monkeypatch):
     """oneDNN's primitive cache (1024 JIT-compiled shapes by default) was the server's RSS growth: ``lattice serve``
     bounds it before the first forward, and leaves a value the environment sets alone."""
-    import lattice_inference.loading
+    import lattice_inference.models.load
     from lattice_inference.cli import build_parser
     from lattice_inference.errors import ConfigError
     from lattice_inference.serve.command import build_engine
@@ -157,7 +157,7 @@ def test_serve_caps_the_onednn_primitive_cache_before_loading(monkeypatch):
         seen.append(os.environ.get(name))
         raise ConfigError("not loading in this test")
 
-    monkeypatch.setattr(lattice_inference.loading, "load_model", load_model)
+    monkeypatch.setattr(lattice_inference.models.load, "load_model", load_model)
     with pytest.raises(ConfigError, match="not loading"):
         build_engine(build_parser().parse_args(["serve", "--model", "bundled"]))
     assert seen == [str(ONEDNN_CACHE_CAPACITY)]

@@ -12,7 +12,7 @@ import pytest
 from lattice_inference import Generator
 from lattice_inference.errors import ConfigError
 from lattice_inference.grammar import GrammarError
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 from lattice_inference.testing.json_schema import follows
 from lattice_inference.tool_calls import Tool, ToolCallParser, chosen_tools, tools_grammar
 

@@ -7,7 +7,7 @@ import pytest
 
 from lattice_inference import Generator
 from lattice_inference.benchmark import encode_prompt
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 from lattice_inference.traces import AGENTIC_TRACES, load_traces
 
 from .helpers import skip_without_real_model

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from lattice_inference import Generator
 from lattice_inference.api import mtp_head_for
-from lattice_inference.loading import load_model
+from lattice_inference.models.load import load_model
 from lattice_inference.sampling import KeyedSampler, SamplingOptions, process_logits
 
 from .helpers import hf_warpers

@@ -18,7 +18,7 @@ from lattice_inference import Generator
 from lattice_inference.api import mtp_head_for
 from lattice_inference.cli import main
 from lattice_inference.errors import ModelLoadError
-from lattice_inference.loading import LoadedModel, load_model
+from lattice_inference.models.load import LoadedModel, load_model
 from lattice_inference.mtp.head_file import config_for_target, load_head_file
 from lattice_inference.testing.toy import save_toy_model_dir, toy_config, toy_model
 from lattice_inference.train.export import HEAD_NAME, export_head

@@ -18,7 +18,7 @@ from lattice_inference.engines.vllm import mapping
 from lattice_inference.engines.vllm.batch import VllmOutput, VllmRequest, VllmRun, job_of
 from lattice_inference.engines.vllm.runtime import VllmModel, VllmRuntime, child_env, find_runtime
 from lattice_inference.errors import ConfigError
-from lattice_inference.model_source import ModelSource
+from lattice_inference.models.source import ModelSource
 from lattice_inference.options import DecodeOptions
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.serve.command import DEFAULT_MAX_BODY, DEFAULT_MAX_QUEUE

@@ -30,7 +30,8 @@ from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError
 from lattice_inference.generation import Generation, GenerationResult
 from lattice_inference.grammar import Grammar, GrammarCache, GrammarError
-from lattice_inference.loading import LoadedModel, eos_token_ids_of, load_model
+from lattice_inference.models.gguf_quantized import dense_embeddings
+from lattice_inference.models.load import LoadedModel, eos_token_ids_of, load_model
 from lattice_inference.mtp import MtpHead, load_mtp_head
 from lattice_inference.mtp.head_file import load_head_file, shipped_head
 from lattice_inference.options import (
@@ -43,7 +44,6 @@ from lattice_inference.options import (
     needs_mtp_head,
 )
 from lattice_inference.prompt_codec import PromptCodec
-from lattice_inference.quantized import dense_embeddings
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.streaming import TextStream
 from lattice_inference.targets import target_for

@@ -25,7 +25,7 @@ from typing import Any
 from lattice_inference.api import Generator
 from lattice_inference.errors import ConfigError
 from lattice_inference.metrics import GenerationMetrics
-from lattice_inference.model_source import ModelSource
+from lattice_inference.models.source import ModelSource
 from lattice_inference.prompt_codec import PromptCodec
 from lattice_inference.sampling import SamplingOptions, prompt_seed
 

@@ -199,8 +199,8 @@ def _bench(args: argparse.Namespace) -> int:
     from lattice_inference import benchmark
     from lattice_inference.api import Generator, mtp_head_for
     from lattice_inference.devices import placement
-    from lattice_inference.loading import load_model
-    from lattice_inference.model_source import resolve_model
+    from lattice_inference.models.load import load_model
+    from lattice_inference.models.source import resolve_model
     from lattice_inference.mtp.head_file import shipped_head
 
     if parse_engines(args.engine, several=True) != ["local"]:

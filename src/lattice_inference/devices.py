@@ -106,13 +106,13 @@ def describe_device(device: torch.device) -> str:
 
 WEIGHTS = "lattice_weights"
 """Attribute of a model whose linear weights are not in its dtype (a GGUF file's kept quantized: ``"GGUF Q4_1+Q8_0"``,
-set by `lattice_inference.quantized`), which `placement` reports as ``weights``."""
+set by `lattice_inference.models.gguf_quantized`), which `placement` reports as ``weights``."""
 
 
 def first_weight(model: torch.nn.Module) -> torch.Tensor:
     """``model``'s first parameter that holds data, whose device and dtype are the model's: a model loaded from a
-    GGUF file as stored (`lattice_inference.quantized`) has placeholders on the meta device where its quantized
-    layers' dense weights would be, and its embedding is no parameter."""
+    GGUF file as stored (`models.gguf_quantized`) has placeholders on the meta device where its quantized layers'
+    dense weights would be, and its embedding is no parameter."""
     for weight in model.parameters():
         if weight.device.type != "meta":
             return weight

@@ -70,8 +70,8 @@ KV_CACHES = ("auto", "model", "float16")
 
 #: ``--dtype``/``dtype=``: the weights' dtype. ``auto`` is bfloat16 on a GPU and on a CPU the checkpoint's own (a
 #: GGUF file's Q8_0/Q4_0/Q4_1 weights as stored, the rest float32, where our quantized products run; else
-#: bfloat16 where bfloat16 products run without emulation, else float32); see `loading.torch_dtype` and
-#: `loading.keeps_quantized`. ``float32``/``bfloat16`` dequantize a GGUF file.
+#: bfloat16 where bfloat16 products run without emulation, else float32); see `models.load.torch_dtype` and
+#: `models.load.keeps_quantized`. ``float32``/``bfloat16`` dequantize a GGUF file.
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 
 #: ``lattice serve --max-batch``: most generations running at once, their rounds sharing each forward (continuous

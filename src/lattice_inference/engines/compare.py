@@ -30,7 +30,7 @@ from lattice_inference.engines.compare_report import format_report, plot_report
 from lattice_inference.engines.sweep import sweep
 from lattice_inference.errors import ConfigError
 from lattice_inference.flags import bench_options
-from lattice_inference.loading import LoadedModel
+from lattice_inference.models.load import LoadedModel
 from lattice_inference.options import (
     DEFAULT_COMPARE_METHODS,
     DEFAULT_TRACE_METHODS,
@@ -211,7 +211,7 @@ def compare(args: argparse.Namespace) -> int:
     is installed."""
     from lattice_inference.engines.vllm.mapping import check_mtp_head, check_sampling, refuse_unsupported
     from lattice_inference.engines.vllm.runtime import find_runtime
-    from lattice_inference.model_source import resolve_model
+    from lattice_inference.models.source import resolve_model
     from lattice_inference.serve.command import served_name
 
     engines = parse_engines(args.engine, several=True)
@@ -231,7 +231,7 @@ def compare(args: argparse.Namespace) -> int:
     loaded: LoadedModel | None = None
     if "local" in engines or any(t.conversation for t in traces):  # conversations are answered by local greedy
         from lattice_inference.devices import placement
-        from lattice_inference.loading import load_model, torch_dtype
+        from lattice_inference.models.load import load_model, torch_dtype
 
         dtype = args.dtype
         if "vllm" in engines:  # both engines on the same weights: `auto` as vLLM resolves it

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lattice_inference.errors import ConfigError
-from lattice_inference.hybrid_models import (
+from lattice_inference.models.hybrid_families import (
     HYBRID_MODEL_TYPES,
     HYBRID_TEXT_MODEL_TYPES,
     is_hybrid_model_type,

@@ -87,7 +87,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def served_name(model: str | None) -> str:
     """The model id a server of ``--model`` answers to: ``smollm2``, ``bundled``, a hub id, or the last part of
     a folder or file path."""
-    from lattice_inference.model_source import resolve_model
+    from lattice_inference.models.source import resolve_model
 
     source = resolve_model(model)
     return source.name if source.kind == "hub" else Path(source.name).name
@@ -100,7 +100,7 @@ def default_options(args: argparse.Namespace) -> DecodeOptions:
 
 def build_engine(args: argparse.Namespace) -> Engine:
     """Load the model once and wrap it in an `Engine` with the command's default speculation settings."""
-    from lattice_inference.loading import load_model
+    from lattice_inference.models.load import load_model
     from lattice_inference.serve.engine import Engine, cap_onednn_cache
 
     cap_onednn_cache()  # before the first forward, when oneDNN reads it

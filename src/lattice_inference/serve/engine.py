@@ -21,8 +21,8 @@ from lattice_inference.api import Generator, mtp_head_for
 from lattice_inference.errors import ConfigError, LatticeError
 from lattice_inference.generation import Generation
 from lattice_inference.grammar import Grammar, GrammarCache, GrammarError
-from lattice_inference.loading import LoadedModel
 from lattice_inference.metrics import GenerationMetrics
+from lattice_inference.models.load import LoadedModel
 from lattice_inference.mtp import MtpHead
 from lattice_inference.options import DecodeOptions, TargetOptions
 from lattice_inference.process import release_freed_memory

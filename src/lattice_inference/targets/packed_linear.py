@@ -26,7 +26,7 @@ passes over the input, fewer thread hand-offs). The model's code still calls eac
 computes the fused product and the others return their slice of it when called with that same input tensor
 (anything else runs their own part of the weight).
 
-GGUF weights kept quantized (`quant_linear.FORMATS`; `lattice_inference.quantized` leaves each module's blocks
+GGUF weights kept quantized (`quant_linear.FORMATS`; `models.gguf_quantized` leaves each module's blocks
 under `QUANT`) run on our quantized products (``csrc/quant_linear.cpp``, `quant_linear`): float32 rows in and out,
 integer dot products over the file's blocks, each row the same at any width. Siblings stored in different formats
 (a Q4_K_M file's q/k in Q4_K and v in Q6_K) still make one product: their blocks side by side (`Packed` as a list),
@@ -66,7 +66,7 @@ from lattice_inference.targets.quant_linear import FORMATS, concat_packed, quant
 _PACKED = "_lattice_packed_weight"
 QUANT = "_lattice_quant_weight"
 """Attribute of an ``nn.Linear`` holding its GGUF-quantized weight in `quant_linear.quant_pack`'s layout (set by
-`lattice_inference.quantized`): `pack_linears` runs the module over it; the dense weight may be gone (meta)."""
+`models.gguf_quantized`): `pack_linears` runs the module over it; the dense weight may be gone (meta)."""
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling projections (attribute names of one module) that read the same input, packed as one matrix."""
@@ -239,7 +239,7 @@ class _FusedGroup:
             if len(held) == len(quants) and len({quant_format(q) for q in held}) > 1:
                 self.packed = held  # several formats: the parts side by side, the inputs quantized once per kind
             elif len(held) == len(quants):
-                fused = concat_packed(held)  # once, as the file loads (`lattice_inference.quantized`)
+                fused = concat_packed(held)  # once, as the file loads (`lattice_inference.models.gguf_quantized`)
                 self.packed = fused
                 # each member's blocks become its slice of the fused matrix: one copy of the weights, not two
                 sizes = [q.shape[0] for q in held]

@@ -16,7 +16,7 @@ the K-quants), takes exact integer dots and sums the scaled dots per output in i
 any width and in every build (AVX2, AVX512, VNNI), with a quarter (Q4) to a half (Q8_0) of bfloat16's reads. A
 quantized model is thus its own model, close to the file dequantized to float32 but not equal to it (its inputs are
 rounded to 8 bits): plain decoding of it is the reference its speculation equals. `dequantize` gives GGUF's
-reference values bit for bit (what `lattice_inference.quantized` matches layers by).
+reference values bit for bit (what `lattice_inference.models.gguf_quantized` matches layers by).
 """
 
 from __future__ import annotations

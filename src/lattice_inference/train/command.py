@@ -21,7 +21,7 @@ from lattice_inference.errors import ConfigError
 from lattice_inference.flags import add_placement_arguments
 
 if TYPE_CHECKING:  # the parser is built on every `lattice` call: torch and transformers load only to train
-    from lattice_inference.loading import LoadedModel
+    from lattice_inference.models.load import LoadedModel
 
 
 def add_parser(sub: argparse._SubParsersAction, positive_int: Callable[[str], int], model_help: str) -> None:
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``lattice train-mtp``; returns the exit code."""
     import torch
 
-    from lattice_inference.loading import load_model
+    from lattice_inference.models.load import load_model
     from lattice_inference.mtp.head_file import config_for_target
     from lattice_inference.train import data as datamod
     from lattice_inference.train.export import export_head

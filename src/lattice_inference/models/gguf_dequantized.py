@@ -31,18 +31,10 @@ from transformers import (
 
 from lattice_inference.devices import device_map
 from lattice_inference.errors import ModelLoadError
+from lattice_inference.models.cache import cache_root
 from lattice_inference.process import release_freed_memory
 
 GGUF_MAGIC = b"GGUF"
-
-
-def cache_root() -> Path:
-    """Where dequantized GGUF models are kept."""
-    explicit = os.environ.get("LATTICE_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "lattice-inference"
 
 
 def cache_enabled() -> bool:

@@ -1,8 +1,8 @@
 """A GGUF file run as it is stored: its quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: every type
 of a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file) kept in their blocks, computed natively.
 
-How: the model loads as before, dequantized to float32 through transformers (`gguf.load_gguf`), which gives its
-structure, tokenizer, norms and embedding. Then every 2-d tensor of the file in a format our products compute
+How: the model loads as before, dequantized to float32 through transformers (`gguf_dequantized.load_gguf`), which gives
+its structure, tokenizer, norms and embedding. Then every 2-d tensor of the file in a format our products compute
 (`targets.quant_linear.FORMATS`) is matched to the ``nn.Linear`` whose float32 weight it dequantizes to, bit for
 bit, and attached to it (`packed_linear.QUANT`, laid out by `quant_pack`); the module's dense copy is dropped
 (kept where it is also the input embedding: a tied ``lm_head``). Those layers then run on integer dot products
@@ -48,7 +48,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.devices import WEIGHTS
 from lattice_inference.errors import ModelLoadError
-from lattice_inference.gguf_index import GGUFIndex, StoredTensor, read_index
+from lattice_inference.models.gguf_index import GGUFIndex, StoredTensor, read_index
 from lattice_inference.process import release_freed_memory
 from lattice_inference.targets.packed_linear import QUANT, pack_linears
 from lattice_inference.targets.quant_linear import FORMATS, columns, dequantize, quant_pack
@@ -237,7 +237,7 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
         get_gguf_hf_weights_map,
     )
 
-    from lattice_inference.gguf import check_gguf_file, config_and_tokenizer, load_error
+    from lattice_inference.models.gguf_dequantized import check_gguf_file, config_and_tokenizer, load_error
     from lattice_inference.targets import native_ops
 
     path = Path(path)
