@@ -3,9 +3,8 @@
 transformers reads a GGUF file's metadata several times while loading it (config, tokenizer, weights), which
 costs many times what loading the same weights as safetensors does (bench/RESULTS.md). So the first
 load of a GGUF file in a given dtype writes the dequantized model and its tokenizer as a Hugging Face folder
-under the cache directory (``$LATTICE_CACHE_DIR``, else ``$XDG_CACHE_HOME/lattice-inference``, else
-``~/.cache/lattice-inference``), keyed by the file's name, size and modification time; later loads read that
-folder. The cached weights are exactly what dequantization produced, so outputs do not change.
+under the cache folder (`cache.cache_root`), keyed by the file's name, size and modification time; later loads read
+that folder. The cached weights are exactly what dequantization produced, so outputs do not change.
 ``LATTICE_GGUF_CACHE=0`` turns the cache off.
 """
 
@@ -59,15 +58,17 @@ def _cache_key(path: Path) -> str:
     return f"{path.stem}-{st.st_size}-{st.st_mtime_ns}"
 
 
-def _cache_dir(path: Path, dtype: torch.dtype) -> Path:
-    return cache_root() / "gguf" / f"{_cache_key(path)}-{str(dtype).removeprefix('torch.')}"
+def _cache_dir(path: Path, what: torch.dtype | str) -> Path:
+    """The cached folder of ``path``'s model dequantized to a dtype, or of another ``what`` made from it."""
+    name = str(what).removeprefix("torch.")
+    return cache_root() / "gguf" / f"{_cache_key(path)}-{name}"
 
 
 def config_and_tokenizer(path: Path) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
     """The Hugging Face config and tokenizer of the GGUF file ``path``, from the cache when they were read before:
     transformers parses the file's metadata (its vocabulary and merges) anew for each, seconds every time."""
     # v2: merges written as strings (`_save_folder`); folders of the first form are not read
-    cached = cache_root() / "gguf" / f"{_cache_key(path)}-config-v2" if cache_enabled() else None
+    cached = _cache_dir(path, "config-v2") if cache_enabled() else None
     if cached is not None and (cached / "config.json").is_file():
         try:
             return AutoConfig.from_pretrained(cached), saved_tokenizer(cached)
