@@ -172,7 +172,7 @@ def test_shipped_head_drafts_trees_losslessly_and_its_hiddens_follow_the_kept_pa
     from lattice_inference.api import mtp_head_for
     from lattice_inference.drafters.mtp import MtpState
     from lattice_inference.targets.facts import ForwardCosts
-    from lattice_inference.targets.transformers import final_norm
+    from lattice_inference.targets.transformers import hidden_state_source
 
     head = mtp_head_for(loaded, 3)
     gen = Generator(
@@ -192,7 +192,9 @@ def test_shipped_head_drafts_trees_losslessly_and_its_hiddens_follow_the_kept_pa
         assert isinstance(state, MtpState)
         seq = ids + out.token_ids
         kept: list[torch.Tensor] = []
-        hook = final_norm(loaded.model).register_forward_hook(lambda m, a, o, kept=kept: kept.append(o[0]))
+        source, _ = hidden_state_source(loaded.model)
+        assert source is not None
+        hook = source.register_forward_hook(lambda m, a, o, kept=kept: kept.append(o[0]))
         try:
             with torch.inference_mode():
                 loaded.model(torch.tensor([seq[:-1]]))

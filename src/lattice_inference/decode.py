@@ -128,8 +128,8 @@ class SpeculativeDecoder:
         """The target's self-check (`prepare`, or the first drafted generation); None before, or not claimed."""
         wants_hidden = drafter is not None and drafter.uses_hidden_states
         if wants_hidden and not target.provides_hidden_states:
-            name = type(target).__name__
-            raise ConfigError(f"the drafter needs hidden states, which {name} cannot provide")
+            why = getattr(target, "hidden_states_problem", "") or f"{type(target).__name__} cannot provide them"
+            raise ConfigError(f"the MTP drafter needs the target's hidden states: {why}")
         self._wants_hidden = wants_hidden
         self._learned: OrderedDict[str, Learned] = OrderedDict()  # scope -> what its last generation learned
 

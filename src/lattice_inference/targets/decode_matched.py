@@ -197,6 +197,12 @@ def module_product(module: nn.Linear) -> Product:
     return product
 
 
+def plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Linear`` computing ``F.linear`` as the class does: not a subclass with a forward
+    of its own (a router returning scores and indices, say), whose forward may not be replaced by a product."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
 def _dense_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     key, kernel, _ = module_product(module)
     return matched_product(key, kernel, x)
@@ -207,7 +213,7 @@ def match_dense_linears(model: nn.Module) -> int:
     `matched_product`; returns how many were routed (idempotent)."""
     count = 0
     for module in model.modules():
-        if isinstance(module, nn.Linear) and "forward" not in vars(module):
+        if plain_linear(module) and "forward" not in vars(module):
             module.forward = functools.partial(_dense_forward, module)
             setattr(module, _MATCHED, True)
             count += 1
@@ -217,27 +223,67 @@ def match_dense_linears(model: nn.Module) -> int:
 ROW_WISE_SUFFIXES = ("Experts", "TopKRouter")
 """Class-name endings of modules whose products run over a varying number of rows in plain tensors (mixture-of-
 experts layers in transformers 5: a router's ``F.linear``, each expert's products over the tokens routed to it);
-inside a decode-matched forward they run one token at a time, as in a 1-token step."""
+inside a decode-matched forward they run one token at a time, as in a 1-token step. So do the module that holds an
+``...Experts`` module (the sparse block, where it is not the decoder layer itself: its routing and experts together,
+whatever shapes it hands them, as Llama 4's repeated rows per expert) and ``nn.Linear`` subclasses with a forward of
+their own (`plain_linear` false: routers such as Llama 4's)."""
+
+_IN_ROW: contextvars.ContextVar[bool] = contextvars.ContextVar("_DECODE_MATCHED_ROW", default=False)
+"""Whether a row-wise module is running one token now (modules inside it then run as they are)."""
 
 
-def _row_wise_forward(module: nn.Module, original: Callable[..., object], *args: object) -> object:
-    first = args[0]
-    if _ACTIVE.get() is None or not isinstance(first, torch.Tensor) or first.shape[0] < 2:
-        return original(*args)
-    rows = [
-        original(*(a[i : i + 1] if isinstance(a, torch.Tensor) else a for a in args)) for i in range(first.shape[0])
-    ]
-    if isinstance(rows[0], tuple):
-        return tuple(torch.cat(parts) for parts in zip(*rows, strict=True))
-    return torch.cat(rows)
+def _token_dim(tensor: torch.Tensor) -> int:
+    """The token dimension of a module's input or output: 1 for ``[batch, tokens, hidden]``, else 0."""
+    return 1 if tensor.dim() == 3 else 0
+
+
+def _joined(rows: list[object]) -> object:
+    """One token's outputs joined back along their token dimension (tuples part by part; other values: the
+    first's)."""
+    first = rows[0]
+    if isinstance(first, tuple):
+        return tuple(_joined(list(parts)) for parts in zip(*rows, strict=True))
+    if isinstance(first, torch.Tensor):
+        return torch.cat(rows, dim=_token_dim(first))
+    return first
+
+
+def _row_wise_forward(module: nn.Module, original: Callable[..., object], *args: object, **kwargs: object) -> object:
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if _ACTIVE.get() is None or _IN_ROW.get() or not isinstance(first, torch.Tensor) or first.dim() < 2:
+        return original(*args, **kwargs)
+    dim = _token_dim(first)
+    n = first.shape[dim]
+    if n < 2:
+        return original(*args, **kwargs)
+
+    def part(value: object, i: int) -> object:
+        if isinstance(value, torch.Tensor) and value.dim() == first.dim() and value.shape[dim] == n:
+            return value.narrow(dim, i, 1)
+        return value
+
+    token = _IN_ROW.set(True)
+    try:
+        rows = [original(*(part(a, i) for a in args), **{k: part(v, i) for k, v in kwargs.items()}) for i in range(n)]
+    finally:
+        _IN_ROW.reset(token)
+    return _joined(rows)
 
 
 def match_row_wise_modules(model: nn.Module) -> int:
     """Route the mixture-of-experts modules of ``model`` (`ROW_WISE_SUFFIXES`) one token at a time inside
     decode-matched forwards; returns how many (idempotent)."""
-    count = 0
+    chosen: dict[int, nn.Module] = {}
     for module in model.modules():
-        if type(module).__name__.endswith(ROW_WISE_SUFFIXES) and not hasattr(module, _MATCHED):
+        named = type(module).__name__.endswith(ROW_WISE_SUFFIXES)
+        if named or (isinstance(module, nn.Linear) and not plain_linear(module)):
+            chosen[id(module)] = module
+        for child in module.children():
+            if type(child).__name__.endswith("Experts") and not type(module).__name__.endswith("Layer"):
+                chosen[id(module)] = module
+    count = 0
+    for module in chosen.values():
+        if not hasattr(module, _MATCHED):
             module.forward = functools.partial(_row_wise_forward, module, module.forward)
             setattr(module, _MATCHED, True)
             count += 1
@@ -252,7 +298,7 @@ def _visible(mask: torch.Tensor | None, rows: int, keys: int) -> list[slice | to
     """Per query row, the key columns it attends to: a slice where they are contiguous, else their indices."""
     if mask is None:  # causal, the rows being the last ``rows`` of the ``keys`` positions
         return [slice(0, keys - rows + i + 1) for i in range(rows)]
-    allowed = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
+    allowed = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] > torch.finfo(mask.dtype).min / 2
     allowed = allowed.expand(rows, keys)
     counts = allowed.sum(-1).tolist()
     firsts = allowed.to(torch.int8).argmax(-1).tolist()
@@ -265,6 +311,14 @@ def _visible(mask: torch.Tensor | None, rows: int, keys: int) -> list[slice | to
     return columns
 
 
+def _is_bias(mask: torch.Tensor | None) -> bool:
+    """Whether ``mask`` adds values of the model's own to the scores it lets through (not only 0 or the dtype's
+    minimum, as a causal or padding mask does)."""
+    if mask is None or not mask.is_floating_point():
+        return False
+    return bool(((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any())
+
+
 def decode_matched_sdpa(
     module: nn.Module,
     query: torch.Tensor,
@@ -274,7 +328,8 @@ def decode_matched_sdpa(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers' ``sdpa`` attention; inside a decode-matched forward, each query row of a multi-row call runs
-    as a 1-token step's call: its query over exactly the keys it may see, without a mask."""
+    as a 1-token step's call: its query over exactly the keys it may see, without a mask (or with its row of a
+    mask that carries a bias, `_is_bias`)."""
     forward = _ACTIVE.get()
     rows = query.shape[2]
     if forward is None or rows == 1:
@@ -284,15 +339,24 @@ def decode_matched_sdpa(
     if columns is None:
         columns = forward.columns[memo] = _visible(attention_mask, rows, key.shape[2])
     window = kwargs.get("sliding_window")
+    biased = _is_bias(attention_mask)
     outputs = []
     for i, cols in enumerate(columns):
         if isinstance(cols, slice):
             k, v = key[:, :, cols], value[:, :, cols]
         else:
             k, v = key.index_select(2, cols), value.index_select(2, cols)
-        # A 1-token step gets no mask, except over a full sliding window (transformers' sdpa_mask keeps it there).
+        # A 1-token step gets no mask, except over a full sliding window (transformers' sdpa_mask keeps it there),
+        # or where the model adds a bias of its own to the scores (Doge's dynamic mask): that row's bias.
         seen = k.shape[2]
-        mask = None if window is None or seen < window else key.new_ones((1, 1, 1, seen), dtype=torch.bool)
+        if biased:
+            assert attention_mask is not None
+            row = attention_mask[:, :, i : i + 1]
+            mask = (row[..., cols] if isinstance(cols, slice) else row.index_select(3, cols)).contiguous()
+        elif window is None or seen < window:
+            mask = None
+        else:
+            mask = key.new_ones((1, 1, 1, seen), dtype=torch.bool)
         out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], k, v, mask, **kwargs)
         outputs.append(out)
     return torch.cat(outputs, dim=1), None

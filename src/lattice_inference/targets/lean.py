@@ -124,6 +124,10 @@ class LeanTarget(TransformersTarget):
     """`TransformersTarget` whose forwards run the lean decoder loop (see the module docstring); only for models
     `lean_supported` accepts."""
 
+    provides_hidden_states = True
+    """Its own forward computes the post-final-norm rows it hands ``lm_head`` (no probe needed)."""
+    checks_causality = False  # Llama, Qwen2/3 and Gemma 3 decoders only (`lean_supported`)
+
     def __init__(
         self,
         model: PreTrainedModel,

@@ -60,7 +60,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lattice_inference.process import release_freed_memory
 from lattice_inference.targets import native_ops
-from lattice_inference.targets.decode_matched import PRODUCT, Product, linear_key, matched_product, module_product
+from lattice_inference.targets.decode_matched import (
+    PRODUCT,
+    Product,
+    linear_key,
+    matched_product,
+    module_product,
+    plain_linear,
+)
 from lattice_inference.targets.quant_linear import FORMATS, concat_packed, quant_format
 
 _PACKED = "_lattice_packed_weight"
@@ -294,7 +301,7 @@ def packed_operands(product: Product) -> tuple[list[torch.Tensor], torch.Tensor 
 
 
 def _fusable(members: list[object]) -> bool:
-    if not all(isinstance(m, nn.Linear) and not hasattr(m, _PACKED) for m in members):
+    if not all(plain_linear(m) and not hasattr(m, _PACKED) for m in members):  # type: ignore[arg-type]
         return False
     linears = [m for m in members if isinstance(m, nn.Linear)]
     first = linears[0]
@@ -336,6 +343,8 @@ def pack_linears(model: nn.Module, *, quantized_only: bool = False) -> int:
     count = 0
     for module in model.modules():
         if not isinstance(module, nn.Linear) or (quantized_only and not hasattr(module, QUANT)):
+            continue
+        if not plain_linear(module):  # a subclass with its own forward (a router): left as it is
             continue
         if hasattr(module, _PACKED):
             count += 1

@@ -13,6 +13,7 @@ cache holds recurrent state (Gated DeltaNet, Mamba) cannot be rolled back by cro
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,14 +38,98 @@ def recurrent_layer_count(model: PreTrainedModel) -> int:
     return sum(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
 
-def final_norm(model: PreTrainedModel) -> torch.nn.Module:
-    """The trunk's final norm, whose output is the hidden state ``lm_head`` scores (MTP heads read it)."""
-    decoder = model.get_decoder()
-    for owner in (decoder, getattr(decoder, "language_model", None)):
-        norm = getattr(owner, "norm", None)
-        if isinstance(norm, torch.nn.Module):
-            return norm
-    raise UnsupportedModelError(f"cannot find the final norm of model type {model.config.model_type!r}")
+def hidden_state_source(model: PreTrainedModel) -> tuple[torch.nn.Module | None, str]:
+    """The module whose output is, row for row, what the output layer (``lm_head``) reads: the hidden states MTP
+    heads read (post-final-norm, where the model has one). Found by what the model does, not by attribute names:
+    one forward of three tokens with a hook on every module, the first module (in the order they finish) called
+    once whose output equals the output layer's input bitwise. Returns ``(module, "")``, or ``(None, why)`` where
+    no module gives them (the model then runs every method that does not need hidden states)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Module):
+        return None, f"model type {model.config.model_type!r} has no output embedding layer to read hidden states at"
+    inside_head = {id(m) for m in head.modules()}
+    finished: list[tuple[torch.nn.Module, torch.Tensor]] = []
+    calls: dict[int, int] = {}
+    read: list[torch.Tensor] = []
+
+    def record(module: torch.nn.Module, args: object, output: object) -> None:
+        calls[id(module)] = calls.get(id(module), 0) + 1
+        tensor = output if isinstance(output, torch.Tensor) else getattr(output, "last_hidden_state", None)
+        if isinstance(tensor, torch.Tensor):
+            finished.append((module, tensor))
+
+    def reads(module: torch.nn.Module, args: tuple[object, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            read.append(args[0])
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if id(m) not in inside_head and m is not model]
+    hooks.append(head.register_forward_pre_hook(reads))
+    vocab = int(cast(torch.Tensor, head.weight).shape[0]) if hasattr(head, "weight") else 3
+    ids = torch.tensor([[i % vocab for i in (1, 2, 3)]], device=first_weight(model).device)
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=False, logits_to_keep=0)
+    except Exception as exc:  # a model that cannot run this probe cannot be read either
+        return None, f"probing the hidden states of model type {model.config.model_type!r} failed: {exc}"
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if len(read) == 1:
+        wanted = read[0]
+        for module, tensor in finished:
+            if calls[id(module)] == 1 and tensor.shape == wanted.shape and torch.equal(tensor, wanted):
+                return module, ""
+    return None, (
+        f"no module of model type {model.config.model_type!r} outputs the hidden states its output layer reads "
+        "(it transforms them on the way)"
+    )
+
+
+def check_causal_lm(model: PreTrainedModel) -> None:
+    """Refuse, with one line naming why, a model that speculative decoding over transformers' forward cannot serve
+    losslessly, by what it does rather than by its name: a forward that takes no ``cache`` (its state lives
+    outside an attention cache), one that cannot run on token ids alone (it needs pixels or audio), rows that see
+    later tokens (an encoder: bidirectional attention), or a cache that cannot take several new rows at once (what
+    verifying a draft feeds). Three tiny forwards of four tokens, no cache kept."""
+    kind = model.config.model_type
+    if "cache" not in inspect.signature(model.forward).parameters:
+        raise UnsupportedModelError(
+            f"model type {kind!r} keeps its state outside an attention cache (its forward takes no cache), "
+            "so it cannot be rolled back after a rejected draft"
+        )
+    vocab = int(cast(torch.Tensor, model.get_input_embeddings().weight).shape[0])
+    device = first_weight(model).device
+    ids = torch.tensor([[1 % vocab, 2 % vocab, 3 % vocab, 4 % vocab]], device=device)
+    other = ids.clone()
+    other[0, -1] = 5 % vocab
+    with torch.inference_mode():
+        try:
+            full = model(input_ids=ids, use_cache=False).logits.float()
+        except Exception as exc:
+            raise UnsupportedModelError(
+                f"model type {kind!r} cannot run on token ids alone (it may need pixels or audio): {_first_line(exc)}"
+            ) from exc
+        changed = model(input_ids=other, use_cache=False).logits.float()
+        scale = float(full.abs().max()) or 1.0
+        if not torch.allclose(full[:, :3], changed[:, :3], rtol=0.0, atol=1e-3 * scale):
+            raise UnsupportedModelError(
+                f"model type {kind!r} attends to later tokens (an encoder, bidirectional attention), so it is not a "
+                "causal LM (if it was trained as a decoder, set is_decoder true in its config.json)"
+            )
+        try:
+            cache = DynamicCache(config=model.config)
+            model(input_ids=ids[:, :2], cache=cache, use_cache=True)
+            model(input_ids=ids[:, 2:], cache=cache, use_cache=True)
+        except Exception as exc:
+            raise UnsupportedModelError(
+                f"model type {kind!r} cannot score several new tokens over its cache, as verifying a draft does: "
+                f"{_first_line(exc)}"
+            ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -58,14 +143,16 @@ class FedRows:
 
 
 class _Capture:
-    """A forward hook on the final norm that keeps its output's rows as ``seq.hidden`` (registered for the one
-    forward of a sequence that captures hidden states)."""
+    """A forward hook on the module `hidden_state_source` found that keeps its output's rows as ``seq.hidden``
+    (registered for the one forward of a sequence that captures hidden states)."""
 
     def __init__(self, seq: TargetSequence) -> None:
         self.seq = seq
 
-    def __call__(self, module: torch.nn.Module, args: object, output: torch.Tensor) -> None:
-        self.seq.hidden = output[0]
+    def __call__(self, module: torch.nn.Module, args: object, output: object) -> None:
+        tensor = output if isinstance(output, torch.Tensor) else getattr(output, "last_hidden_state", None)
+        if isinstance(tensor, torch.Tensor):
+            self.seq.hidden = tensor[0]
 
 
 class CausalLMTarget(Target):
@@ -85,8 +172,6 @@ class CausalLMTarget(Target):
     forward runs the model's kernels over all its rows at once (faster where those kernels round differently).
     """
 
-    provides_hidden_states = True
-
     def __init__(self, model: PreTrainedModel, *, packed_weights: bool = True, decode_matched: bool = True) -> None:
         self.model = model = runner_view(model).eval()
         """This target's view of the model it was given (`model_view.runner_view`: the same weights, its own modules
@@ -102,7 +187,24 @@ class CausalLMTarget(Target):
         self._vocab_size = int(cast(torch.Tensor, model.get_input_embeddings().weight).shape[0])
         max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self._max_positions = int(max_pos) if max_pos else None
-        self._final_norm = final_norm(model)
+        self._hidden_source: tuple[torch.nn.Module | None, str] | None = None  # found on first use
+
+    def _hidden_states_at(self) -> tuple[torch.nn.Module | None, str]:
+        """`hidden_state_source` of this target's model, probed once, when a method first needs hidden states."""
+        if self._hidden_source is None:
+            self._hidden_source = hidden_state_source(self.model)
+        return self._hidden_source
+
+    @property
+    def provides_hidden_states(self) -> bool:  # type: ignore[override]
+        """Whether sequences can capture hidden states: where some module outputs what the output layer reads
+        (`hidden_state_source`; probed on first use, so a model without one still runs every other method)."""
+        return self._hidden_states_at()[0] is not None
+
+    @property
+    def hidden_states_problem(self) -> str:
+        """Why this target gives no hidden states ("" where it does)."""
+        return self._hidden_states_at()[1]
 
     @property
     def vocab_size(self) -> int:
@@ -174,7 +276,8 @@ class CausalLMTarget(Target):
             else contextlib.nullcontext()
         )
         seq.hidden = None
-        hook = self._final_norm.register_forward_hook(_Capture(seq)) if seq.capture_hidden else None
+        source = self._hidden_states_at()[0] if seq.capture_hidden else None
+        hook = source.register_forward_hook(_Capture(seq)) if source is not None else None
         try:
             with torch.inference_mode(), matching:
                 logits = self._logits(seq, fed, logits_to_keep, prefill or start == 0)
@@ -239,7 +342,12 @@ class TransformersTarget(CausalLMTarget):
 
     Where every cache layer is full attention (no sliding window) and attention applies custom masks (sdpa,
     eager), it also verifies draft trees: a tree is one forward under a tree mask, and keeping a path moves that
-    path's keys and values into place (`GrowableLayer.keep`)."""
+    path's keys and values into place (`GrowableLayer.keep`).
+
+    At construction it refuses, with one line, a model it cannot serve losslessly (`check_causal_lm`)."""
+
+    checks_causality = True
+    """Whether construction runs `check_causal_lm` (subclasses that run only known decoder families skip it)."""
 
     def __init__(self, model: PreTrainedModel, *, packed_weights: bool = True, decode_matched: bool = True) -> None:
         recurrent = recurrent_layer_count(model)
@@ -250,6 +358,8 @@ class TransformersTarget(CausalLMTarget):
                 "so speculative decoding would not be lossless on it with this target "
                 "(Qwen3.5 / Qwen3-Next: use HybridTarget or make_target)"
             )
+        if self.checks_causality:
+            check_causal_lm(model)
         super().__init__(model, packed_weights=packed_weights, decode_matched=decode_matched)
         # A draft verified inside the prefill forward would be scored as prompt rows are, not as decode steps.
         self.fuses_prefill_and_draft = not decode_matched

@@ -1,0 +1,384 @@
+"""Every causal-LM architecture of the installed transformers, built tiny and run as a user's folder.
+
+Why: the README promises any attention-cache ``AutoModelForCausalLM``. The lossless suites try a handful of
+families; this sweep tries every entry of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, each built from its
+own config class with random weights (2 layers, small widths, its defaults otherwise), saved with
+``save_pretrained`` beside a byte-level tokenizer and loaded back through `Generator.from_pretrained`, as a user's
+download would be. Each architecture ends in exactly one list:
+
+* ``runs``: every speculative output equals plain decoding of the same model, token for token;
+* ``refused``: loading or starting refused it with one line naming why (`LatticeError`: encoder-decoder,
+  encoder-only, needs pixels or audio, a cache that cannot be rolled back);
+* ``unbuildable``: the tiny model could not be built from its config class (the reason says what failed);
+* ``failed``: anything else, a traceback or a speculative output that differs (a bug: the tests fail on it).
+
+``fast`` checks greedy against ``ngram`` on one prompt; the full form adds ``suffix``, a seeded sample (plain and
+``ngram``) and a batch of three through ``generate_many``, on grounded-style prompts.
+
+Run ``python -m lattice_inference.testing.arch_sweep [--full] [--only llama,gpt2]`` to print the three lists with
+their counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from lattice_inference.errors import LatticeError
+
+Status = Literal["runs", "refused", "unbuildable", "failed"]
+STATUSES: tuple[Status, ...] = ("runs", "refused", "unbuildable", "failed")
+
+SWEEP_VOCAB = 512
+"""Vocabulary of every tiny model: the byte tokenizer's 259 ids and room for the special ids configs name."""
+
+NEW_TOKENS = 24
+"""Tokens generated per prompt."""
+
+# What every tiny config sets, by the names configs use (a config's ``attribute_map`` aliases are resolved first);
+# a name a config does not have is not added.
+SMALL: dict[str, object] = {
+    "num_hidden_layers": 2,
+    "num_layers": 2,
+    "n_layers": 2,
+    "decoder_layers": 2,
+    "encoder_layers": 2,
+    "num_decoder_layers": 2,
+    "hidden_size": 64,
+    "d_model": 64,
+    "embed_dim": 64,
+    "intermediate_size": 128,
+    "ffn_dim": 128,
+    "d_ff": 128,
+    "decoder_ffn_dim": 128,
+    "encoder_ffn_dim": 128,
+    "ffn_hidden_size": 128,
+    "num_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_attention_heads": 4,
+    "num_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": SWEEP_VOCAB,
+    "moe_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "moe_k": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "qk_head_dim": 16,
+    "v_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "sliding_window": 32,
+    "state_size": 8,
+    "ssm_state_size": 8,
+    "mamba_d_state": 8,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "time_step_rank": 8,
+    "num_key_value_groups": 1,
+    "projector_hidden_size": 64,
+    "text_hidden_size": 64,
+    "vision_hidden_size": 64,
+    "image_size": 32,
+    "patch_size": 8,
+}
+
+SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id")
+
+PROMPTS = (
+    "Document: The river rises in the north hills and runs south past the mill. The mill grinds corn. "
+    "Question: what does the mill grind? Answer: The mill grinds",
+    "def area(width, height):\n    return width * height\n\n# Rewrite area to check its inputs.\n"
+    "def area(width, height):\n",
+    'Notes: alpha=3, beta=5, gamma=8. Extract the values as JSON: {"alpha": 3, "beta": ',
+)
+
+
+@dataclass
+class SweepResult:
+    """One architecture's outcome: its list (`Status`), a one-line reason, the checks that ran and the seconds."""
+
+    model_type: str
+    status: Status
+    reason: str = ""
+    checks: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        """One printable line."""
+        detail = self.reason or ", ".join(self.checks)
+        return f"{self.model_type:28} {detail}"
+
+
+class CannotBuildTiny(Exception):
+    """The tiny model of an architecture could not be built (the message says why)."""
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type of the installed transformers' causal-LM mapping, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _shrink(values: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """``values`` (a config's ``to_dict``) with `SMALL` sizes applied to the keys it has (through ``aliases``, the
+    config class's ``attribute_map``), per-layer lists cut to two layers (first and last entry, so a pattern of
+    sliding and full attention keeps both), special token ids moved inside `SWEEP_VOCAB`."""
+    out = dict(values)
+    layers_key = aliases.get("num_hidden_layers", "num_hidden_layers")
+    layers = out.get(layers_key)
+    for name, small in SMALL.items():
+        key = aliases.get(name, name)
+        if key in out and out[key] is not None and not isinstance(out[key], dict | list):
+            current = out[key]
+            if isinstance(current, bool) or not isinstance(current, int | float):
+                continue
+            out[key] = small if name not in ("sliding_window",) else min(int(current), int(small))  # type: ignore[call-overload]
+    for key, value in list(out.items()):
+        if isinstance(layers, int) and isinstance(value, list) and len(value) == layers and layers > 2:
+            out[key] = [value[0], value[-1]]
+        elif key.endswith("token_id") or key.endswith("token_index") or key in SPECIAL_ID_KEYS:
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 256:
+                out[key] = 256 + (value % 3) if key in SPECIAL_ID_KEYS else 300 + value % 200
+            elif isinstance(value, list):
+                out[key] = [256 + v % 3 if isinstance(v, int) and v >= 256 else v for v in value]
+    return out
+
+
+def tiny_config(model_type: str) -> Any:
+    """The tiny config of ``model_type``: its config class's defaults, `_shrink` applied to it and to each of its
+    sub-configs (``text_config``, ``vision_config``, ...)."""
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    try:
+        cls = CONFIG_MAPPING[model_type]
+        base = cls()
+    except Exception as exc:
+        raise CannotBuildTiny(f"its config class has no usable defaults: {_first_line(exc)}") from exc
+
+    def shrunk(config: PretrainedConfig) -> dict[str, Any]:
+        values = config.to_dict()
+        for key in list(values):
+            sub = getattr(config, key, None)
+            if isinstance(sub, PretrainedConfig):
+                values[key] = shrunk(sub)
+        return _shrink(values, dict(getattr(type(config), "attribute_map", {}) or {}))
+
+    values = shrunk(base)
+    values.pop("model_type", None)
+    values.pop("transformers_version", None)
+    try:
+        config = cls(**values)
+    except Exception as exc:
+        raise CannotBuildTiny(f"its config rejects small sizes: {_first_line(exc)}") from exc
+    config.tie_word_embeddings = bool(getattr(base, "tie_word_embeddings", False))
+    return config
+
+
+def save_tiny_model(model_type: str, path: Path, *, seed: int = 0) -> Path:
+    """Build ``model_type``'s tiny random model (`tiny_config`, float32, transformers' own init with std 0.02: a
+    small init loops, which prompt lookup drafts) and write it with the byte tokenizer to ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    from lattice_inference.testing.toy import byte_tokenizer
+
+    config = tiny_config(model_type)
+    if hasattr(config, "initializer_range"):
+        config.initializer_range = 0.02
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except Exception as exc:
+        raise CannotBuildTiny(f"its model cannot be built from the tiny config: {_first_line(exc)}") from exc
+    size = sum(p.numel() for p in model.parameters())
+    if size > 40_000_000:
+        raise CannotBuildTiny(f"its smallest model built here has {size / 1e6:.0f}M parameters")
+    tokenizer = byte_tokenizer()
+    eos = tokenizer.eos_token_id
+    try:
+        model.generation_config.eos_token_id = eos
+        model.generation_config.pad_token_id = eos
+        model.save_pretrained(path)
+    except Exception as exc:
+        raise CannotBuildTiny(f"its tiny model cannot be saved: {_first_line(exc)}") from exc
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence transformers' and Python's warnings and prints while one architecture runs."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            logging.disable(logging.WARNING)
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+        hf_logging.set_verbosity(level)
+
+
+def _check(generator_for: Callable[..., Any], full: bool) -> list[str]:
+    """Run the checks on a loaded architecture; returns the names of those that passed, raises AssertionError
+    naming the first speculative output that differs from plain decoding."""
+    greedy = generator_for("greedy")
+    ngram = generator_for("ngram")
+    prompts = PROMPTS if full else PROMPTS[:1]
+    done = []
+    plain = [greedy.generate(p, NEW_TOKENS).token_ids for p in prompts]
+    for i, p in enumerate(prompts):
+        got = ngram.generate(p, NEW_TOKENS).token_ids
+        if got != plain[i]:
+            raise AssertionError(f"ngram differs from greedy on prompt {i}: {got} != {plain[i]}")
+    done.append("greedy=ngram")
+    if not full:
+        return done
+    suffix = generator_for("suffix")
+    for _ in range(2):  # the second pass drafts from the first's outputs in the suffix index
+        for i, p in enumerate(prompts):
+            got = suffix.generate(p, NEW_TOKENS).token_ids
+            if got != plain[i]:
+                raise AssertionError(f"suffix differs from greedy on prompt {i}: {got} != {plain[i]}")
+    done.append("suffix")
+    sample = dict(temperature=0.8, top_p=0.95, seed=1234)
+    sampled = [greedy.generate(p, NEW_TOKENS, **sample).token_ids for p in prompts]
+    for i, p in enumerate(prompts):
+        got = ngram.generate(p, NEW_TOKENS, **sample).token_ids
+        if got != sampled[i]:
+            raise AssertionError(f"seeded ngram sample differs on prompt {i}: {got} != {sampled[i]}")
+    done.append("sampled")
+    batch = [r.token_ids for r in ngram.generate_many(list(prompts), NEW_TOKENS)]
+    if batch != plain:
+        raise AssertionError(f"a batch of {len(prompts)} differs from each prompt alone")
+    done.append("batch")
+    return done
+
+
+def run_architecture(model_type: str, *, full: bool = False, workdir: Path | None = None) -> SweepResult:
+    """Build, save, load and check one architecture (see the module docstring); never raises."""
+    from lattice_inference.api import Generator
+
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        root = workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"sweep-{model_type}-")))
+        path = root / model_type
+        result: SweepResult
+        with _quiet():
+            try:
+                save_tiny_model(model_type, path)
+            except CannotBuildTiny as exc:
+                result = SweepResult(model_type, "unbuildable", str(exc))
+            except Exception as exc:
+                result = SweepResult(model_type, "unbuildable", f"building it raised {_first_line(exc)}")
+            else:
+                loaded: dict[str, Any] = {}
+
+                def generator_for(method: str) -> Any:
+                    if "model" not in loaded:
+                        first = Generator.from_pretrained(str(path), device="cpu", method=method, adaptive=False)
+                        loaded["model"], loaded["tokenizer"] = first.model, first.tokenizer
+                        loaded["target"] = first.decoder.target
+                        return first
+                    return Generator(
+                        loaded["model"], loaded["tokenizer"], method=method, adaptive=False, target=loaded["target"]
+                    )
+
+                try:
+                    checks = _check(generator_for, full)
+                    result = SweepResult(model_type, "runs", checks=checks)
+                except LatticeError as exc:
+                    text = str(exc)
+                    if "\n" in text.strip():
+                        result = SweepResult(model_type, "failed", f"a refusal of several lines: {text[:200]!r}")
+                    else:
+                        result = SweepResult(model_type, "refused", text)
+                except AssertionError as exc:
+                    result = SweepResult(model_type, "failed", f"not lossless: {str(exc)[:300]}")
+                except Exception as exc:
+                    where = traceback.extract_tb(exc.__traceback__)[-1]
+                    result = SweepResult(
+                        model_type,
+                        "failed",
+                        f"{_first_line(exc)} (at {Path(where.filename).name}:{where.lineno})",
+                    )
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def sweep(model_types: Iterable[str] | None = None, *, full: bool = False) -> list[SweepResult]:
+    """`run_architecture` over ``model_types`` (default: `causal_lm_types`)."""
+    return [run_architecture(t, full=full) for t in (model_types or causal_lm_types())]
+
+
+def report(results: Sequence[SweepResult]) -> str:
+    """The three lists (and failures, if any) with their counts, as the sweep prints them."""
+    lines = []
+    for status in STATUSES:
+        chosen = [r for r in results if r.status == status]
+        if status == "failed" and not chosen:
+            continue
+        lines.append(f"{status}: {len(chosen)}")
+        lines.extend(f"  {r.line()}" for r in chosen)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry: run the sweep and print its lists; ``--json FILE`` also writes every result."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="every check (default: greedy against ngram)")
+    parser.add_argument("--only", default="", help="comma-separated model types (default: the whole mapping)")
+    parser.add_argument("--json", default="", help="write the results to this file too")
+    args = parser.parse_args(argv)
+    types = [t for t in args.only.split(",") if t] or causal_lm_types()
+    results = []
+    for t in types:
+        r = run_architecture(t, full=args.full)
+        print(f"[{r.status}] {r.line()} ({r.seconds:.1f} s)", flush=True)
+        results.append(r)
+        if args.json:
+            Path(args.json).write_text(json.dumps([vars(x) for x in results], indent=1))
+    print(report(results))
+
+
+if __name__ == "__main__":
+    main()
