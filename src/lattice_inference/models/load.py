@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -84,6 +85,27 @@ def _check_local_dir(path: Path) -> int:
     return sum(sum(check_safetensors_file(file).values()) for file in weights)
 
 
+def _causal_lm_class(source: ModelSource) -> Any:
+    """The class that loads ``source``: ``AutoModelForCausalLM``, or, for a folder whose config type the auto
+    mapping does not list (the text part of a multimodal family saved alone: ``emu3_text``, ``mllama_text_model``),
+    the causal-LM class its config.json names in ``architectures`` where transformers has it."""
+    if source.kind != "hf":
+        return AutoModelForCausalLM
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = json.loads((source.path / "config.json").read_text())
+    kind = config.get("model_type")
+    if kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or kind not in CONFIG_MAPPING:
+        return AutoModelForCausalLM
+    for name in config.get("architectures") or ():
+        named = getattr(transformers, str(name), None)
+        if isinstance(named, type) and str(name).endswith("ForCausalLM"):
+            return named
+    return AutoModelForCausalLM
+
+
 def bf16_products_run_here() -> bool:
     """Whether this CPU computes bfloat16 linear layers without torch's emulation: natively (AVX512_BF16, AMX) or
     on our row kernel from the bfloat16 bytes (AVX2 with FMA, AVX512F; `native_ops.rows`), half float32's reads."""
@@ -150,7 +172,7 @@ def load_model(model: str | Path | None, dtype: str = "auto", device: str | torc
                 check_fits(elements * wanted.itemsize, place)
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.location)
-            lm = AutoModelForCausalLM.from_pretrained(source.location, dtype=wanted, **device_map(place))
+            lm = _causal_lm_class(source).from_pretrained(source.location, dtype=wanted, **device_map(place))
         except Exception as exc:  # transformers and safetensors raise many types for a bad checkpoint
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelLoadError(f"cannot load model '{source.location}': {first_line}") from exc

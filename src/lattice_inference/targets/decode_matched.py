@@ -249,12 +249,27 @@ def _joined(rows: list[object]) -> object:
 
 
 def _row_wise_forward(module: nn.Module, original: Callable[..., object], *args: object, **kwargs: object) -> object:
+    """``module``'s forward, one token at a time inside a decode-matched forward; the row-wise modules inside it
+    then run as they are (each sees what a 1-token step hands it)."""
+    if _ACTIVE.get() is None or _IN_ROW.get():
+        return original(*args, **kwargs)
+    token = _IN_ROW.set(True)
+    try:
+        return _one_token_at_a_time(original, args, kwargs)
+    finally:
+        _IN_ROW.reset(token)
+
+
+def _one_token_at_a_time(
+    original: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]
+) -> object:
     first = args[0] if args else next(iter(kwargs.values()), None)
-    if _ACTIVE.get() is None or _IN_ROW.get() or not isinstance(first, torch.Tensor) or first.dim() < 2:
+    if not isinstance(first, torch.Tensor) or first.dim() < 2:
         return original(*args, **kwargs)
     dim = _token_dim(first)
     n = first.shape[dim]
-    if n < 2:
+    sizes = any(isinstance(a, list | tuple) and a and all(isinstance(x, int) for x in a) for a in args)
+    if n < 2 or sizes:  # one row, or rows grouped by sizes given beside them (JetMoE's experts): not sliceable
         return original(*args, **kwargs)
 
     def part(value: object, i: int) -> object:
@@ -262,12 +277,9 @@ def _row_wise_forward(module: nn.Module, original: Callable[..., object], *args:
             return value.narrow(dim, i, 1)
         return value
 
-    token = _IN_ROW.set(True)
-    try:
-        rows = [original(*(part(a, i) for a in args), **{k: part(v, i) for k, v in kwargs.items()}) for i in range(n)]
-    finally:
-        _IN_ROW.reset(token)
-    return _joined(rows)
+    return _joined(
+        [original(*(part(a, i) for a in args), **{k: part(v, i) for k, v in kwargs.items()}) for i in range(n)]
+    )
 
 
 def match_row_wise_modules(model: nn.Module) -> int:

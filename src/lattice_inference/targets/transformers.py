@@ -34,7 +34,13 @@ from lattice_inference.targets.packed_linear import pack_linears
 
 def recurrent_layer_count(model: PreTrainedModel) -> int:
     """Number of cache layers of ``model`` that hold recurrent (non-croppable) state."""
-    cache = DynamicCache(config=model.config)
+    try:
+        cache = DynamicCache(config=model.config)
+    except Exception as exc:  # transformers builds no cache of its own layout for this config
+        raise UnsupportedModelError(
+            f"model type {model.config.model_type!r} has a cache layout transformers' DynamicCache cannot build from "
+            f"its config ({_first_line(exc)})"
+        ) from exc
     return sum(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
 
@@ -107,7 +113,8 @@ def check_causal_lm(model: PreTrainedModel) -> None:
             full = model(input_ids=ids, use_cache=False).logits.float()
         except Exception as exc:
             raise UnsupportedModelError(
-                f"model type {kind!r} cannot run on token ids alone (it may need pixels or audio): {_first_line(exc)}"
+                f"model type {kind!r} fails on token ids alone (as a model needing pixels or audio does): "
+                f"{_first_line(exc)}"
             ) from exc
         changed = model(input_ids=other, use_cache=False).logits.float()
         scale = float(full.abs().max()) or 1.0

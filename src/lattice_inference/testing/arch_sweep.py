@@ -48,6 +48,9 @@ SWEEP_VOCAB = 512
 NEW_TOKENS = 24
 """Tokens generated per prompt."""
 
+MAX_PARAMETERS = 40_000_000
+"""Largest tiny model built (a config whose small sizes still give more is listed as not buildable tiny)."""
+
 # What every tiny config sets, by the names configs use (a config's ``attribute_map`` aliases are resolved first);
 # a name a config does not have is not added.
 SMALL: dict[str, object] = {
@@ -111,7 +114,25 @@ SMALL: dict[str, object] = {
     "vision_hidden_size": 64,
     "image_size": 32,
     "patch_size": 8,
+    "rotary_dim": 8,
+    "d_head": 16,
+    "embedding_dim": 64,
+    "vocab_size_per_layer_input": SWEEP_VOCAB,
+    "hidden_size_per_layer_input": 16,
+    "global_head_dim": 16,
+    "encoder_hash_byte_group_vocab": 1024,
 }
+
+FILL_NONE = frozenset({"head_dim", "num_key_value_heads", "moe_intermediate_size", "num_experts_per_tok", "d_head"})
+"""`SMALL` names set even where the default config leaves them None (models that need them to build)."""
+
+MIN_POSITIONS = 512
+"""Fewest positions a tiny model gets (`PROMPTS` and `NEW_TOKENS` fit): a default below it is raised to it."""
+
+OVERRIDES: dict[str, dict[str, object]] = {
+    "zaya": {"num_experts_per_tok": 1},  # its config supports one expert per token only
+}
+"""Values a config class needs beyond `SMALL` to build tiny."""
 
 SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id")
 
@@ -160,11 +181,20 @@ def _shrink(values: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
     layers = out.get(layers_key)
     for name, small in SMALL.items():
         key = aliases.get(name, name)
-        if key in out and out[key] is not None and not isinstance(out[key], dict | list):
-            current = out[key]
-            if isinstance(current, bool) or not isinstance(current, int | float):
-                continue
-            out[key] = small if name not in ("sliding_window",) else min(int(current), int(small))  # type: ignore[call-overload]
+        if key not in out or (out[key] is None and name not in FILL_NONE):
+            continue
+        current = out[key]
+        if current is not None and (isinstance(current, bool) or not isinstance(current, int | float)):
+            continue
+        out[key] = small if name != "sliding_window" else min(int(current), int(small))  # type: ignore[call-overload]
+    if isinstance(out.get("qk_rope_head_dim"), int):  # multi-head latent attention: keys and values per head
+        if "head_dim" in out:
+            out["head_dim"] = out["qk_rope_head_dim"]  # its rotary part
+        if "num_key_value_heads" in out:
+            out["num_key_value_heads"] = out.get("num_attention_heads", 4)
+    positions = aliases.get("max_position_embeddings", "max_position_embeddings")
+    if isinstance(out.get(positions), int) and out[positions] < MIN_POSITIONS:
+        out[positions] = MIN_POSITIONS
     for key, value in list(out.items()):
         if isinstance(layers, int) and isinstance(value, list) and len(value) == layers and layers > 2:
             out[key] = [value[0], value[-1]]
@@ -187,15 +217,27 @@ def tiny_config(model_type: str) -> Any:
     except Exception as exc:
         raise CannotBuildTiny(f"its config class has no usable defaults: {_first_line(exc)}") from exc
 
-    def shrunk(config: PretrainedConfig) -> dict[str, Any]:
-        values = config.to_dict()
-        for key in list(values):
-            sub = getattr(config, key, None)
-            if isinstance(sub, PretrainedConfig):
-                values[key] = shrunk(sub)
-        return _shrink(values, dict(getattr(type(config), "attribute_map", {}) or {}))
+    def aliases_of(values: dict[str, Any]) -> dict[str, str]:
+        kind = values.get("model_type")
+        owner = CONFIG_MAPPING[kind] if isinstance(kind, str) and kind in CONFIG_MAPPING else None
+        return dict(getattr(owner, "attribute_map", {}) or {})
 
-    values = shrunk(base)
+    def shrunk(values: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+        layers = values.get(aliases.get("num_hidden_layers", "num_hidden_layers"))
+        out = _shrink(values, aliases)
+        for key, value in out.items():
+            if key in ("id2label", "label2id") or not isinstance(value, dict):
+                continue
+            if key == "per_layer_config" and isinstance(layers, int):  # {layer index: its own sizes}
+                kept = {0: 0, layers - 1: 1}
+                out[key] = {str(kept[int(k)]): shrunk(v, aliases) for k, v in value.items() if int(k) in kept}
+            else:
+                out[key] = shrunk(value, aliases_of(value) if "model_type" in value else {})
+        return out
+
+    if not isinstance(base, PretrainedConfig):
+        raise CannotBuildTiny("its config class gives no config")
+    values = {**shrunk(base.to_dict(), dict(getattr(cls, "attribute_map", {}) or {})), **OVERRIDES.get(model_type, {})}
     values.pop("model_type", None)
     values.pop("transformers_version", None)
     try:
@@ -216,14 +258,18 @@ def save_tiny_model(model_type: str, path: Path, *, seed: int = 0) -> Path:
     config = tiny_config(model_type)
     if hasattr(config, "initializer_range"):
         config.initializer_range = 0.02
-    torch.manual_seed(seed)
     try:
+        with torch.device("meta"):
+            shape = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        size = sum(p.numel() for p in shape.parameters())
+        if size > MAX_PARAMETERS:
+            raise CannotBuildTiny(f"its smallest model built here has {size / 1e6:.0f}M parameters")
+        torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except CannotBuildTiny:
+        raise
     except Exception as exc:
         raise CannotBuildTiny(f"its model cannot be built from the tiny config: {_first_line(exc)}") from exc
-    size = sum(p.numel() for p in model.parameters())
-    if size > 40_000_000:
-        raise CannotBuildTiny(f"its smallest model built here has {size / 1e6:.0f}M parameters")
     tokenizer = byte_tokenizer()
     eos = tokenizer.eos_token_id
     try:
@@ -248,6 +294,8 @@ def _quiet() -> Iterator[None]:
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
@@ -256,6 +304,8 @@ def _quiet() -> Iterator[None]:
     finally:
         logging.disable(logging.NOTSET)
         hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _check(generator_for: Callable[..., Any], full: bool) -> list[str]:
