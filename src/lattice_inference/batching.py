@@ -45,6 +45,12 @@ class Decoder(Protocol):
     drafter: Drafter | None
     costs: ForwardCosts | None
 
+    @property
+    def rows_alone(self) -> bool:
+        """Whether its verifications run one token at a time (a self-check that failed): never in a shared
+        forward."""
+        ...
+
     def widest(self) -> int: ...
 
     def open(self, gen: Generation, owner: str | None = "") -> list[int]: ...
@@ -156,7 +162,7 @@ class Batch:
         target = self.target
         chunks: dict[Generation, list[int]] = {}
         try:
-            if target.batches_sequences and len(members) > 1:
+            if target.batches_sequences and len(members) > 1 and not any(m.decoder.rows_alone for m in members):
                 chunks = self._batched(members)
             else:
                 for member in members:

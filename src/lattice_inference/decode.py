@@ -289,7 +289,7 @@ class SpeculativeDecoder:
             cap = min(self.max_draft, room) if self.drafter is not None else 0
             planned = self._grammatical(gen.grammar, planned, cap)
         pending, position = gen.pending, _sequence(gen).length
-        if planned.alternatives and self.target.verifies_trees:  # a draft tree: leaves beside the draft
+        if planned.alternatives and self.target.verifies_trees and not self.rows_alone:  # a draft tree
             tree = DraftTree(planned.verify, planned.alternatives)
             tokens, parents, depths = tree.rows(pending)
             return Round(planned, tokens, position, tree, parents, depths)
@@ -300,13 +300,34 @@ class SpeculativeDecoder:
         emits."""
         planned, seq = self.plan(gen), _sequence(gen)
         forward_start = time.perf_counter()
-        if planned.tree is not None:
+        if self.rows_alone:
+            logits = self._token_by_token(seq, planned.tokens)
+        elif planned.tree is not None:
             assert planned.parents is not None
             logits = self.target.forward_tree(seq, planned.tokens, planned.parents)
         else:
             logits = self.target.forward(seq, planned.tokens)
         seconds = time.perf_counter() - forward_start
         return self.finish(gen, planned, logits, seq.hidden, len(planned.tokens), seconds)
+
+    @property
+    def rows_alone(self) -> bool:
+        """Whether this target's self-check found a width whose rows differ from 1-token steps: then every
+        verification runs one token at a time (lossless by construction: each row is a plain decoding step; no
+        faster than plain decoding), with no draft trees and no batched forwards."""
+        return self.exactness is not None and not self.exactness.exact
+
+    def _token_by_token(self, seq: TargetSequence, tokens: Sequence[int]) -> torch.Tensor:
+        """The logits of ``tokens`` as 1-token forwards, one after another (`rows_alone`), their hidden states
+        joined in ``seq.hidden`` where it captures them."""
+        rows, hidden = [], []
+        for token in tokens:
+            rows.append(self.target.forward(seq, [token]))
+            if seq.hidden is not None:
+                hidden.append(seq.hidden)
+        if hidden:
+            seq.hidden = torch.cat(hidden)
+        return torch.cat(rows)
 
     def finish(
         self,

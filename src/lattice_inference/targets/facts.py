@@ -42,7 +42,10 @@ class Exactness:
         if self.exact:
             return f"decode-matched verification: exact (k-token rows equal 1-token steps bitwise, {checked})"
         failures = "; ".join(self.failures)
-        return f"decode-matched verification: NOT exact ({failures}); outputs may differ from plain decoding"
+        return (
+            f"decode-matched verification: NOT exact ({failures}); drafts are verified one token at a time "
+            "(lossless, no faster than plain decoding)"
+        )
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready fields."""

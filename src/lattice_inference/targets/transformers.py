@@ -91,6 +91,13 @@ def hidden_state_source(model: PreTrainedModel) -> tuple[torch.nn.Module | None,
     )
 
 
+REFUSED_FAMILIES: dict[str, str] = {
+    "deepseek_v4": "its compressed-attention cache layers keep a running compressor state that cropping the cache "
+    "cannot roll back",
+}
+"""Model types refused by name, with why (what `check_causal_lm`'s probes cannot see)."""
+
+
 def check_causal_lm(model: PreTrainedModel) -> None:
     """Refuse, with one line naming why, a model that speculative decoding over transformers' forward cannot serve
     losslessly, by what it does rather than by its name: a forward that takes no ``cache`` (its state lives
@@ -98,6 +105,8 @@ def check_causal_lm(model: PreTrainedModel) -> None:
     later tokens (an encoder: bidirectional attention), or a cache that cannot take several new rows at once (what
     verifying a draft feeds). Three tiny forwards of four tokens, no cache kept."""
     kind = model.config.model_type
+    if kind in REFUSED_FAMILIES:
+        raise UnsupportedModelError(f"model type {kind!r} is not supported: {REFUSED_FAMILIES[kind]}")
     if "cache" not in inspect.signature(model.forward).parameters:
         raise UnsupportedModelError(
             f"model type {kind!r} keeps its state outside an attention cache (its forward takes no cache), "

@@ -321,6 +321,9 @@ def _check(generator_for: Callable[..., Any], full: bool) -> list[str]:
         if got != plain[i]:
             raise AssertionError(f"ngram differs from greedy on prompt {i}: {got} != {plain[i]}")
     done.append("greedy=ngram")
+    check = ngram.decoder.exactness
+    if check is not None and not check.exact:
+        done.append("self-check NOT exact")
     if not full:
         return done
     suffix = generator_for("suffix")
@@ -412,12 +415,49 @@ def report(results: Sequence[SweepResult]) -> str:
     return "\n".join(lines)
 
 
+REFUSAL_KINDS = (
+    ("recurrent-state cache", "recurrent state (linear attention, state space) that cropping a cache cannot roll back"),
+    ("outside an attention cache", "state kept outside an attention cache (no `cache` argument)"),
+    ("attends to later tokens", "an encoder: rows see later tokens"),
+    ("several new tokens", "a cache that cannot take several new rows (what verifying a draft feeds)"),
+    ("token ids alone", "fails on token ids alone"),
+    ("DynamicCache cannot build", "a cache layout transformers' `DynamicCache` cannot build"),
+)
+"""Refusal reasons as the README groups them: a phrase of the one-line error, and what it means."""
+
+
+def markdown(results: Sequence[SweepResult]) -> str:
+    """The README's sweep block: each list's count and names, refusals grouped by reason, each unbuildable's reason
+    (``python -m lattice_inference.testing.arch_sweep --markdown`` prints it; a test compares it with README)."""
+    lines = ["<!-- sweep:start -->"]
+    for status in ("runs", "refused", "unbuildable"):
+        names = sorted(r.model_type for r in results if r.status == status)
+        lines.append(f"- **{status}** ({len(names)}): " + ", ".join(f"`{n}`" for n in names))
+    refused = [r for r in results if r.status == "refused"]
+    for phrase, meaning in REFUSAL_KINDS:
+        names = sorted(r.model_type for r in refused if phrase in r.reason)
+        if names:
+            lines.append(f"  - refused, {meaning}: " + ", ".join(names))
+    unbuildable = sorted((r for r in results if r.status == "unbuildable"), key=lambda r: r.model_type)
+    if unbuildable:
+        lines.append("  - not built tiny: " + "; ".join(f"{r.model_type} ({_short(r.reason)})" for r in unbuildable))
+    lines.append("<!-- sweep:end -->")
+    return "\n".join(lines)
+
+
+def _short(reason: str) -> str:
+    """An unbuildable architecture's reason cut for the README (no backticks, at most 90 characters)."""
+    text = reason.replace("`", "").replace("its model cannot be built from the tiny config: ", "")
+    return text if len(text) <= 90 else text[:87] + "..."
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry: run the sweep and print its lists; ``--json FILE`` also writes every result."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="every check (default: greedy against ngram)")
     parser.add_argument("--only", default="", help="comma-separated model types (default: the whole mapping)")
     parser.add_argument("--json", default="", help="write the results to this file too")
+    parser.add_argument("--markdown", action="store_true", help="also print README's sweep block")
     args = parser.parse_args(argv)
     types = [t for t in args.only.split(",") if t] or causal_lm_types()
     results = []
@@ -428,6 +468,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             Path(args.json).write_text(json.dumps([vars(x) for x in results], indent=1))
     print(report(results))
+    if args.markdown:
+        print(markdown(results))
 
 
 if __name__ == "__main__":
