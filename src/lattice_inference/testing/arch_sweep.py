@@ -269,6 +269,8 @@ def save_tiny_model(model_type: str, path: Path, *, seed: int = 0) -> Path:
     except CannotBuildTiny:
         raise
     except Exception as exc:
+        if not _defaults_build(model_type):
+            raise CannotBuildTiny(f"its config class's defaults build no model either: {_first_line(exc)}") from exc
         raise CannotBuildTiny(f"its model cannot be built from the tiny config: {_first_line(exc)}") from exc
     tokenizer = byte_tokenizer()
     eos = tokenizer.eos_token_id
@@ -282,9 +284,25 @@ def save_tiny_model(model_type: str, path: Path, *, seed: int = 0) -> Path:
     return path
 
 
+def _defaults_build(model_type: str) -> bool:
+    """Whether ``model_type``'s config class, at its own defaults, builds a model (on ``meta``: no memory)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type]())
+    except Exception:
+        return False
+    return True
+
+
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+    """``Type: message`` on one line (a first line ending in a colon takes the next, where validators put why)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return f"{type(exc).__name__}: {text[:200]}"
 
 
 @contextlib.contextmanager
@@ -422,6 +440,7 @@ REFUSAL_KINDS = (
     ("several new tokens", "a cache that cannot take several new rows (what verifying a draft feeds)"),
     ("token ids alone", "fails on token ids alone"),
     ("DynamicCache cannot build", "a cache layout transformers' `DynamicCache` cannot build"),
+    ("is not supported:", "by name (`REFUSED_FAMILIES`), a cache whose extra state cropping cannot roll back"),
 )
 """Refusal reasons as the README groups them: a phrase of the one-line error, and what it means."""
 
@@ -438,6 +457,12 @@ def markdown(results: Sequence[SweepResult]) -> str:
         names = sorted(r.model_type for r in refused if phrase in r.reason)
         if names:
             lines.append(f"  - refused, {meaning}: " + ", ".join(names))
+    alone = sorted(r.model_type for r in results if r.status == "runs" and "self-check NOT exact" in r.checks)
+    if alone:
+        lines.append(
+            "  - run, verifying one token at a time (their self-check found rows that differ from 1-token steps, "
+            "mostly attention outside transformers' sdpa interface; lossless, no speed-up): " + ", ".join(alone)
+        )
     unbuildable = sorted((r for r in results if r.status == "unbuildable"), key=lambda r: r.model_type)
     if unbuildable:
         lines.append("  - not built tiny: " + "; ".join(f"{r.model_type} ({_short(r.reason)})" for r in unbuildable))
@@ -448,6 +473,7 @@ def markdown(results: Sequence[SweepResult]) -> str:
 def _short(reason: str) -> str:
     """An unbuildable architecture's reason cut for the README (no backticks, at most 90 characters)."""
     text = reason.replace("`", "").replace("its model cannot be built from the tiny config: ", "")
+    text = text.replace("StrictDataclassClassValidationError: Class validation error for validator ", "")
     return text if len(text) <= 90 else text[:87] + "..."
 
 
