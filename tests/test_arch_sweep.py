@@ -64,10 +64,10 @@ def test_full_sweep_every_method_sampled_and_batched():
     assert sum(r.status == "runs" for r in results) >= RUNS_FLOOR
 
 
-@pytest.mark.parametrize(("model_type", "norm"), [("gpt2", "ln_f"), ("opt", "final_layer_norm"), ("phi", "final")])
+@pytest.mark.parametrize(("model_type", "norm"), [("gpt2", "ln_f"), ("opt", "project_out"), ("phi", "final")])
 def test_hidden_states_come_from_what_the_output_layer_reads(tmp_path, model_type, norm):
-    """Families whose final norm is not called ``norm`` run MTP's hidden-state capture: the rows equal the model's
-    own last hidden states (``output_hidden_states``), which its ``lm_head`` scores."""
+    """Families whose final norm is not called ``norm`` (and OPT, whose ``lm_head`` reads a projection after it) run
+    MTP's hidden-state capture: the rows equal what the model's own ``lm_head`` reads."""
     from lattice_inference.targets.transformers import TransformersTarget, hidden_state_source
 
     path = save_tiny_model(model_type, tmp_path / model_type)
@@ -81,10 +81,15 @@ def test_hidden_states_come_from_what_the_output_layer_reads(tmp_path, model_typ
     ids = gen.encode("the cat sat on the mat, the cat sat")
     seq = target.new_sequence(capture_hidden=True)
     target.prefill(seq, ids)
-    with torch.inference_mode():
-        out = gen.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    read: list[torch.Tensor] = []
+    hook = gen.model.get_output_embeddings().register_forward_pre_hook(lambda m, args: read.append(args[0]))
+    try:
+        with torch.inference_mode():
+            gen.model(input_ids=torch.tensor([ids]), logits_to_keep=0)
+    finally:
+        hook.remove()
     assert seq.hidden is not None
-    torch.testing.assert_close(seq.hidden, out.hidden_states[-1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(seq.hidden, read[0][0], rtol=1e-5, atol=1e-5)
     target.release(seq)
 
 
