@@ -46,9 +46,8 @@ class Decoder(Protocol):
     costs: ForwardCosts | None
 
     @property
-    def rows_alone(self) -> bool:
-        """Whether its verifications run one token at a time (a self-check that failed): never in a shared
-        forward."""
+    def shares_forwards(self) -> bool:
+        """Whether its rounds may share a batched forward (its target's self-check found nothing that differs)."""
         ...
 
     def widest(self) -> int: ...
@@ -162,7 +161,7 @@ class Batch:
         target = self.target
         chunks: dict[Generation, list[int]] = {}
         try:
-            if target.batches_sequences and len(members) > 1 and not any(m.decoder.rows_alone for m in members):
+            if target.batches_sequences and len(members) > 1 and all(m.decoder.shares_forwards for m in members):
                 chunks = self._batched(members)
             else:
                 for member in members:

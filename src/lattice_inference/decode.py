@@ -289,7 +289,7 @@ class SpeculativeDecoder:
             cap = min(self.max_draft, room) if self.drafter is not None else 0
             planned = self._grammatical(gen.grammar, planned, cap)
         pending, position = gen.pending, _sequence(gen).length
-        if planned.alternatives and self.target.verifies_trees and not self.rows_alone:  # a draft tree
+        if planned.alternatives and self.target.verifies_trees and self.shares_forwards:  # a draft tree
             tree = DraftTree(planned.verify, planned.alternatives)
             tokens, parents, depths = tree.rows(pending)
             return Round(planned, tokens, position, tree, parents, depths)
@@ -312,10 +312,16 @@ class SpeculativeDecoder:
 
     @property
     def rows_alone(self) -> bool:
-        """Whether this target's self-check found a width whose rows differ from 1-token steps: then every
+        """Whether this target's self-check found a chain width whose rows differ from 1-token steps: then every
         verification runs one token at a time (lossless by construction: each row is a plain decoding step; no
-        faster than plain decoding), with no draft trees and no batched forwards."""
-        return self.exactness is not None and not self.exactness.exact
+        faster than plain decoding)."""
+        return self.exactness is not None and not self.exactness.chains_exact
+
+    @property
+    def shares_forwards(self) -> bool:
+        """Whether draft trees and batched forwards may run: where the self-check found nothing that differs (a
+        failed tree leaves chains only; the batched forward is checked only after everything else passed)."""
+        return self.exactness is None or self.exactness.exact
 
     def _token_by_token(self, seq: TargetSequence, tokens: Sequence[int]) -> torch.Tensor:
         """The logits of ``tokens`` as 1-token forwards, one after another (`rows_alone`), their hidden states
@@ -444,7 +450,7 @@ class SpeculativeDecoder:
     def _leaves(self) -> int:
         """Most tree leaves a round may verify (0 where the target or the drafter cannot use them)."""
         trees = self.drafter is not None and self.drafter.proposes_trees
-        return self.max_leaves if self.target.verifies_trees and trees else 0
+        return self.max_leaves if self.target.verifies_trees and trees and self.shares_forwards else 0
 
     def widest(self) -> int:
         """The widest forward a round may run: the pending token, ``max_draft`` drafted tokens and the leaves."""

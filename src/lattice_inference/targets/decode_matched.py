@@ -36,6 +36,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.pytorch_utils import Conv1D
 
 ATTENTION = "lattice_sdpa"
 """The attention implementation name decode-matched targets switch ``sdpa`` models to."""
@@ -208,15 +209,39 @@ def _dense_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return matched_product(key, kernel, x)
 
 
+def _addmm(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``Conv1D``'s own computation: ``addmm`` over ``x``'s rows flattened, reshaped back."""
+    return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[-1])
+
+
+def _conv1d_forward(module: Conv1D, x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``Conv1D`` (GPT-2's products: ``x @ weight + bias``, weight ``[in, out]``) as a matched
+    product."""
+    product = getattr(module, PRODUCT, None)
+    if product is None:
+        kernel = functools.partial(_addmm, weight=module.weight, bias=module.bias)
+        product = (("conv1d", tuple(module.weight.shape), True), kernel, [module.nf])
+        setattr(module, PRODUCT, product)
+    key, kernel, _ = product
+    return matched_product(key, kernel, x)
+
+
 def match_dense_linears(model: nn.Module) -> int:
-    """Route every ``nn.Linear`` of ``model`` whose forward is still the class's own (not packed) through
-    `matched_product`; returns how many were routed (idempotent)."""
+    """Route every ``nn.Linear`` of ``model`` whose forward is still the class's own (not packed), and every
+    transformers ``Conv1D`` (GPT-2's family), through `matched_product`; returns how many were routed
+    (idempotent)."""
     count = 0
     for module in model.modules():
-        if plain_linear(module) and "forward" not in vars(module):
+        if "forward" in vars(module):
+            continue
+        if plain_linear(module):
             module.forward = functools.partial(_dense_forward, module)
-            setattr(module, _MATCHED, True)
-            count += 1
+        elif type(module) is Conv1D:
+            module.forward = functools.partial(_conv1d_forward, module)
+        else:
+            continue
+        setattr(module, _MATCHED, True)
+        count += 1
     return count
 
 
@@ -374,6 +399,80 @@ def decode_matched_sdpa(
     return torch.cat(outputs, dim=1), None
 
 
+EAGER = "eager_attention_forward"
+"""The name under which a transformers modeling module defines its own eager attention (what ``eager`` models call)."""
+
+
+def _rows_of(
+    attention_mask: torch.Tensor | None, rows: int, keys: int
+) -> list[tuple[slice | torch.Tensor, torch.Tensor | None]]:
+    """Per query row of a decode-matched forward: the key columns it sees and its row of ``attention_mask`` over
+    them (memoised per mask for the forward, as `decode_matched_sdpa` does)."""
+    forward = _ACTIVE.get()
+    assert forward is not None
+    memo = id(attention_mask)
+    columns = forward.columns.get(memo)
+    if columns is None:
+        columns = forward.columns[memo] = _visible(attention_mask, rows, keys)
+    out: list[tuple[slice | torch.Tensor, torch.Tensor | None]] = []
+    for i, cols in enumerate(columns):
+        if attention_mask is None:
+            out.append((cols, None))
+            continue
+        row = attention_mask[:, :, i : i + 1]
+        out.append((cols, row[..., cols] if isinstance(cols, slice) else row.index_select(3, cols)))
+    return out
+
+
+def _eager_matched(original: Callable[..., tuple[torch.Tensor, object]]) -> Callable[..., tuple[torch.Tensor, object]]:
+    """A modeling module's eager attention; inside a decode-matched forward each query row of a multi-row call runs
+    as the 1-token step's call: its query over the keys it sees, with its row of the mask (zeros where a step's
+    mask has zeros; a bias where the model adds one), through the model's own eager code (soft-capping, sinks)."""
+
+    @functools.wraps(original)
+    def eager(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *args: object,
+        **kwargs: object,
+    ) -> tuple[torch.Tensor, object]:
+        rows = query.shape[2]
+        if _ACTIVE.get() is None or rows == 1:
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        outputs = []
+        for i, (cols, mask) in enumerate(_rows_of(attention_mask, rows, key.shape[2])):
+            if isinstance(cols, slice):
+                k, v = key[:, :, cols], value[:, :, cols]
+            else:
+                k, v = key.index_select(2, cols), value.index_select(2, cols)
+            out, _ = original(module, query[:, :, i : i + 1], k, v, mask, *args, **kwargs)
+            outputs.append(out)
+        return torch.cat(outputs, dim=1), None
+
+    setattr(eager, _MATCHED, True)
+    return eager
+
+
+def _match_eager(model: nn.Module) -> bool:
+    """Route the eager attention of ``model``'s modeling modules (`EAGER`) row by row inside decode-matched forwards
+    (outside them it runs as it was, for every model of those modules). True where one was found."""
+    import sys
+
+    found = False
+    for module in model.modules():
+        owner = sys.modules.get(type(module).__module__)
+        eager = getattr(owner, EAGER, None)
+        if owner is None or not callable(eager):
+            continue
+        if not getattr(eager, _MATCHED, False):
+            setattr(owner, EAGER, _eager_matched(eager))
+        found = True
+    return found
+
+
 @functools.cache
 def _register_attention() -> None:
     """Make `ATTENTION` known to transformers (its attention and mask functions), once, when a model first takes it:
@@ -384,13 +483,15 @@ def _register_attention() -> None:
 
 def match_attention(model: nn.Module) -> bool:
     """Switch ``model`` (a target's view: `model_view.runner_view`) from ``sdpa`` attention to `ATTENTION` (the same
-    outside decode-matched forwards); returns whether its attention is now decode-matched (models on other
-    implementations are left as they are)."""
+    outside decode-matched forwards), or route an ``eager`` model's own eager attention row by row (`_match_eager`);
+    returns whether its attention is now decode-matched (models on other implementations are left as they are)."""
     _register_attention()
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
     current = {getattr(c, "_attn_implementation", None) for c in configs} - {None}
     if current and current <= {ATTENTION}:
         return True
+    if current == {"eager"}:
+        return _match_eager(model)
     if current != {"sdpa"}:
         return False
     for config in configs:
