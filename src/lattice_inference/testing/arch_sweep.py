@@ -326,6 +326,10 @@ def _quiet() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+TOKEN_BY_TOKEN = "self-check NOT exact: verified token by token"
+TREES_OFF = "self-check NOT exact in a draft tree: chains only"
+
+
 def _check(generator_for: Callable[..., Any], full: bool) -> list[str]:
     """Run the checks on a loaded architecture; returns the names of those that passed, raises AssertionError
     naming the first speculative output that differs from plain decoding."""
@@ -341,7 +345,7 @@ def _check(generator_for: Callable[..., Any], full: bool) -> list[str]:
     done.append("greedy=ngram")
     check = ngram.decoder.exactness
     if check is not None and not check.exact:
-        done.append("self-check NOT exact")
+        done.append(TREES_OFF if check.chains_exact else TOKEN_BY_TOKEN)
     if not full:
         return done
     suffix = generator_for("suffix")
@@ -457,11 +461,18 @@ def markdown(results: Sequence[SweepResult]) -> str:
         names = sorted(r.model_type for r in refused if phrase in r.reason)
         if names:
             lines.append(f"  - refused, {meaning}: " + ", ".join(names))
-    alone = sorted(r.model_type for r in results if r.status == "runs" and "self-check NOT exact" in r.checks)
+    alone = sorted(r.model_type for r in results if r.status == "runs" and TOKEN_BY_TOKEN in r.checks)
     if alone:
         lines.append(
-            "  - run, verifying one token at a time (their self-check found rows that differ from 1-token steps, "
-            "mostly attention outside transformers' sdpa interface; lossless, no speed-up): " + ", ".join(alone)
+            "  - run, verifying one token at a time (their self-check found rows that differ from 1-token steps: "
+            "attention or products computed outside what decode matching routes; lossless, no speed-up): "
+            + ", ".join(alone)
+        )
+    chains = sorted(r.model_type for r in results if r.status == "runs" and TREES_OFF in r.checks)
+    if chains:
+        lines.append(
+            "  - run without draft trees (a tree's rows differ: positions computed by the model, not taken from "
+            "position_ids): " + ", ".join(chains)
         )
     unbuildable = sorted((r for r in results if r.status == "unbuildable"), key=lambda r: r.model_type)
     if unbuildable:
