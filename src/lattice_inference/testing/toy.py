@@ -11,6 +11,7 @@ Run ``python -m lattice_inference.testing.toy DIR [--arch qwen3]`` to write one 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -46,8 +47,14 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 def _byte_of(ch: str) -> int:
     """The byte that GPT-2's byte-to-unicode table maps to the printable character ``ch``."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
+    return _byte_table()[ch]
+
+
+@functools.cache
+def _byte_table() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table inverted (built once: the tiny models of the tests and the sweep each ask)."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1))
+    printable |= set(range(ord("®"), ord("ÿ") + 1))
     table, n = {}, 0
     for b in range(256):
         if b in printable:
@@ -55,7 +62,7 @@ def _byte_of(ch: str) -> int:
         else:
             table[chr(256 + n)] = b
             n += 1
-    return table[ch]
+    return table
 
 
 TOY_VOCAB = 256 + len(SPECIAL_TOKENS)
