@@ -162,12 +162,12 @@ def test_a_float32_lean_target_runs_its_layers_on_them_and_its_rows_are_reusable
     assert seq.reused == (21 if runs else 0)
 
 
-def test_the_avx2_build_equals_the_avx512_build(rows, other_builds):
+def test_the_avx2_build_equals_the_avx512_build(rows, request):
     """Each output is the same sequence of fused multiply-adds in 8 or 16 lanes: float32 products, and so float32
     output, are the same on AVX2-only CPUs as on AVX512 ones."""
     if rows.rows_linear_kernel() != "avx512":
         pytest.skip("this CPU has no AVX512F: it runs the AVX2 build already")
-    avx2 = other_builds["avx2"]
+    avx2 = request.getfixturevalue("other_builds")["avx2"]  # compiled only where the test runs
     assert avx2.rows_linear_kernel() == "avx2"
     for out, inp in [(960, 576), (576, 1536), (48, 40)]:
         weight, bias, x = _rand(out, inp, seed=7), _rand(out, seed=8), _rand(37, inp, seed=9)

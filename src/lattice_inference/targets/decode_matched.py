@@ -367,29 +367,19 @@ def decode_matched_sdpa(
     """transformers' ``sdpa`` attention; inside a decode-matched forward, each query row of a multi-row call runs
     as a 1-token step's call: its query over exactly the keys it may see, without a mask (or with its row of a
     mask that carries a bias, `_is_bias`)."""
-    forward = _ACTIVE.get()
     rows = query.shape[2]
-    if forward is None or rows == 1:
+    if _ACTIVE.get() is None or rows == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    memo = id(attention_mask)
-    columns = forward.columns.get(memo)
-    if columns is None:
-        columns = forward.columns[memo] = _visible(attention_mask, rows, key.shape[2])
     window = kwargs.get("sliding_window")
     biased = _is_bias(attention_mask)
     outputs = []
-    for i, cols in enumerate(columns):
-        if isinstance(cols, slice):
-            k, v = key[:, :, cols], value[:, :, cols]
-        else:
-            k, v = key.index_select(2, cols), value.index_select(2, cols)
+    for i, (k, v, row_mask) in enumerate(_row_keys(key, value, attention_mask, rows)):
         # A 1-token step gets no mask, except over a full sliding window (transformers' sdpa_mask keeps it there),
         # or where the model adds a bias of its own to the scores (Doge's dynamic mask): that row's bias.
         seen = k.shape[2]
         if biased:
-            assert attention_mask is not None
-            row = attention_mask[:, :, i : i + 1]
-            mask = (row[..., cols] if isinstance(cols, slice) else row.index_select(3, cols)).contiguous()
+            assert row_mask is not None
+            mask: torch.Tensor | None = row_mask.contiguous()
         elif window is None or seen < window:
             mask = None
         else:
@@ -403,25 +393,27 @@ EAGER = "eager_attention_forward"
 """The name under which a transformers modeling module defines its own eager attention (what ``eager`` models call)."""
 
 
-def _rows_of(
-    attention_mask: torch.Tensor | None, rows: int, keys: int
-) -> list[tuple[slice | torch.Tensor, torch.Tensor | None]]:
-    """Per query row of a decode-matched forward: the key columns it sees and its row of ``attention_mask`` over
-    them (memoised per mask for the forward, as `decode_matched_sdpa` does)."""
+def _row_keys(
+    key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, rows: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Per query row of a decode-matched forward: the keys and values it sees and its row of ``attention_mask`` over
+    them (None without a mask); the visible columns memoised per mask for the forward."""
     forward = _ACTIVE.get()
     assert forward is not None
     memo = id(attention_mask)
     columns = forward.columns.get(memo)
     if columns is None:
-        columns = forward.columns[memo] = _visible(attention_mask, rows, keys)
-    out: list[tuple[slice | torch.Tensor, torch.Tensor | None]] = []
+        columns = forward.columns[memo] = _visible(attention_mask, rows, key.shape[2])
     for i, cols in enumerate(columns):
+        if isinstance(cols, slice):
+            k, v = key[:, :, cols], value[:, :, cols]
+        else:
+            k, v = key.index_select(2, cols), value.index_select(2, cols)
         if attention_mask is None:
-            out.append((cols, None))
+            yield k, v, None
             continue
         row = attention_mask[:, :, i : i + 1]
-        out.append((cols, row[..., cols] if isinstance(cols, slice) else row.index_select(3, cols)))
-    return out
+        yield k, v, (row[..., cols] if isinstance(cols, slice) else row.index_select(3, cols))
 
 
 def _eager_matched(original: Callable[..., tuple[torch.Tensor, object]]) -> Callable[..., tuple[torch.Tensor, object]]:
@@ -443,11 +435,7 @@ def _eager_matched(original: Callable[..., tuple[torch.Tensor, object]]) -> Call
         if _ACTIVE.get() is None or rows == 1:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         outputs = []
-        for i, (cols, mask) in enumerate(_rows_of(attention_mask, rows, key.shape[2])):
-            if isinstance(cols, slice):
-                k, v = key[:, :, cols], value[:, :, cols]
-            else:
-                k, v = key.index_select(2, cols), value.index_select(2, cols)
+        for i, (k, v, mask) in enumerate(_row_keys(key, value, attention_mask, rows)):
             out, _ = original(module, query[:, :, i : i + 1], k, v, mask, *args, **kwargs)
             outputs.append(out)
         return torch.cat(outputs, dim=1), None
