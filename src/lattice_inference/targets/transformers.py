@@ -44,6 +44,12 @@ def recurrent_layer_count(model: PreTrainedModel) -> int:
     return sum(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
 
 
+def output_rows(output: object) -> torch.Tensor | None:
+    """A module's output rows: the tensor it returned, or a model output's ``last_hidden_state`` (else None)."""
+    tensor = output if isinstance(output, torch.Tensor) else getattr(output, "last_hidden_state", None)
+    return tensor if isinstance(tensor, torch.Tensor) else None
+
+
 def hidden_state_source(model: PreTrainedModel) -> tuple[torch.nn.Module | None, str]:
     """The module whose output is, row for row, what the output layer (``lm_head``) reads: the hidden states MTP
     heads read (post-final-norm, where the model has one). Found by what the model does, not by attribute names:
@@ -60,8 +66,8 @@ def hidden_state_source(model: PreTrainedModel) -> tuple[torch.nn.Module | None,
 
     def record(module: torch.nn.Module, args: object, output: object) -> None:
         calls[id(module)] = calls.get(id(module), 0) + 1
-        tensor = output if isinstance(output, torch.Tensor) else getattr(output, "last_hidden_state", None)
-        if isinstance(tensor, torch.Tensor):
+        tensor = output_rows(output)
+        if tensor is not None:
             finished.append((module, tensor))
 
     def reads(module: torch.nn.Module, args: tuple[object, ...]) -> None:
@@ -166,8 +172,8 @@ class _Capture:
         self.seq = seq
 
     def __call__(self, module: torch.nn.Module, args: object, output: object) -> None:
-        tensor = output if isinstance(output, torch.Tensor) else getattr(output, "last_hidden_state", None)
-        if isinstance(tensor, torch.Tensor):
+        tensor = output_rows(output)
+        if tensor is not None:
             self.seq.hidden = tensor[0]
 
 

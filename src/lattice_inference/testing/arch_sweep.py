@@ -461,10 +461,10 @@ def markdown(results: Sequence[SweepResult]) -> str:
         names = sorted(r.model_type for r in results if r.status == status)
         lines.append(f"- **{status}** ({len(names)}): " + ", ".join(f"`{n}`" for n in names))
     refused = [r for r in results if r.status == "refused"]
-    for phrase, meaning in REFUSAL_KINDS:
-        names = sorted(r.model_type for r in refused if phrase in r.reason)
-        if names:
-            lines.append(f"  - refused, {meaning}: " + ", ".join(names))
+    groups = [
+        (meaning, sorted(r.model_type for r in refused if phrase in r.reason)) for phrase, meaning in REFUSAL_KINDS
+    ]
+    lines.append("  - refused: " + "; ".join(f"{meaning}: {', '.join(names)}" for meaning, names in groups if names))
     alone = sorted(r.model_type for r in results if r.status == "runs" and TOKEN_BY_TOKEN in r.checks)
     if alone:
         lines.append(
