@@ -108,12 +108,13 @@ class AdmissionQueue:
             self._report()
 
     def finish(self, job: Job, error: BaseException | None) -> None:
-        """``job`` ended (with ``error``, handed to its request, or None): its end goes out and it leaves the count."""
-        job._put(JobEnd(error))
+        """``job`` ended (with ``error``, handed to its request, or None): it leaves the count, then its end goes out
+        (in that order, so a client that saw its answer end never reads it as still running)."""
         with self._lock:
             self.running -= 1
             self.pending -= 1
             self._report()
+        job._put(JobEnd(error))
 
     def _report(self) -> None:
         if self._on_depth is not None:
