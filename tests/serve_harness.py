@@ -55,11 +55,16 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(
-    loaded: LoadedModel, method: str = "ngram", *, adaptive: bool = True, **options: object
+    loaded: LoadedModel,
+    method: str = "ngram",
+    *,
+    adaptive: bool = True,
+    suffix_scope: str = "tenant",
+    **options: object,
 ) -> Iterator[tuple[str, object]]:
     """Serve ``loaded`` on a free loopback port in a thread; yield (base URL, app) and stop it afterwards.
     ``adaptive=False``: every proposal verified (drafts whatever this CPU's forwards cost)."""
-    engine = Engine(loaded, DecodeOptions(method=method, adaptive=adaptive), name=MODEL_NAME)
+    engine = Engine(loaded, DecodeOptions(method=method, adaptive=adaptive), name=MODEL_NAME, suffix_scope=suffix_scope)
     app = create_app(engine, **options)  # type: ignore[arg-type]
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

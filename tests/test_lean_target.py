@@ -69,28 +69,29 @@ def test_every_path_gives_the_models_own_logits(arch, dtype, matched, native):
     )
 
 
-def test_long_prompts_prefill_through_the_pytorch_path(monkeypatch):
-    """Past `NATIVE_PREFILL_MAX` tokens the prefill is transformers' own computation again, bit for bit."""
-    from lattice_inference.targets import lean as lean_module
-
+def test_a_prompt_in_chunks_equals_it_whole():
+    """The native prefill computes each row as every later forward does, at any length: a prompt taken in as three
+    chunks (a prefill, then two forwards) leaves logits and cache rows equal bitwise to one prefill of it whole."""
     model = _model("llama", torch.bfloat16)
-    lean, plain = LeanTarget(model), TransformersTarget(model)
+    lean = LeanTarget(model)
+    if not lean.native:
+        pytest.skip(f"the native ops do not run here: {native_ops.unavailable()}")
     context = list(range(3, 63))
-    ls, ps = lean.new_sequence(), plain.new_sequence()
-    monkeypatch.setattr(lean_module, "NATIVE_PREFILL_MAX", len(context) - 1)
-    assert torch.equal(lean.prefill(ls, context), plain.prefill(ps, context))
-    monkeypatch.setattr(lean_module, "NATIVE_PREFILL_MAX", len(context))
-    assert _close(torch.bfloat16)(lean.prefill(ls, context), plain.prefill(ps, context))
+    whole, chunked = lean.new_sequence(), lean.new_sequence("other")
+    logits = lean.prefill(whole, context)
+    lean.prefill(chunked, context[:17])
+    lean.forward(chunked, context[17:40])
+    last = lean.forward(chunked, context[40:])
+    assert torch.equal(logits, last[-1])
+    for mine, theirs in zip(lean.cache_of(whole).layers, lean.cache_of(chunked).layers, strict=True):
+        assert torch.equal(mine.keys[..., : len(context), :], theirs.keys[..., : len(context), :])
 
 
-@pytest.mark.parametrize("path", ["native loop", "native ops", "unmatched", "long prompt"])
-def test_a_float16_cache_on_every_path(path, monkeypatch):
+@pytest.mark.parametrize("path", ["native loop", "native ops", "unmatched"])
+def test_a_float16_cache_on_every_path(path):
     """``kv_cache="float16"``: every path writes float16 rows (the native layer loop, the native ops layer by layer,
-    transformers' ``sdpa`` call for rows without decode matching and for prompts past the native prefill) and reads
-    them widened; the logits stay within float16 rounding of the float32 cache's, and matched k-token rows equal
-    1-token steps bitwise."""
-    from lattice_inference.targets import lean as lean_module
-
+    transformers' ``sdpa`` call for rows without decode matching) and reads them widened; the logits stay within
+    float16 rounding of the float32 cache's, and matched k-token rows equal 1-token steps bitwise."""
     model = _model("qwen3")
     matched = path != "unmatched"
     half = LeanTarget(model, kv_cache="float16", decode_matched=matched)
@@ -98,8 +99,6 @@ def test_a_float16_cache_on_every_path(path, monkeypatch):
     assert (half.kv_dtype, wide.kv_dtype, half.kv_cache, wide.kv_cache) == (torch.float16, torch.float32, "float16", "")
     if path == "native ops":
         half._loop = wide._loop = None
-    if path == "long prompt":
-        monkeypatch.setattr(lean_module, "NATIVE_PREFILL_MAX", 10)
 
     def near(a: torch.Tensor, b: torch.Tensor) -> bool:  # float16 keys and values: about 3 decimal digits
         return 0 < float((a - b).abs().max()) <= 2e-2 * float(b.abs().max())

@@ -29,10 +29,10 @@ def _model(arch: str, dtype: torch.dtype, seed: int = 1):
     return toy_model(toy_config(arch, **SHAPES), init_std=0.3, seed=seed).to(dtype)
 
 
-def _reuses(target: LeanTarget, prompt_length: int) -> bool:
-    """Whether ``target`` computes a fresh prefill of this length as it computes every later row (where not, as
-    with oneDNN's products, it must reuse nothing)."""
-    return target._row_key("", prompt_length) is not None
+def _reuses(target: LeanTarget) -> bool:
+    """Whether ``target`` computes a fresh prefill as it computes every later row (where not, as with oneDNN's
+    products, it must reuse nothing)."""
+    return target._row_key("") is not None
 
 
 def test_cached_rows_follow_feeds_rollbacks_and_kept_paths():
@@ -102,7 +102,7 @@ def test_a_reused_prefix_gives_a_fresh_prefills_logits_and_steps(arch, dtype, kv
     for prompt in ([*cached, 11, 12, 13], [*context[:40], 3, 3], cached, [*context[:1], 2]):
         logits = lean.prefill(seq, prompt)
         expected = 0
-        if _reuses(lean, len(prompt)):
+        if _reuses(lean):
             expected = next((i for i, (a, b) in enumerate(zip(cached, prompt, strict=False)) if a != b), None)
             expected = min(len(cached) if expected is None else expected, len(prompt) - 1)
         assert seq.reused == expected, prompt
@@ -112,15 +112,15 @@ def test_a_reused_prefix_gives_a_fresh_prefills_logits_and_steps(arch, dtype, kv
             assert torch.equal(lean.forward(seq, tokens), fresh.forward(fresh_seq, tokens))
         cached = [*prompt, 7, 8, 9, 10]
     if dtype == torch.bfloat16 and lean_module.native_ops.rows() is not None:
-        assert _reuses(lean, 10)  # where our products run (tiles, else rows from bfloat16 bytes), rows are reusable
+        assert _reuses(lean)  # where our products run (tiles, else rows from bfloat16 bytes), rows are reusable
     if dtype == torch.float32 and lean_module.native_ops.rows() is not None:
-        assert _reuses(lean, 10)  # where the row products run, float32 rows are reusable
+        assert _reuses(lean)  # where the row products run, float32 rows are reusable
 
 
-def test_nothing_is_reused_under_other_settings_or_past_the_native_prefill(monkeypatch):
+def test_nothing_is_reused_under_other_settings():
     model = _model("llama", torch.bfloat16)
     lean = LeanTarget(model, prefix_budget=0)  # the live cache only: what each prefill leaves there
-    if not _reuses(lean, 10):
+    if not _reuses(lean):
         pytest.skip("this CPU computes bfloat16 prefills with row-count-dependent products: nothing is reused")
     prompt = list(range(40, 100))
     seq = lean.new_sequence()
@@ -145,12 +145,6 @@ def test_nothing_is_reused_under_other_settings_or_past_the_native_prefill(monke
     lean.forget_prefix()
     lean.prefill(seq, prompt)
     assert seq.reused == 0
-    monkeypatch.setattr(lean_module, "NATIVE_PREFILL_MAX", len(prompt) - 1)
-    lean.prefill(seq, prompt)
-    assert seq.reused == 0  # a fresh prefill would take the other attention kernel
-    monkeypatch.setattr(lean_module, "NATIVE_PREFILL_MAX", len(prompt))
-    lean.prefill(seq, prompt)
-    assert seq.reused == 0  # the cached rows came from that other kernel
     kept = LeanTarget(model)  # a released sequence's rows, kept: a capturing prefill does not take them either
     first = kept.new_sequence()
     kept.prefill(first, prompt)
@@ -182,7 +176,7 @@ def test_a_conversation_on_one_generator_equals_fresh_generators(method, tempera
         assert out.token_ids == fresh.generate(sequence, max_new_tokens=24).token_ids, turn
         cached += out.metrics.cached_prompt_tokens
         sequence += out.token_ids
-    if _reuses(reusing.decoder.target, len(sequence)):
+    if _reuses(reusing.decoder.target):
         assert cached > 0
 
 
@@ -191,7 +185,7 @@ def test_alternating_sequences_find_their_own_kept_rows():
     conversation's rows from the kept caches (not only the live one's), and equals a fresh prefill bit for bit."""
     model = _model("llama", torch.bfloat16, seed=2)
     lean, fresh = LeanTarget(model, prefix_budget=1000), LeanTarget(model, prefix_cache=False)
-    if not _reuses(lean, 10):
+    if not _reuses(lean):
         pytest.skip("this CPU computes bfloat16 prefills with row-count-dependent products: nothing is reused")
     rng = random.Random(2)
     system = [rng.randrange(256) for _ in range(30)]
@@ -229,7 +223,7 @@ def _toy_loaded() -> LoadedModel:
 def test_the_server_reuses_a_prefix_within_a_tenant_only():
     loaded = _toy_loaded()
     probe = LeanTarget(loaded.model)
-    if not probe._row_key("", 10):
+    if not probe._row_key(""):
         pytest.skip("this CPU computes bfloat16 prefills with row-count-dependent products: nothing is reused")
 
     def cached(base: str, key: str, prompt: str) -> tuple[str, int]:
@@ -252,6 +246,9 @@ def test_the_server_reuses_a_prefix_within_a_tenant_only():
         assert cleared.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         scraped = request(base, "GET", "/metrics", headers={"authorization": "Bearer alice"}).text
         assert f"lattice_cached_prompt_tokens_total {float(3 * len(prompt) - 2)}" in scraped
-    with running_server(loaded, method="ngram") as (base, _):  # no keys, no scope: no tenant
+    with running_server(loaded, method="ngram") as (base, _):  # no keys: the server's one user
+        assert cached(base, "none", prompt)[1] == 0
+        assert cached(base, "none", prompt) == (text, len(prompt) - 1)
+    with running_server(loaded, method="ngram", suffix_scope="request") as (base, _):  # isolation asked for
         assert cached(base, "none", prompt)[1] == cached(base, "none", prompt)[1] == 0
     assert DecodeOptions().prefix_cache

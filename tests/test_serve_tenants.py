@@ -15,7 +15,8 @@ BUDGET = 40
 
 
 def test_tenants_are_keys_and_scopes_under_them():
-    assert tenant_of("tenant", None, None) is None  # no identity: its own tokens only
+    assert tenant_of("tenant", None, None) == tenant_of("tenant", None, None)  # a keyless server: one user
+    assert tenant_of("tenant", None, None) not in (None, tenant_of("tenant", "k1", None))
     assert tenant_of("tenant", "k1", None) != tenant_of("tenant", "k2", None)
     assert tenant_of("tenant", "k1", "x") != tenant_of("tenant", "k2", "x")  # a scope lives under its key
     assert tenant_of("tenant", "k1", "x") != tenant_of("tenant", "k1", None)

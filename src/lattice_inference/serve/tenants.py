@@ -6,8 +6,8 @@ request presents (several keys: several tenants) together with the ``speculative
 scope is only ever looked up under the key that sent it, so guessing another tenant's scope name finds nothing).
 ``--suffix-scope`` (`SUFFIX_SCOPES`):
 
-* ``tenant`` (default): an index per tenant; a request with neither a key nor a scope drafts from its own tokens
-  only;
+* ``tenant`` (default): an index per tenant; a server started without ``--api-key`` has one user, whose requests
+  (no key) are one tenant (per ``speculative.scope`` they send), as llama-server and vLLM reuse by default;
 * ``shared``: one index for every request (the operator trusts all clients with each other's text);
 * ``request``: never across requests.
 
@@ -29,14 +29,12 @@ SHARED = "*"
 
 
 def tenant_of(mode: str, api_key: str | None, scope: str | None) -> str | None:
-    """The tenant a request drafts as under ``mode``: None (its own tokens only), or an opaque name (the key is
-    hashed, never kept)."""
+    """The tenant a request drafts as (and whose earlier prompt rows it may reuse) under ``mode``: None (its own
+    tokens only), or an opaque name (the key is hashed, never kept; no key: the keyless server's one user)."""
     if mode == "request":
         return None
     if mode == "shared":
         return SHARED
-    if not api_key and scope is None:
-        return None
     key = hashlib.sha256(api_key.encode()).hexdigest()[:32] if api_key else "-"
     return f"{key}/{scope or ''}"
 

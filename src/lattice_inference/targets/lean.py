@@ -9,12 +9,12 @@ decode-matched), q/k norms, ``apply_rotary_pos_emb``, the cache write (a positio
 `kv_cache.GrowableLayer`, rollback = set the length), attention, the MLP, the final norm and the LM head.
 
 The layers run through one of two runners built at construction (`lean_forward`): `NativeForward` where the native
-ops run, for the prefill (of prompts up to `NATIVE_PREFILL_MAX` tokens) and every decode-matched forward (the
+ops run, for the prefill (of prompts of any length) and every decode-matched forward (the
 default: every forward after the prefill, the 1-token step included): each layer's row-wise work (norms, q/k norms,
 rotary embedding, cache write, attention, the gated activation, residuals) in the native ops (`native_ops`: one call
 for all layers where every product's row plan is 1, else four per layer; each row computed by the same instruction
 sequence at any width, attention over exactly the keys each row may see), around the same packed products; and
-`TorchForward` for the rest: longer prompts and unmatched forwards make transformers' own ``sdpa`` call, and where
+`TorchForward` for the rest: unmatched forwards make transformers' own ``sdpa`` call, and where
 the native ops are off or cannot be built (or for a model they do not cover) matched forwards take attention from
 `block_attention`: fixed-shape float32 blocks in which each row is computed the same way at any width. Either way a
 k-token verification's rows equal the 1-token steps bitwise (`check_exactness` confirms it at load), and the logits
@@ -93,15 +93,6 @@ def lean_supported(model: PreTrainedModel) -> str | None:
     return None
 
 
-NATIVE_PREFILL_MAX = 4096
-"""Longest prompt the native ops prefill (else the PyTorch path's flash attention). Prompts a native prefill computes
-can reuse cached rows later (`prefix_reuse`); flash attention's cannot. With runs of at most 32 rows dealt from both
-ends of the prompt (`lean_ops.cpp`, ``RUN_ROWS``) the native prefill is no dearer than flash attention up to here:
-SmolLM2, AMD EPYC Zen 4 (AVX512-BF16), 2 threads, ``bench/bench_prefill.py``, native / flash in ms, bfloat16 199/233
-at 256 tokens, 953/1277 at 1024, 2250/2910 at 2048, 7037/8234 at 4096; float32 692/856 at 512, 4009/4231 at 2048,
-10122/10684 at 4096 (before, one run of all rows per head: 3821/2944 at 2048 in bfloat16)."""
-
-
 KEEP_TAIL = 16
 """Fewest cached rows past a reused prefix worth keeping: a prompt that leaves at least this many of a cached
 sequence's rows unused gets a copy of the prefix (the sequence stays whole for a later prompt); one that leaves fewer
@@ -169,12 +160,13 @@ class LeanTarget(TransformersTarget):
         """The dtype the cache stores keys and values in (`options.KV_CACHES`): the model's, or float16 under
         float32 activations where the native ops run."""
         self._torch = TorchForward(model, self._layers, self.kv_dtype)
-        """The PyTorch path: prompts past `NATIVE_PREFILL_MAX`, unmatched forwards, and every forward where the
-        native ops do not run."""
+        """The PyTorch path: unmatched forwards, and every forward where the native ops do not run."""
         self._native_forward = None
         if self._native is not None:
             self._native_forward = NativeForward(self._native, model, self._layers, self._loop, self.kv_dtype)
-        """The native ops' path (where they run): matched forwards and prompts up to `NATIVE_PREFILL_MAX`."""
+        """The native ops' path (where they run): matched forwards and every prompt, at any length (so a prompt's
+        rows are what every later forward computes, and reusable: `prefix_reuse`). Its attention runs each row's
+        keys in runs of rows sized to keep their scores in cache (`lean_ops.cpp`, ``RUN_SCORE_BYTES``)."""
         self._step_forward = self._native_forward if decode_matched else None
         """What runs every forward after a prefill, chosen here: the native ops where they run and the forwards are
         decode-matched; else (None) the PyTorch path, decode-matched or not as the target is."""
@@ -252,8 +244,8 @@ class LeanTarget(TransformersTarget):
 
     def _logits(self, seq: TargetSequence, fed: FedRows, logits_to_keep: int, prefill: bool) -> torch.Tensor:
         n, start, cache = fed.ids.shape[1], seq.length, self.cache_of(seq)
-        if prefill:  # a prompt's rows: the native ops up to `NATIVE_PREFILL_MAX` tokens, else flash attention
-            native = self._native_forward if fed.mask is None and start + n <= NATIVE_PREFILL_MAX else None
+        if prefill:  # a prompt's rows: the native ops where they run, at any length
+            native = self._native_forward if fed.mask is None else None
         else:
             native = self._step_forward
         if native is not None:
@@ -268,7 +260,7 @@ class LeanTarget(TransformersTarget):
         ``seq.reused`` says how many)."""
         self._check_prefill(seq, token_ids)
         seq = self._lean(seq)
-        key = None if seq.capture_hidden else self._row_key(seq.owner, len(token_ids))
+        key = None if seq.capture_hidden else self._row_key(seq.owner)
         keep = 0
         if key is not None:
             keep = seq.rows.reusable(token_ids, key)
@@ -373,14 +365,14 @@ class LeanTarget(TransformersTarget):
             if owner is None or seq.rows.owned_by(owner):
                 seq.rows.key = None
 
-    def _row_key(self, owner: str | None, prompt_length: int) -> RowKey | None:
-        """The `RowKey` under which a fresh prefill of ``prompt_length`` tokens computes its rows as every later
-        forward does (the native layer loop: a prompt of at most `NATIVE_PREFILL_MAX` tokens, decode-matched
-        forwards after it, row plans of 1), or None where its rows would not be reusable."""
+    def _row_key(self, owner: str | None) -> RowKey | None:
+        """The `RowKey` under which a fresh prefill computes its rows as every later
+        forward does (the native layer loop: decode-matched forwards after it, row plans of 1), or None where its
+        rows would not be reusable."""
         if not (self.prefix_cache and self.decode_matched and self._loop is not None) or owner is None:
             return None
         probe = torch.empty(0, dtype=self.model.dtype)
-        if prompt_length > NATIVE_PREFILL_MAX or not self._loop.runs(probe):
+        if not self._loop.runs(probe):
             return None
         return (probe.dtype, self.kv_dtype, torch.get_num_threads(), owner)
 

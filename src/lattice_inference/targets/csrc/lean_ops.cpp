@@ -495,6 +495,10 @@ bool bf16_attention_dots = true;  // `attention_bf16_dots`
 // cache (32 rows x 3 heads x 4096 keys: 1.5 MiB). Without a limit a 2048-token prefill kept 25 MB of scores per
 // run and took 1.3x the time of flash attention; with it, 0.8x (`bench/bench_prefill.py`, bench/RESULTS.md).
 constexpr int64_t RUN_ROWS = 32;
+// ... and fewer where the keys are many: a run's scores at most this many bytes (past 4096 keys 32 rows' scores
+// left the L2 cache; 1 MiB: 8192 rows, Qwen2.5-0.5B's heads, 1.21 s against 1.63 s, AMD EPYC Zen 3,
+// 2 threads). Which rows share a run changes no row.
+constexpr int64_t RUN_SCORE_BYTES = int64_t(1) << 20;
 
 // One attention call's inputs (`attention_impl` takes several: the sequences of a batched step): q [H, n, D] float,
 // caches [K, capacity, D] of C; row r sees the cache rows keys[spans[r][0] .. spans[r][1]) in that order.
@@ -541,7 +545,10 @@ std::vector<torch::Tensor> attention_impl(std::vector<AttentionCall>& calls, dou
     call.out = torch::empty({n, heads * d}, q.options().dtype(c10::CppTypeToScalarType<O>::value));
     // Units of (run of rows, key-value head): runs as long as keeps every thread busy, and at most `RUN_ROWS` rows
     // (a long prefill's runs keep their scores in cache).
-    const int64_t want = std::max<int64_t>((2 * threads + kv_heads - 1) / kv_heads, (n + RUN_ROWS - 1) / RUN_ROWS);
+    int64_t widest = 0;
+    for (int64_t r = 0; r < n; ++r) widest = std::max(widest, call.counts[r]);
+    const int64_t run_rows = std::clamp<int64_t>(RUN_SCORE_BYTES / (groups * (widest + 15) * 4), 1, RUN_ROWS);
+    const int64_t want = std::max<int64_t>((2 * threads + kv_heads - 1) / kv_heads, (n + run_rows - 1) / run_rows);
     const int64_t per_head = shared ? std::min<int64_t>(n, want) : n;
     call.run = (n + per_head - 1) / per_head;
     call.runs = (n + call.run - 1) / call.run;
