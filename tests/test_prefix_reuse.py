@@ -252,3 +252,34 @@ def test_the_server_reuses_a_prefix_within_a_tenant_only():
     with running_server(loaded, method="ngram", suffix_scope="request") as (base, _):  # isolation asked for
         assert cached(base, "none", prompt)[1] == cached(base, "none", prompt)[1] == 0
     assert DecodeOptions().prefix_cache
+
+
+def test_the_budget_follows_memory_and_drops_everything_when_memory_runs_low(monkeypatch):
+    """By default the budget is half the memory available at start, in tokens of the model's keys and values (an
+    explicit budget is kept as given); a keep that finds the machine low on memory drops every kept sequence."""
+    from lattice_inference.targets import memory
+
+    model = _model("llama", torch.float32)
+    lean = LeanTarget(model)
+    config = model.config
+    heads = config.num_key_value_heads
+    per_token = config.num_hidden_layers * 2 * heads * (config.hidden_size // config.num_attention_heads) * 4
+    assert lean.prefix_memory.token_bytes == per_token
+    found = memory.memory_bytes(lean.device)
+    assert found is not None and 0 < found[0] <= found[1]  # /proc/meminfo on Linux
+    assert lean.prefix_memory.tokens == pytest.approx(memory.MEMORY_SHARE * found[0] / per_token, rel=0.2)
+    assert lean._kept.budget == lean.prefix_memory.tokens and "tokens kept" in lean.prefix_memory.line()
+    assert LeanTarget(model, prefix_budget=123).prefix_memory.tokens == 123
+    monkeypatch.setattr(memory, "memory_bytes", lambda device: (3 * 2**30, 16 * 2**30))
+    assert memory.auto_budget(1024, torch.device("cpu"), 8192).tokens == 3 * 2**30 // 2 // 1024
+    assert not memory.low_memory(torch.device("cpu"))
+    monkeypatch.setattr(memory, "memory_bytes", lambda device: None)  # unknown: the fallback
+    assert memory.auto_budget(1024, torch.device("cpu"), 8192).tokens == 8192
+    low = [False]
+    kept: KeptSequences[str] = KeptSequences(100, low_memory=lambda: low[0])
+    for name in "ab":
+        kept.keep(CachedRows([1, 2, 3], ("k",)), name)
+    assert len(kept) == 2
+    low[0] = True
+    kept.keep(CachedRows([4, 5], ("k",)), "c")
+    assert len(kept) == 0 and kept.tokens == 0

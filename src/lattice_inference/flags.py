@@ -123,8 +123,8 @@ DRAFT_FLAGS: dict[str, DraftFlag] = {
         count,
     ),
     "prefix_budget": DraftFlag(
-        f"tokens of earlier sequences' caches kept for the prefix cache beside the live one, least recently used "
-        f"dropped first (default {D.prefix_budget}; 0: the live one only)",
+        "tokens of earlier sequences' caches kept for the prefix cache beside the live one, least recently used "
+        "dropped first (default: half the memory available at start, reported; 0: the live one only)",
         count,
     ),
     "suffix_budget": DraftFlag(

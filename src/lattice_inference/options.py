@@ -40,9 +40,13 @@ REQUEST_LENGTH_LIMIT = 64
 MAX_LEAVES = 4
 MAX_LEAVES_LIMIT = 16
 
-#: Default token budget of the earlier sequences' caches a target keeps for the prefix cache (``prefix_budget``;
-#: SmolLM2-135M in bfloat16: 23 KB a token, so about 190 MB; Llama 3 8B: 131 KB a token).
-PREFIX_BUDGET = 8192
+#: Default token budget of the earlier sequences' caches a target keeps for the prefix cache (``prefix_budget``):
+#: None, sized at start from the available memory (`targets.memory.auto_budget`); SmolLM2-135M in bfloat16 takes
+#: 23 KB a token, Qwen2.5-0.5B's float16 cache 12 KB, Llama 3 8B 131 KB.
+PREFIX_BUDGET: int | None = None
+
+#: The budget where the available memory is unknown.
+PREFIX_BUDGET_FALLBACK = 8192
 
 #: Shortest n-gram prompt lookup tries under a grammar (structured output), whatever ``min_ngram`` says: a grammar's
 #: fixed spans repeat token for token (``":`` then ``"`` before every string value), so a one-token context predicts
@@ -149,8 +153,10 @@ def check_max_leaves(max_leaves: int) -> None:
         raise ConfigError(f"max_leaves must be an integer 0..{MAX_LEAVES_LIMIT}, got {max_leaves!r}")
 
 
-def check_prefix_budget(budget: int) -> None:
-    """``prefix_budget`` must be a number of tokens >= 0."""
+def check_prefix_budget(budget: int | None) -> None:
+    """``prefix_budget`` must be a number of tokens >= 0, or None (from the available memory)."""
+    if budget is None:
+        return
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise ConfigError(f"prefix_budget must be a number of tokens >= 0, got {budget!r}")
 
@@ -206,7 +212,7 @@ class TargetFields:
 
     forward: str = "auto"
     prefix_cache: bool = True
-    prefix_budget: int = PREFIX_BUDGET
+    prefix_budget: int | None = PREFIX_BUDGET
     kv_cache: str = "auto"
     kv_slots: int = 0
 
@@ -258,11 +264,12 @@ class DecodeOptions(TargetFields):
     on) lets a prefill keep the cached rows of its prompt's longest prefix that the previous generation on the same
     target left (its prompt and output: the next turn of a conversation, the same document or system prompt),
     where those rows are bit for bit what the prefill would compute (the lean forward's native layer loop, prompts
-    up to 4096 tokens; `lattice_inference.targets.prefix_reuse`); elsewhere it computes every row as before.
+    of any length; `lattice_inference.targets.prefix_reuse`); elsewhere it computes every row as before.
     Beside the live cache, earlier sequences' caches are kept for it, least recently used dropped first, up to
-    ``prefix_budget`` tokens in all (default 8192; each token's keys and values of every layer; 0: the live one
-    only). ``kv_cache``: one of `KV_CACHES` (default ``auto``: float16 keys and values for a GGUF file run as
-    stored, else the model's dtype). ``kv_slots``: where the lean forward runs, preallocate the caches of that many
+    ``prefix_budget`` tokens in all (default None: half the memory available at start, in tokens of the model's
+    keys and values, `targets.memory`; 0: the live one only), and dropped early where the machine runs low.
+    ``kv_cache``: one of `KV_CACHES` (default ``auto``: float16 keys and values for a GGUF file run as stored, else
+    the model's dtype). ``kv_slots``: where the lean forward runs, preallocate the caches of that many
     sequences, each as long as the model's positions, allocated once with fixed addresses (what a captured GPU graph
     replays; `targets.kv_cache.CacheSlots`); live sequences and those kept for ``prefix_cache`` share them, the
     least recently kept dropped to free one. 0 (default): each sequence's cache grows as it needs.

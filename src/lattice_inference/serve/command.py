@@ -155,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
     decoder = engine.generator(engine.defaults).decoder
     if decoder.exactness is not None:
         print(f"lattice serve: {decoder.exactness.line()} ({seconds:.1f}s at start)", flush=True)
+    prefix = getattr(decoder.target, "prefix_memory", None)
+    if prefix is not None and getattr(decoder.target, "prefix_cache", False):
+        print(f"lattice serve: {prefix.line()}", flush=True)
     api_key = args.api_key or [k for k in os.environ.get("LATTICE_API_KEY", "").split(",") if k] or None
     app = create_app(
         engine,

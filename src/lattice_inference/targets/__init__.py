@@ -28,7 +28,7 @@ def make_target(
     decode_matched: bool = True,
     forward: str = "auto",
     prefix_cache: bool = True,
-    prefix_budget: int = PREFIX_BUDGET,
+    prefix_budget: int | None = PREFIX_BUDGET,
     kv_cache: str = "auto",
     kv_slots: int = 0,
 ) -> Target:

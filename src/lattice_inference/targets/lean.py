@@ -45,8 +45,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from lattice_inference.errors import ConfigError, TokenError
-from lattice_inference.options import PREFIX_BUDGET, check_kv_cache, check_kv_slots
-from lattice_inference.targets import decode_matched, native_ops
+from lattice_inference.options import PREFIX_BUDGET, PREFIX_BUDGET_FALLBACK, check_kv_cache, check_kv_slots
+from lattice_inference.targets import decode_matched, memory, native_ops
 from lattice_inference.targets.base import Segment, SegmentOutput, Target, TargetSequence
 from lattice_inference.targets.kv_cache import CacheSlots, GrowableLayer
 from lattice_inference.targets.lean_forward import (
@@ -127,7 +127,7 @@ class LeanTarget(TransformersTarget):
         decode_matched: bool = True,
         native: bool = True,
         prefix_cache: bool = True,
-        prefix_budget: int = PREFIX_BUDGET,
+        prefix_budget: int | None = PREFIX_BUDGET,
         kv_cache: str = "auto",
         kv_slots: int = 0,
         slot_rows: int | None = None,
@@ -173,8 +173,19 @@ class LeanTarget(TransformersTarget):
         self.prefix_cache = prefix_cache
         """Whether a `prefill` may keep the cached rows of the prompt's longest prefix already in the cache, where
         they are bit for bit what it would compute (`prefix_reuse`): from the live cache or from the caches of the
-        earlier sequences it keeps, least recently used dropped first past ``prefix_budget`` tokens."""
-        self._kept: KeptSequences[DynamicCache | None] = KeptSequences(prefix_budget if prefix_cache else 0)
+        earlier sequences it keeps, least recently used dropped first past ``prefix_budget`` tokens (None: sized from
+        the available memory, `memory.auto_budget`) or while the machine runs low (`memory.low_memory`)."""
+        token_bytes = len(self._layers) * 2 * self._kv_heads * self._head_dim * self.kv_dtype.itemsize
+        self.prefix_memory = (
+            memory.auto_budget(token_bytes, self.device, PREFIX_BUDGET_FALLBACK)
+            if prefix_budget is None
+            else memory.PrefixMemory(prefix_budget, token_bytes, 0)
+        )
+        """The prefix cache's token budget and what it was sized from (`memory.PrefixMemory.line`)."""
+        device = self.device
+        self._kept: KeptSequences[DynamicCache | None] = KeptSequences(
+            self.prefix_memory.tokens if prefix_cache else 0, low_memory=lambda: memory.low_memory(device)
+        )
         self._live: weakref.WeakSet[LeanSequence] = weakref.WeakSet()
         """The sequences handed out and not released (`forget_prefix` makes theirs unreusable too)."""
         self.kv_slots = kv_slots
@@ -243,7 +254,7 @@ class LeanTarget(TransformersTarget):
         return model.dtype
 
     def _logits(self, seq: TargetSequence, fed: FedRows, logits_to_keep: int, prefill: bool) -> torch.Tensor:
-        n, start, cache = fed.ids.shape[1], seq.length, self.cache_of(seq)
+        start, cache = seq.length, self.cache_of(seq)
         if prefill:  # a prompt's rows: the native ops where they run, at any length
             native = self._native_forward if fed.mask is None else None
         else:

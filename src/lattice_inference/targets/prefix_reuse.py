@@ -20,7 +20,7 @@ longest prefix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -72,10 +72,12 @@ class CachedRows:
 
 class KeptSequences(Generic[C]):
     """Earlier sequences' caches (``C``) with their `CachedRows`, least recently used first, holding at most
-    ``budget`` rows in all (a sequence longer than the budget is not kept)."""
+    ``budget`` rows in all (a sequence longer than the budget is not kept), and none kept past the keep that finds
+    ``low_memory()`` true."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, low_memory: Callable[[], bool] = lambda: False) -> None:
         self.budget = budget
+        self._low_memory = low_memory
         self._kept: list[tuple[CachedRows, C]] = []
 
     def __len__(self) -> int:
@@ -102,12 +104,15 @@ class KeptSequences(Generic[C]):
 
     def keep(self, rows: CachedRows, cache: C) -> None:
         """Keep a sequence that stops being live, if it is reusable at all, dropping the least recently used ones
-        while the rows held pass ``budget``."""
+        while the rows held pass ``budget`` or the machine runs low on memory (then every kept one is dropped, this
+        one too: the memory goes back before the next prefill allocates)."""
         if rows.key is None or not rows.tokens or len(rows.tokens) > self.budget:
             return
         self._kept.append((rows, cache))
         while self.tokens > self.budget:
             del self._kept[0]
+        if self._low_memory():
+            self._kept.clear()
 
     def drop_oldest(self) -> bool:
         """Drop the least recently used kept sequence (its cache, and a cache slot it holds); False where none is
