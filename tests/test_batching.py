@@ -111,9 +111,10 @@ def test_the_self_check_covers_batched_rows(kv_cache):
     assert ("float16 KV cache" in exactness.line()) == (kv_cache == "float16")
 
 
-def _run_batch(decoders, prompts, budgets, samplings, *, joins, max_batch, cancel=None):
+def _run_batch(decoders, prompts, budgets, samplings, *, joins, max_batch, cancel=None, taken_in=None):
     """Run every prompt in one `Batch`: prompt ``i`` joins at step ``joins[i]`` (or when a place frees up) with
-    ``decoders[i]``; ``cancel`` maps prompt index -> step at which it is removed. Returns the generations."""
+    ``decoders[i]``; ``cancel`` maps prompt index -> step at which it is removed. Returns the generations; the
+    indexes of those whose prompts were taken in by chunks are added to ``taken_in``."""
     target = decoders[0].target
     batch = Batch(target)
     gens = [d.new_generation(p, n, s) for d, p, n, s in zip(decoders, prompts, budgets, samplings, strict=True)]
@@ -124,6 +125,8 @@ def _run_batch(decoders, prompts, budgets, samplings, *, joins, max_batch, cance
             if joins[i] <= step and len(batch) < max_batch:
                 waiting.remove(i)
                 batch.add(decoders[i], gens[i])
+                if gens[i].prompt_left and taken_in is not None:
+                    taken_in.add(i)
         for i, at in (cancel or {}).items():
             if at == step:
                 batch.remove(gens[i])
@@ -165,6 +168,48 @@ def test_a_batch_emits_for_each_generation_what_plain_decoding_of_it_alone_emits
     drafted = sum(g.metrics.drafted_tokens for g in gens)
     accepted = sum(g.metrics.accepted_tokens for g in gens)
     assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize(("dtype", "kv_cache"), CACHES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_long_prompts_taken_in_by_chunks_leave_every_answer_as_alone(arch, dtype, kv_cache, monkeypatch):
+    """Prompts longer than a chunk join by chunks that share steps with the others' rounds (several at once,
+    arriving mid-stream, one stopping at its first token, one reusing a kept prefix): each answer, greedy and
+    seeded, is token for token plain decoding's of it alone."""
+    from lattice_inference import batching
+
+    monkeypatch.setattr(batching, "PROMPT_CHUNK", 5)
+    monkeypatch.setattr(batching, "PROMPT_CHUNK_MAX", 9)
+    target = LeanTarget(_model(arch, dtype), kv_cache=kv_cache)
+    plain = SpeculativeDecoder(
+        LeanTarget(target.model, kv_cache=kv_cache, prefix_cache=False), None, eos_token_ids=[EOS]
+    )
+    rng = random.Random(arch)
+    document = [rng.randrange(256) for _ in range(50)]
+    prompts = [
+        [rng.randrange(256) for _ in range(4)],
+        [rng.randrange(256) for _ in range(5)],
+        [*document, 1, 2, 3],
+        [rng.randrange(256) for _ in range(33)],
+        [*document, 4, 5],  # the document's rows kept from the third prompt
+        [rng.randrange(256) for _ in range(21)],
+    ]
+    samplings = [SAMPLINGS[i % 3] for i in range(len(prompts))]
+    budgets = [30, 20, 16, 1, 12, 18]
+    want = [plain.generate(p, n, s).token_ids for p, n, s in zip(prompts, budgets, samplings, strict=True)]
+    free = [plain.generate(p, n + 4, s).token_ids for p, n, s in zip(prompts, budgets, samplings, strict=True)]
+    decoders = []
+    for i, prompt in enumerate(prompts):
+        drafter = OracleDrafter(prompt + free[i], vocab=TOY_VOCAB, corrupt=0.3, seed=i)
+        decoders.append(SpeculativeDecoder(target, drafter, max_draft=4, eos_token_ids=[EOS], adaptive=False))
+    taken_in: set[int] = set()
+    gens, _ = _run_batch(
+        decoders, prompts, budgets, samplings, joins=[0, 0, 1, 1, 40, 41], max_batch=4, taken_in=taken_in
+    )
+    for i, gen in enumerate(gens):
+        assert gen.token_ids == want[i], (arch, dtype, i)
+    assert taken_in == {2, 3, 5}  # the fifth found 50 of its 52 rows kept: the rest fit one prefill
+    assert gens[4].metrics.cached_prompt_tokens == len(document)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -6,8 +6,11 @@ cache, length and rows, owned by its `Generation`). A `step` plans every running
 drafts shrink as the batch grows, down to none), runs one forward over all their rows where the target batches
 sequences (`Target.forward_batch`), else each generation's round in turn (`SpeculativeDecoder.round`), and
 finishes each round (`SpeculativeDecoder.finish`: verification, rollback of its own sequence, emitted tokens).
-Generations join (`add`, which prefills at once) and leave (`remove`, or when they stop) between steps; every
-running generation advances every step, so none starves.
+Generations join (`add`) and leave (`remove`, or when they stop) between steps; every running generation advances
+every step, so none starves. A generation joins with its prefill, except a long prompt where the target takes a
+prompt in by forwards (`Target.open_prompt`): then its rows left after any reused prefix are fed a chunk per step
+(`prompt_chunk` rows, from the target's measured costs) in the same forward as the other generations' rounds, so
+their streams keep moving while it arrives; its last chunk's last row chooses its first token, as a prefill's does.
 
 Why each request's output does not depend on the batch: in a batched forward every row is computed by the same
 instructions as in its sequence's own forward (row-exact products over all rows, rotary embedding, cache writes and
@@ -27,7 +30,14 @@ import torch
 from lattice_inference.drafters.base import Drafter
 from lattice_inference.errors import ConfigError
 from lattice_inference.generation import Generation
-from lattice_inference.options import MAX_BATCH_ROWS, check_max_batch
+from lattice_inference.options import (
+    MAX_BATCH_ROWS,
+    PROMPT_CHUNK,
+    PROMPT_CHUNK_MAX,
+    PROMPT_CHUNK_MIN,
+    PROMPT_CHUNK_STEPS,
+    check_max_batch,
+)
 from lattice_inference.targets.base import Segment, Target
 from lattice_inference.targets.facts import ForwardCosts
 from lattice_inference.targets.forward_cost import forward_costs
@@ -52,7 +62,11 @@ class Decoder(Protocol):
 
     def widest(self) -> int: ...
 
-    def open(self, gen: Generation, owner: str | None = "") -> list[int]: ...
+    def open(self, gen: Generation, owner: str | None = "", *, chunk: int = 0) -> list[int]: ...
+
+    def take_in(self, gen: Generation, chunk: int) -> Segment: ...
+
+    def taken_in(self, gen: Generation, logits: torch.Tensor) -> list[int]: ...
 
     def plan(
         self, gen: Generation, *, rows_left: int | None = None, shared_rows: int = 0, shared_tokens: int = 0
@@ -85,11 +99,14 @@ class Batch:
     """The running generations on ``target`` (see the module docstring); at most ``max_rows`` rows per step (every
     generation gets its pending token's row; drafts share what is left)."""
 
-    def __init__(self, target: Target, *, max_rows: int = MAX_BATCH_ROWS) -> None:
+    def __init__(self, target: Target, *, max_rows: int = MAX_BATCH_ROWS, prompt_chunks: bool = True) -> None:
         if max_rows < 1:
             raise ConfigError(f"max_rows must be at least 1, got {max_rows}")
         self.target = target
         self.max_rows = max_rows
+        self.prompt_chunks = prompt_chunks
+        """Whether long prompts are taken in by chunks beside the running generations (see the module docstring;
+        a generation run alone prefills whole)."""
         self._members: list[_Member] = []
         self.steps = 0
         """Steps run so far."""
@@ -118,7 +135,7 @@ class Batch:
         member = _Member(decoder, gen)
         try:
             self.prepare(decoder)
-            first = decoder.open(gen, owner)
+            first = decoder.open(gen, owner, chunk=self.prompt_chunk if self.prompt_chunks else 0)
         except BaseException:
             self._end(member)
             raise
@@ -138,6 +155,19 @@ class Batch:
         if wider and decoder.adaptive and decoder.drafter is not None and decoder.costs is None:
             forward_costs(self.target, self.max_rows)
         return time.perf_counter() - start
+
+    @property
+    def prompt_chunk(self) -> int:
+        """Rows of a prompt taken in per step beside running generations: the most (doubling from
+        `PROMPT_CHUNK_MIN`, at most `PROMPT_CHUNK_MAX`) whose forward costs at most `PROMPT_CHUNK_STEPS` one-token
+        forwards by the target's measured costs (`PROMPT_CHUNK` where none were measured)."""
+        costs = self.target.facts.costs
+        if costs is None:
+            return PROMPT_CHUNK
+        rows = PROMPT_CHUNK_MIN
+        while rows < PROMPT_CHUNK_MAX and costs.relative(2 * rows) <= PROMPT_CHUNK_STEPS:
+            rows *= 2
+        return rows
 
     def remove(self, gen: Generation) -> None:
         """End ``gen`` now (its client went away): its decode time is filled in and its sequence released."""
@@ -160,11 +190,16 @@ class Batch:
             return {}
         target = self.target
         chunks: dict[Generation, list[int]] = {}
+        intake = any(m.gen.prompt_left for m in members)
         try:
-            if target.batches_sequences and len(members) > 1 and all(m.decoder.shares_forwards for m in members):
+            shared = target.batches_sequences and all(m.decoder.shares_forwards for m in members)
+            if shared and (len(members) > 1 or intake):
                 chunks = self._batched(members)
             else:
                 for member in members:
+                    if member.gen.prompt_left:  # a prompt's chunk alone
+                        chunks.update(self._batched([member]))
+                        continue
                     chunks[member.gen] = member.decoder.round(member.gen)
                     member.gen.token_ids.extend(chunks[member.gen])
         except BaseException:
@@ -178,33 +213,48 @@ class Batch:
         return chunks
 
     def _batched(self, members: list[_Member]) -> dict[Generation, list[int]]:
-        """Plan every member's round, run them in one forward, finish each."""
-        target, rounds = self.target, []
-        planned = 0  # rows planned so far
-        for i, member in enumerate(members):
-            later = len(members) - i - 1  # one row each, at least
-            rounds.append(
-                member.decoder.plan(
-                    member.gen,
-                    rows_left=self.max_rows - planned - later,
-                    shared_rows=planned + later,
-                    shared_tokens=len(members) - 1,
-                )
+        """Plan every member's round (or take the next chunk of its prompt), run them in one forward, finish
+        each."""
+        target = self.target
+        taking = [m for m in members if m.gen.prompt_left]
+        decoding = [m for m in members if not m.gen.prompt_left]
+        rows = self.prompt_chunk if decoding else PROMPT_CHUNK_MAX
+        prompt = {m.gen: m.decoder.take_in(m.gen, rows) for m in taking}
+        prompt_rows = sum(len(segment.tokens) for segment in prompt.values())
+        rounds: dict[Generation, Any] = {}
+        planned = 0  # decoding rows planned so far
+        for i, member in enumerate(decoding):
+            later = len(decoding) - i - 1  # one row each, at least
+            rounds[member.gen] = member.decoder.plan(
+                member.gen,
+                rows_left=self.max_rows - planned - later,
+                shared_rows=planned + later + prompt_rows,
+                shared_tokens=len(decoding) - 1,
             )
-            planned += len(rounds[-1].tokens)
+            planned += len(rounds[member.gen].tokens)
         segments = []
-        for member, planned_round in zip(members, rounds, strict=True):
-            assert member.gen.sequence is not None
-            segments.append(Segment(member.gen.sequence, planned_round.tokens, planned_round.parents))
+        for member in members:
+            gen = member.gen
+            assert gen.sequence is not None
+            if gen in prompt:
+                segments.append(prompt[gen])
+            else:
+                segments.append(Segment(gen.sequence, rounds[gen].tokens, rounds[gen].parents))
         start = time.perf_counter()
         outputs = target.forward_batch(segments)
         seconds = time.perf_counter() - start
-        self.batched_rows += planned
+        width = planned + prompt_rows
+        if len(segments) > 1:
+            self.batched_rows += width
         chunks = {}
-        for member, planned_round, output in zip(members, rounds, outputs, strict=True):
-            chunk = member.decoder.finish(member.gen, planned_round, output.logits, output.hidden, planned, seconds)
-            member.gen.token_ids.extend(chunk)
-            chunks[member.gen] = chunk
+        for member, output in zip(members, outputs, strict=True):
+            gen, decoder = member.gen, member.decoder
+            if gen in prompt:
+                chunk = decoder.taken_in(gen, output.logits) if not gen.prompt_left else []
+            else:
+                chunk = decoder.finish(gen, rounds[gen], output.logits, output.hidden, width, seconds)
+            gen.token_ids.extend(chunk)
+            chunks[gen] = chunk
         return chunks
 
     @staticmethod
@@ -234,6 +284,12 @@ class Driver:
     def batched_rows(self) -> int:
         """Rows computed in forwards shared by two or more generations so far (`Batch.batched_rows`)."""
         return sum(batch.batched_rows for batch in self._batches.values())
+
+    @property
+    def taking_in(self) -> tuple[int, int]:
+        """Generations whose prompts are being taken in by chunks, and the prompt rows they have left."""
+        joining = [gen for batch in self._batches.values() for gen in batch.generations if gen.prompt_left]
+        return len(joining), sum(len(gen.prompt_left) for gen in joining)
 
     def batch_for(self, target: Target) -> Batch:
         """The batch of ``target``'s generations (made on first use)."""

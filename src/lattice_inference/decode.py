@@ -42,7 +42,7 @@ from lattice_inference.generation import Generation, GenerationResult, row_logpr
 from lattice_inference.grammar import GrammarState
 from lattice_inference.options import MAX_LEAVES, DecodeOptions
 from lattice_inference.sampling import SamplingOptions
-from lattice_inference.targets.base import Target, TargetSequence
+from lattice_inference.targets.base import Segment, Target, TargetSequence
 from lattice_inference.targets.exactness import exactness
 from lattice_inference.targets.facts import Exactness, ForwardCosts
 from lattice_inference.targets.forward_cost import forward_costs
@@ -226,7 +226,7 @@ class SpeculativeDecoder:
         """A generation alone: a `Batch` of one (the server's and `generate_many`'s driver), whose `add` opens it
         on a new sequence of the target and whose steps run its rounds (`plan`, the target's forward, `finish`)
         until it stops; closed when it ends, whatever ends it."""
-        batch = Batch(self.target, max_rows=self.widest())
+        batch = Batch(self.target, max_rows=self.widest(), prompt_chunks=False)
         try:
             first = batch.add(self, gen)
             if first:
@@ -242,10 +242,15 @@ class SpeculativeDecoder:
         """Whether this decoder's drafter reads the target's hidden states (the target must capture them)."""
         return self._wants_hidden
 
-    def open(self, gen: Generation, owner: str | None = "") -> list[int]:
+    def open(self, gen: Generation, owner: str | None = "", *, chunk: int = 0) -> list[int]:
         """Start ``gen`` on a new sequence of the target (`Generation.sequence`, whose prefill may reuse ``owner``'s
         earlier rows): the self-check and cost measurement where not done yet, the planner, the prefill; returns
-        the first emitted tokens (`close` must follow, whatever happens: it releases the sequence)."""
+        the first emitted tokens (`close` must follow, whatever happens: it releases the sequence).
+
+        ``chunk`` > 0: where more than ``chunk`` prompt rows are left to compute after the reused prefix and the
+        target takes a prompt in by forwards (`Target.open_prompt`), the prefill is left to the batch: the rows
+        left wait in ``gen.prompt_left``, to be fed by chunks in the batch's steps beside the other generations'
+        rounds, and `take_in` finishes the opening; this returns no tokens then."""
         m = gen.metrics
         drafter = self.drafter
         if drafter is not None:
@@ -262,10 +267,47 @@ class SpeculativeDecoder:
                 priors = self.drafter.key_priors if self.drafter is not None else None
                 gen.planner = DraftPlanner(costs, max_leaves=self._leaves(), learned=learned, priors=priors)
         gen.sequence = self.target.new_sequence(owner, capture_hidden=self._wants_hidden)
-        start = time.perf_counter()
+        gen.opening_at = time.perf_counter()
+        if chunk > 0 and self._takes_in(gen, chunk):
+            return []
         first, hidden, rows = self._prefill(gen)
-        m.prefill_s = time.perf_counter() - start
+        return self._opened(gen, first, hidden, rows)
+
+    def _takes_in(self, gen: Generation, chunk: int) -> bool:
+        """Whether ``gen``'s prompt is left to the batch's steps (see `open`): its sequence holds the reused prefix
+        and ``gen.prompt_left`` the rest. Not where the drafter reads the prompt rows' hidden states, nor where
+        rounds may not share forwards."""
+        prompt, seq = gen.prompt_ids, _sequence(gen)
+        if self._wants_hidden or not self.shares_forwards or self.rows_alone:
+            return False
+        kept = self.target.open_prompt(seq, prompt)
+        if kept is None or len(prompt) - kept <= chunk:
+            return False  # `prefill` finds the same prefix in the sequence's cache
+        gen.prompt_left = list(prompt[kept:])
+        gen.metrics.cached_prompt_tokens = kept
+        self._start_drafter(gen)
+        return True
+
+    def take_in(self, gen: Generation, chunk: int) -> Segment:
+        """The next chunk of ``gen``'s prompt (at most ``chunk`` rows) as a segment of a batched forward (its last
+        row's logits only where it is the prompt's last chunk, none otherwise), taken off ``gen.prompt_left``."""
+        tokens, gen.prompt_left = gen.prompt_left[:chunk], gen.prompt_left[chunk:]
+        return Segment(_sequence(gen), tokens, logits=1)
+
+    def taken_in(self, gen: Generation, logits: torch.Tensor) -> list[int]:
+        """The prompt's last chunk was fed: its last row's ``logits`` choose the first token, as a prefill's do;
+        returns the first emitted tokens (`open`'s)."""
+        prompt = gen.prompt_ids
+        logits = logits[-1:]
+        first = gen.choose(logits, prompt[-1:], len(prompt))
+        gen.pending = first[-1]
+        return self._opened(gen, first, None, logits)
+
+    def _opened(self, gen: Generation, first: list[int], hidden: torch.Tensor | None, rows: torch.Tensor) -> list[int]:
+        """The prefill ended with ``first`` (chosen by ``rows``): timed, emitted, told to the grammar and drafter."""
         gen.opened_at = time.perf_counter()
+        assert gen.opening_at is not None
+        gen.metrics.prefill_s = gen.opened_at - gen.opening_at
         out = self._emit(gen, first, rows, range(len(first)))
         if gen.grammar is not None:
             gen.grammar.advance(out)
@@ -494,10 +536,7 @@ class SpeculativeDecoder:
         prompt alone and verified there (rows choose indices ``len(prompt) ..``), saving one forward.
         """
         target, drafter, prompt, seq = self.target, self.drafter, gen.prompt_ids, _sequence(gen)
-        if drafter is not None:
-            gen.drafter_state = drafter.start(prompt, sampler=gen.sampler, suffix_index=gen.suffix_index)
-            if gen.grammar is not None:
-                gen.drafter_state.under_grammar(gen.grammar.spelling)
+        self._start_drafter(gen)
         budget = gen.max_new_tokens
         fused = target.fuses_prefill_and_draft and gen.grammar is None
         if drafter is None or self._wants_hidden or not fused or budget < 2:
@@ -516,6 +555,13 @@ class SpeculativeDecoder:
             gen.metrics.record_round(len(draft), verdict.accepted, in_prefill=True)
         gen.pending = verdict.tokens[-1]
         return verdict.tokens, None, logits
+
+    def _start_drafter(self, gen: Generation) -> None:
+        """The drafter's state for ``gen`` (`Drafter.start` on its prompt), where it drafts."""
+        if self.drafter is not None:
+            gen.drafter_state = self.drafter.start(gen.prompt_ids, sampler=gen.sampler, suffix_index=gen.suffix_index)
+            if gen.grammar is not None:
+                gen.drafter_state.under_grammar(gen.grammar.spelling)
 
     def _path_hidden(self, hidden: torch.Tensor | None, rows: int | list[int]) -> torch.Tensor | None:
         """The rows of a forward's ``hidden`` states (the first ``rows``, or those listed: an accepted path), if

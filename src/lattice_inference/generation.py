@@ -118,6 +118,11 @@ class Generation:
         self.sequence: TargetSequence | None = None
         """This generation's own sequence on the target (its cache slot, length and what its forwards produced):
         made when it opens (`SpeculativeDecoder.open`), released when it closes."""
+        self.prompt_left: list[int] = []
+        """The prompt tokens still to take in where it is taken in by chunks (`SpeculativeDecoder.open` with
+        ``chunk``: each batch step feeds the next chunk beside the other generations' rounds); empty otherwise."""
+        self.opening_at: float | None = None
+        """When its prefill began (`GenerationMetrics.prefill_s` runs from here to ``opened_at``)."""
         self._chunks: Generator[list[int], None, None] = _no_chunks()
 
     def scores(self, logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:

@@ -85,6 +85,16 @@ MAX_BATCH = 8
 #: Most rows a batched step feeds (every running generation's pending token first; drafts share the rest).
 MAX_BATCH_ROWS = 64
 
+#: A long prompt joining a batch is taken in by chunks that share steps with the running generations' rounds
+#: (`batching.Batch`): a chunk holds as many rows as a forward of at most `PROMPT_CHUNK_STEPS` one-token forwards'
+#: cost (the target's measured costs), between `PROMPT_CHUNK_MIN` and `PROMPT_CHUNK_MAX` rows (`PROMPT_CHUNK` where
+#: no costs were measured), and `PROMPT_CHUNK_MAX` rows where no generation decodes beside it; so a stream keeps
+#: moving while another client's document arrives.
+PROMPT_CHUNK_STEPS = 16
+PROMPT_CHUNK_MIN = 32
+PROMPT_CHUNK = 256
+PROMPT_CHUNK_MAX = 1024
+
 #: Seconds ``lattice serve`` lets running generations finish after SIGTERM/SIGINT (``--shutdown-timeout``): under
 #: the 30 s that process managers (Kubernetes, systemd) commonly wait before they kill.
 SHUTDOWN_TIMEOUT = 10.0

@@ -89,6 +89,7 @@ class Server:
         self.max_body = max_body
         self.metrics = ServerMetrics({"model": engine.name, **placement(engine.loaded.model)})
         self.queue = Scheduler(max_queue, max_batch, on_depth=self.metrics.set_depth)
+        self.metrics.watch_intake(lambda: self.queue.taking_in)
         self.started = int(time.time())
         self.shutdown_timeout = shutdown_timeout
         self.closing = False
@@ -177,7 +178,14 @@ class Server:
     # -- routes ----------------------------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        state = {"status": "ok", "waiting": self.queue.waiting, "running": self.queue.running}
+        joining, rows = self.queue.taking_in
+        state = {
+            "status": "ok",
+            "waiting": self.queue.waiting,
+            "running": self.queue.running,
+            "taking_in": joining,
+            "prompt_rows_left": rows,
+        }
         return JSONResponse(state | self.metrics.info)
 
     async def prometheus(self, request: Request) -> Response:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -60,7 +61,13 @@ class ServerMetrics:
             registry=r,
         )
         self.queue_depth = Gauge("lattice_queue_depth", "Generation requests waiting to start", registry=r)
-        self.running = Gauge("lattice_generations_running", "Generations running now (0 or 1)", registry=r)
+        self.running = Gauge("lattice_generations_running", "Generations running now", registry=r)
+        self.taking_in = Gauge(
+            "lattice_prompts_taking_in", "Requests whose prompts are being taken in by chunks", registry=r
+        )
+        self.prompt_rows_left = Gauge(
+            "lattice_prompt_rows_left", "Prompt rows those requests have left to take in", registry=r
+        )
         self.drafts = Counter("lattice_drafts", "Verification rounds with a draft", ["method"], registry=r)
         self.drafted = Counter("lattice_draft_tokens", "Drafted tokens", ["method"], registry=r)
         self.accepted = Counter("lattice_accepted_draft_tokens", "Drafted tokens accepted", ["method"], registry=r)
@@ -75,6 +82,12 @@ class ServerMetrics:
         )
         self._lock = threading.Lock()
         self._totals: dict[str, GenerationMetrics] = {}
+
+    def watch_intake(self, taking_in: Callable[[], tuple[int, int]]) -> None:
+        """Report the prompts being taken in by chunks (``taking_in()``: requests and their prompt rows left) at
+        each scrape."""
+        self.taking_in.set_function(lambda: taking_in()[0])
+        self.prompt_rows_left.set_function(lambda: taking_in()[1])
 
     def set_depth(self, waiting: int, running: int) -> None:
         """Record the queue's state (called by the worker and on submit)."""

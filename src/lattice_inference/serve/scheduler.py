@@ -46,6 +46,9 @@ class Scheduler:
         self.max_batch = self._driver.max_batch
         self.admission = AdmissionQueue(max_queue, self.max_batch, on_depth)
         self._running: list[_Running] = []
+        self.taking_in = (0, 0)
+        """Requests whose prompts are being taken in by chunks and the prompt rows they have left (`Driver.taking_in`,
+        updated by the worker after each step)."""
         self._thread = threading.Thread(target=self._work, name="lattice-generation", daemon=True)
         self._thread.start()
 
@@ -81,6 +84,7 @@ class Scheduler:
                 self._end(run, cancelled=True)
             for batch, outcome in self._driver.step():
                 self._settle(batch, outcome)
+            self.taking_in = self._driver.taking_in
 
     def _admit(self, closing: bool) -> bool:
         """Start waiting jobs while fewer than ``max_batch`` run (waiting for one when none runs); returns whether

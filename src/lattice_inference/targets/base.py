@@ -56,12 +56,15 @@ class TargetSequence:
 
 @dataclass(frozen=True)
 class Segment:
-    """One sequence's rows in a batched forward (`Target.forward_batch`): its next token and draft (a chain), or a
-    draft tree where ``parents`` is given (as `Target.forward_tree` takes it)."""
+    """One sequence's rows in a batched forward (`Target.forward_batch`): its next token and draft (a chain), a
+    draft tree where ``parents`` is given (as `Target.forward_tree` takes it), or a chunk of its prompt (after
+    `Target.open_prompt`). ``logits``: how many of its last rows' logits are wanted (0: every row's; a prompt's
+    chunk wants its last row's at most, and the vocabulary product of the rest is skipped)."""
 
     sequence: TargetSequence
     tokens: Sequence[int]
     parents: Sequence[int] | None = None
+    logits: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,8 +144,16 @@ class Target(Protocol):
                 logits = self.forward(seq, tokens)
             else:
                 logits = self.forward_tree(seq, tokens, segment.parents)
-            outputs.append(SegmentOutput(logits, seq.hidden))
+            outputs.append(SegmentOutput(logits[-segment.logits :] if segment.logits else logits, seq.hidden))
         return outputs
+
+    def open_prompt(self, sequence: TargetSequence, token_ids: Sequence[int]) -> int | None:
+        """Make ``sequence`` ready to take ``token_ids`` in by forwards (chunks of the prompt, which may share a
+        batched forward with other sequences' rounds) whose rows equal bit for bit those its `prefill` computes:
+        its cache set up holding the prompt's longest reusable prefix; returns how many rows that is (the rest are
+        to be fed in order). None (this default) where this target's forwards do not compute a prompt's rows as
+        its prefill does: the prompt is then prefilled whole, and ``sequence`` is left as it was."""
+        return None
 
     @property
     def kv_cache(self) -> str:

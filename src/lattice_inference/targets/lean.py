@@ -272,6 +272,32 @@ class LeanTarget(TransformersTarget):
         self._check_prefill(seq, token_ids)
         seq = self._lean(seq)
         key = None if seq.capture_hidden else self._row_key(seq.owner)
+        keep = self._reuse(seq, token_ids, key)
+        if not keep:
+            logits = super().prefill(seq, token_ids)  # a new cache: the old one is kept (`_new_cache`)
+            seq.rows.key = key
+            return logits
+        return self._run(seq, token_ids[keep:], logits_to_keep=1, prefill=True)[-1]
+
+    def open_prompt(self, sequence: TargetSequence, token_ids: Sequence[int]) -> int | None:
+        """`Target.open_prompt`: where a prefill's rows are reusable (`_row_key`; so they are what the native layer
+        loop's forwards compute at any width) and forwards batch, the longest reusable prefix is kept as `prefill`
+        keeps it, and the rest is left to forwards."""
+        self._check_prefill(sequence, token_ids)
+        seq = self._lean(sequence)
+        key = None if seq.capture_hidden else self._row_key(seq.owner)
+        if key is None or not self.batches_sequences:
+            return None
+        keep = self._reuse(seq, token_ids, key)
+        if not keep:
+            self._new_cache(seq)
+            seq.rows.key = key
+        return keep
+
+    def _reuse(self, seq: LeanSequence, token_ids: Sequence[int], key: RowKey | None) -> int:
+        """Set ``seq`` up to keep the most cached rows of ``token_ids`` computed under ``key`` (its own, or a kept
+        sequence's, which becomes its cache), rolled back to them; returns how many (``seq.reused``; 0: none, and
+        ``seq`` is as it was)."""
         keep = 0
         if key is not None:
             keep = seq.rows.reusable(token_ids, key)
@@ -282,14 +308,11 @@ class LeanTarget(TransformersTarget):
                 self._kept.keep(seq.rows, self._cache_or_none(seq))
                 seq.rows, seq.cache, seq.length = rows, cache, len(rows.tokens)
         seq.reused = keep
-        if not keep:
-            logits = super().prefill(seq, token_ids)  # a new cache: the old one is kept (`_new_cache`)
-            seq.rows.key = key
-            return logits
-        if seq.length - keep >= KEEP_TAIL and self._kept.budget:
-            self._copy_prefix(seq, keep)  # the rows after the prefix stay findable for a later prompt
-        self.rollback(seq, keep)
-        return self._run(seq, token_ids[keep:], logits_to_keep=1, prefill=True)[-1]
+        if keep:
+            if seq.length - keep >= KEEP_TAIL and self._kept.budget:
+                self._copy_prefix(seq, keep)  # the rows after the prefix stay findable for a later prompt
+            self.rollback(seq, keep)
+        return keep
 
     @staticmethod
     def _cache_or_none(seq: TargetSequence) -> DynamicCache | None:
@@ -355,19 +378,25 @@ class LeanTarget(TransformersTarget):
                 ids += tokens
                 starts.append(start)
                 rows.append(n)
+            wanted = [min(s.logits, n) or n for s, n in zip(segments, rows, strict=True)]
             with torch.inference_mode(), decode_matched.matching(self.facts.row_plans):
                 rows_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
                 hidden = native.batch(rows_ids, positions, buffers, visible, starts, rows)
-                logits = self.model.lm_head(hidden)
+                if sum(wanted) == len(ids):
+                    logits = self.model.lm_head(hidden)
+                else:  # the vocabulary product of the wanted rows only (a prompt chunk's last, or none)
+                    ends = torch.tensor(rows).cumsum(0).tolist()
+                    index = [r for end, w in zip(ends, wanted, strict=True) for r in range(end - w, end)]
+                    logits = self.model.lm_head(hidden[torch.tensor(index, device=self.device)])
         except BaseException:
             for seq, start in fed:  # leave every sequence as it was
                 self.rollback(seq, start)
             raise
-        outputs, first = [], 0
-        for (seq, _), n in zip(fed, rows, strict=True):
+        outputs, first, at = [], 0, 0
+        for (seq, _), n, w in zip(fed, rows, wanted, strict=True):
             seq.hidden = hidden[first : first + n] if seq.capture_hidden else None
-            outputs.append(SegmentOutput(logits[first : first + n], seq.hidden))
-            first += n
+            outputs.append(SegmentOutput(logits[at : at + w], seq.hidden))
+            first, at = first + n, at + w
         return outputs
 
     def forget_prefix(self, owner: str | None = None) -> None:
