@@ -127,6 +127,12 @@ DRAFT_FLAGS: dict[str, DraftFlag] = {
         "dropped first (default: half the memory available at start, reported; 0: the live one only)",
         count,
     ),
+    "prompt_cache": DraftFlag(
+        "a folder where prompts' computed rows are saved and reused by later runs on the same model file, dtype and "
+        "threads (a document asked about again in a new process); default: none",
+        str,
+    ),
+    "prompt_cache_size": DraftFlag(f"MiB the --prompt-cache folder may hold (default {D.prompt_cache_size})"),
     "suffix_budget": DraftFlag(
         f"suffix: most tokens the cross-request index holds, oldest evicted first (default {D.suffix_budget}, about "
         "80 bytes each)"

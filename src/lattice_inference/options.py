@@ -48,6 +48,9 @@ PREFIX_BUDGET: int | None = None
 #: The budget where the available memory is unknown.
 PREFIX_BUDGET_FALLBACK = 8192
 
+#: Default bound on a prompt cache folder's files, in MiB (``prompt_cache_size``; `targets.prompt_store`).
+PROMPT_CACHE_SIZE = 4096
+
 #: Shortest n-gram prompt lookup tries under a grammar (structured output), whatever ``min_ngram`` says: a grammar's
 #: fixed spans repeat token for token (``":`` then ``"`` before every string value), so a one-token context predicts
 #: well there (bench/RESULTS.md, session 32: ``ngram`` 1.62x constrained greedy against 1.49x with 2, 12 tasks).
@@ -225,10 +228,16 @@ class TargetFields:
     prefix_budget: int | None = PREFIX_BUDGET
     kv_cache: str = "auto"
     kv_slots: int = 0
+    prompt_cache: str | None = None
+    prompt_cache_size: int = PROMPT_CACHE_SIZE
 
     def __post_init__(self) -> None:
         check_forward(self.forward)
         check_prefix_budget(self.prefix_budget)
+        if isinstance(self.prompt_cache_size, bool) or not isinstance(self.prompt_cache_size, int):
+            raise ConfigError(f"prompt_cache_size must be a number of MiB, got {self.prompt_cache_size!r}")
+        if self.prompt_cache_size < 1:
+            raise ConfigError(f"prompt_cache_size must be at least 1 MiB, got {self.prompt_cache_size}")
         check_kv_cache(self.kv_cache)
         check_kv_slots(self.kv_slots)
 
@@ -283,6 +292,10 @@ class DecodeOptions(TargetFields):
     sequences, each as long as the model's positions, allocated once with fixed addresses (what a captured GPU graph
     replays; `targets.kv_cache.CacheSlots`); live sequences and those kept for ``prefix_cache`` share them, the
     least recently kept dropped to free one. 0 (default): each sequence's cache grows as it needs.
+    ``prompt_cache``: a folder where the lean forward saves each ended sequence's prompt rows and from which a
+    later process's prefill takes them (a document asked about again; used only where its files were computed
+    under this very model file, dtype, thread count and kernels, else refused with one line;
+    `lattice_inference.targets.prompt_store`), its files held under ``prompt_cache_size`` MiB (default 4096).
     """
 
     method: str = "ngram"

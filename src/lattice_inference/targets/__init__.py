@@ -8,6 +8,7 @@ from lattice_inference.errors import ConfigError
 from lattice_inference.options import (
     FORWARDS,
     PREFIX_BUDGET,
+    PROMPT_CACHE_SIZE,
     TargetOptions,
     check_forward,
     check_kv_cache,
@@ -31,21 +32,23 @@ def make_target(
     prefix_budget: int | None = PREFIX_BUDGET,
     kv_cache: str = "auto",
     kv_slots: int = 0,
+    prompt_cache: str | None = None,
+    prompt_cache_size: int = PROMPT_CACHE_SIZE,
 ) -> Target:
     """The right `Target` for ``model``: Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) get `HybridTarget`, whose
     rollback restores recurrent state exactly; attention-cache models get `TransformersTarget`; anything else
     with recurrent state is refused with `UnsupportedModelError`. ``packed_weights``, ``decode_matched``: see
     `CausalLMTarget`; ``forward``: one of `FORWARDS` (``lean`` for a model it does not run is a `ConfigError`);
-    ``prefix_cache``, ``prefix_budget``, ``kv_cache``, ``kv_slots``: see `LeanTarget` (the only target that reuses a
-    prompt's cached rows, and the only one whose cache may be float16 or preallocated: ``kv_cache="float16"`` or
-    ``kv_slots`` elsewhere is a `ConfigError`)."""
+    ``prefix_cache``, ``prefix_budget``, ``kv_cache``, ``kv_slots``, ``prompt_cache``: see `LeanTarget` (the only
+    target that reuses a prompt's cached rows, and the only one whose cache may be float16, preallocated or saved:
+    ``kv_cache="float16"``, ``kv_slots`` or ``prompt_cache`` elsewhere is a `ConfigError`)."""
     check_forward(forward)
     check_kv_cache(kv_cache)
     check_kv_slots(kv_slots)
     if is_hybrid(model):
         if forward == "lean":
             raise ConfigError("the lean forward runs Llama, Qwen2 and Qwen3 models, not Gated DeltaNet hybrids")
-        _model_cache_only(kv_cache, kv_slots, "Gated DeltaNet hybrids run on HybridTarget")
+        _model_cache_only(kv_cache, kv_slots, prompt_cache, "Gated DeltaNet hybrids run on HybridTarget")
         return HybridTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)
     if forward == "lean" or (forward == "auto" and lean_supported(model) is None):
         return LeanTarget(  # says why not
@@ -56,9 +59,11 @@ def make_target(
             prefix_budget=prefix_budget,
             kv_cache=kv_cache,
             kv_slots=kv_slots,
+            prompt_cache=prompt_cache,
+            prompt_cache_size=prompt_cache_size,
         )
     why = f"this model runs on transformers' forward ({lean_supported(model) or 'as asked'})"
-    _model_cache_only(kv_cache, kv_slots, why)
+    _model_cache_only(kv_cache, kv_slots, prompt_cache, why)
     return TransformersTarget(model, packed_weights=packed_weights, decode_matched=decode_matched)
 
 
@@ -72,12 +77,16 @@ def target_for(model: PreTrainedModel, options: TargetOptions) -> Target:
         prefix_budget=options.prefix_budget,
         kv_cache=options.kv_cache,
         kv_slots=options.kv_slots,
+        prompt_cache=options.prompt_cache,
+        prompt_cache_size=options.prompt_cache_size,
     )
 
 
-def _model_cache_only(kv_cache: str, kv_slots: int, why: str) -> None:
-    """A `ConfigError` where ``kv_cache`` asks for a float16 cache, or ``kv_slots`` for preallocated ones, of a
-    target whose caches are transformers' own."""
+def _model_cache_only(kv_cache: str, kv_slots: int, prompt_cache: str | None, why: str) -> None:
+    """A `ConfigError` where ``kv_cache`` asks for a float16 cache, ``kv_slots`` for preallocated ones, or
+    ``prompt_cache`` for saved ones, of a target whose caches are transformers' own."""
+    if prompt_cache:
+        raise ConfigError(f"--prompt-cache needs the lean forward (its rows are the same at any length); {why}")
     if kv_cache == "float16":
         raise ConfigError(f"kv_cache float16 needs the lean forward's native ops; {why}")
     if kv_slots:

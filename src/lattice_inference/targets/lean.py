@@ -45,8 +45,14 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from lattice_inference.errors import ConfigError, TokenError
-from lattice_inference.options import PREFIX_BUDGET, PREFIX_BUDGET_FALLBACK, check_kv_cache, check_kv_slots
-from lattice_inference.targets import decode_matched, memory, native_ops
+from lattice_inference.options import (
+    PREFIX_BUDGET,
+    PREFIX_BUDGET_FALLBACK,
+    PROMPT_CACHE_SIZE,
+    check_kv_cache,
+    check_kv_slots,
+)
+from lattice_inference.targets import decode_matched, memory, native_ops, prompt_store
 from lattice_inference.targets.base import Segment, SegmentOutput, Target, TargetSequence
 from lattice_inference.targets.kv_cache import CacheSlots, GrowableLayer
 from lattice_inference.targets.lean_forward import (
@@ -61,6 +67,7 @@ from lattice_inference.targets.lean_forward import (
 )
 from lattice_inference.targets.packed_linear import packed_operands, quant_packed
 from lattice_inference.targets.prefix_reuse import CachedRows, KeptSequences, RowKey
+from lattice_inference.targets.prompt_store import PromptStore
 from lattice_inference.targets.transformers import FedRows, TransformersTarget, tree_depths, tree_mask
 
 LEAN_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "gemma3_text"})
@@ -131,6 +138,8 @@ class LeanTarget(TransformersTarget):
         kv_cache: str = "auto",
         kv_slots: int = 0,
         slot_rows: int | None = None,
+        prompt_cache: str | None = None,
+        prompt_cache_size: int = PROMPT_CACHE_SIZE,
     ) -> None:
         check_kv_cache(kv_cache)
         check_kv_slots(kv_slots)
@@ -186,6 +195,9 @@ class LeanTarget(TransformersTarget):
         self._kept: KeptSequences[DynamicCache | None] = KeptSequences(
             self.prefix_memory.tokens if prefix_cache else 0, low_memory=lambda: memory.low_memory(device)
         )
+        self.prompt_store = self._prompt_store(prompt_cache, prompt_cache_size * 2**20) if prompt_cache else None
+        """The prompt cache on disk (``prompt_cache``: its folder; `prompt_store`), whose files a prefill takes rows
+        from as from a kept sequence, and to which each ended sequence's rows are saved; None: none."""
         self._live: weakref.WeakSet[LeanSequence] = weakref.WeakSet()
         """The sequences handed out and not released (`forget_prefix` makes theirs unreusable too)."""
         self.kv_slots = kv_slots
@@ -307,6 +319,7 @@ class LeanTarget(TransformersTarget):
                 rows, cache = self._kept.take(index)
                 self._kept.keep(seq.rows, self._cache_or_none(seq))
                 seq.rows, seq.cache, seq.length = rows, cache, len(rows.tokens)
+            keep = max(keep, self._from_store(seq, token_ids, key, keep))
         seq.reused = keep
         if keep:
             if seq.length - keep >= KEEP_TAIL and self._kept.budget:
@@ -333,7 +346,58 @@ class LeanTarget(TransformersTarget):
     def _retire(self, seq: TargetSequence) -> None:
         seq = self._lean(seq)
         self._live.discard(seq)
+        store, key = self.prompt_store, seq.rows.key
+        if store is not None and seq.cache is not None and key is not None and key == self._stored_key():
+            layers = [(layer.keys, layer.values) for layer in self.cache_of(seq).layers]
+            store.save(seq.rows.tokens[: seq.length], layers)
         self._kept.keep(seq.rows, self._cache_or_none(seq))
+
+    def _prompt_store(self, folder: str, size: int) -> PromptStore:
+        """The `PromptStore` of ``folder`` for this target: its identity is everything a row's value depends on
+        beyond its tokens (the weights, dtypes, thread count, kernels' build, versions)."""
+        key = self._stored_key()
+        kernels = native_ops.build_directory().name if self._native is not None else "none"
+        identity = {
+            "format": prompt_store.FORMAT,
+            "lattice": prompt_store.lattice_version(),
+            "torch": torch.__version__,
+            "kernels": kernels,
+            "model": prompt_store.model_fingerprint(self.model, self._packed_weights()),
+            "dtype": str(self.model.dtype),
+            "kv_cache": str(self.kv_dtype),
+            "threads": str(torch.get_num_threads()),
+            "reusable": str(key is not None),
+        }
+        return PromptStore(folder, identity, size)
+
+    def _stored_key(self) -> RowKey | None:
+        """The `RowKey` of the rows the prompt cache on disk holds: the default owner's (a process's own user; a
+        server's tenants never share files) under the thread count it was opened with."""
+        key = self._row_key("")
+        store = getattr(self, "prompt_store", None)
+        if key is None or (store is not None and str(key[2]) != store.identity["threads"]):
+            return None
+        return key
+
+    def _from_store(self, seq: LeanSequence, token_ids: Sequence[int], key: RowKey, have: int) -> int:
+        """Make ``seq``'s cache the prompt-cache file's rows where a file holds more of ``token_ids`` than the
+        ``have`` rows found in memory (its current cache is kept as a kept sequence); returns the rows taken."""
+        store = self.prompt_store
+        if store is None or key != self._stored_key():
+            return 0
+        path, rows = store.best(token_ids)
+        if path is None or rows <= have:
+            return 0
+        layers = store.load(path, rows, self.device)
+        self._kept.keep(seq.rows, self._cache_or_none(seq))
+        seq.cache = None
+        self._new_cache(seq)  # the old one was kept just above: this one is new and empty
+        for layer, (k, v) in zip(self.cache_of(seq).layers, layers, strict=True):
+            layer.update(k.to(self.kv_dtype), v.to(self.kv_dtype))
+        seq.rows.key = key
+        seq.rows.fed(token_ids[:rows])
+        seq.length = rows
+        return rows
 
     @property
     def batches_sequences(self) -> bool:  # type: ignore[override]
@@ -445,6 +509,12 @@ class LeanTarget(TransformersTarget):
     def keep_rows(self, seq: TargetSequence, start: int, rows: Sequence[int]) -> None:
         super().keep_rows(seq, start, rows)  # a prefix of the rows: a rollback, which has trimmed the rows already
         self._lean(seq).rows.keep(start, rows)
+
+    def _packed_weights(self) -> list[torch.Tensor]:
+        """Every packed weight the layers' products run over (their parts), in layer order."""
+        groups = (group for layer in self._layers for group in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        found = (packed_operands(product) for group in groups for product in group)
+        return [part for operands in found if operands is not None for part in operands[0]]
 
     @property
     def quantized(self) -> bool:
