@@ -267,3 +267,24 @@ def test_a_batch_answers_each_prompt_as_it_is_answered_alone(generators, plain) 
     # the greedy batch of prompt lookup with every proposal verified, above
     accepted = sum(r.metrics.accepted_tokens for r in batches["ngram", False])
     assert accepted > 0
+
+
+def test_a_long_prompt_taken_in_by_chunks_beside_streams_answers_as_alone(generators, plain, monkeypatch) -> None:
+    """A grounded prompt longer than a chunk joins a batch of running generations by chunks (the real model's native
+    layer loop): every answer, greedy and seeded, is what it is alone."""
+    from lattice_inference import batching
+    from lattice_inference.decode import SpeculativeDecoder
+
+    monkeypatch.setattr(batching, "PROMPT_CHUNK_MAX", 64)
+    chunks = []
+    take_in = SpeculativeDecoder.take_in
+    monkeypatch.setattr(SpeculativeDecoder, "take_in", lambda self, gen, n: chunks.append(n) or take_in(self, gen, n))
+    prompts = [p for p in load_prompts(GROUNDED_TASKS)][:3]
+    ids = [encode_prompt(generators["greedy"], p) for p in prompts]
+    ids[1] = ids[1] * 3  # a longer document, as sent twice more
+    assert len(ids[1]) > 64
+    for kw in ({}, {"temperature": 0.8, "seed": 4}):
+        alone = [plain(i, BUDGET, **kw).token_ids for i in ids]
+        many = generators["ngram10"].generate_many(ids, BUDGET, max_batch=3, **kw)
+        assert [r.token_ids for r in many] == alone, kw
+    assert chunks and max(chunks) <= 64

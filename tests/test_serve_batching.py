@@ -116,3 +116,52 @@ def test_a_short_request_finishes_beside_a_long_one(loaded):
 
         text, short_done, long_done = asyncio.run(run())
     assert text and short_done < long_done
+
+
+def test_a_long_prompt_is_taken_in_by_chunks_beside_a_stream(loaded, monkeypatch):
+    """A long document arriving while another client streams joins by chunks (``/health`` shows it taking in),
+    the stream keeps moving, and both answers are what each is served alone."""
+    from lattice_inference import batching
+
+    from .serve_harness import request
+
+    monkeypatch.setattr(batching, "PROMPT_CHUNK_MAX", 32)
+    document = " ".join(QUESTIONS) * 12
+    bodies = [
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}]},
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"{document}\nWhich question is first?"}]},
+    ]
+    bodies[0]["max_tokens"], bodies[1]["max_tokens"] = 120, 12
+    with running_server(loaded, method="ngram", max_batch=2, suffix_scope="request") as (base, _):
+        alone = [request(base, "POST", "/v1/chat/completions", b).json()["choices"][0]["message"] for b in bodies]
+        seen: list[dict] = []
+
+        async def run() -> list[str]:
+            api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
+            streaming = asyncio.Event()
+
+            async def stream() -> str:
+                chunks = await api.chat.completions.create(**bodies[0], stream=True)
+                text = []
+                async for chunk in chunks:
+                    streaming.set()
+                    text.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+                return "".join(text)
+
+            async def watch() -> None:
+                while not done.is_set():
+                    seen.append(await asyncio.to_thread(lambda: request(base, "GET", "/health").json()))
+
+            done = asyncio.Event()
+            reader, watcher = asyncio.create_task(stream()), asyncio.create_task(watch())
+            await streaming.wait()
+            long = await api.chat.completions.create(**bodies[1])
+            text = await reader
+            done.set()
+            await watcher
+            await api.close()
+            return [text, long.choices[0].message.content or ""]
+
+        together = asyncio.run(run())
+    assert together == [m["content"] for m in alone]
+    assert any(h["taking_in"] == 1 and h["prompt_rows_left"] > 0 for h in seen)

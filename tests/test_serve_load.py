@@ -93,9 +93,8 @@ def test_32_clients_3_requests_each_with_a_disconnect(loaded, expected):
             assert text == expected[key], key
             assert finish in ("length", "stop")
         health = request(base, "GET", "/health").json()
-        assert health == {"status": "ok", "waiting": 0, "running": 0, "model": MODEL_NAME, "device": "cpu"} | {
-            "dtype": health["dtype"]
-        }
+        idle = {"status": "ok", "waiting": 0, "running": 0, "taking_in": 0, "prompt_rows_left": 0}
+        assert health == idle | {"model": MODEL_NAME, "device": "cpu", "dtype": health["dtype"]}
         samples = scrape(base)
         info = (("device", "cpu"), ("dtype", health["dtype"]), ("model", MODEL_NAME))
         assert samples[("lattice_model_info", info)] == 1
@@ -201,6 +200,7 @@ def test_metrics_match_the_requests_made(loaded):
     drafts = sum(m["drafts"] for m in ngram)
     assert value("lattice_mean_acceptance_length", method="ngram") == pytest.approx(1 + accepted / drafts)
     assert value("lattice_queue_depth") == 0
+    assert value("lattice_prompts_taking_in") == value("lattice_prompt_rows_left") == 0
 
 
 def test_an_error_in_one_request_ends_only_that_request(loaded, expected, monkeypatch):

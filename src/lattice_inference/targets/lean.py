@@ -292,14 +292,14 @@ class LeanTarget(TransformersTarget):
         return self._run(seq, token_ids[keep:], logits_to_keep=1, prefill=True)[-1]
 
     def open_prompt(self, sequence: TargetSequence, token_ids: Sequence[int]) -> int | None:
-        """`Target.open_prompt`: where a prefill's rows are reusable (`_row_key`; so they are what the native layer
-        loop's forwards compute at any width) and forwards batch, the longest reusable prefix is kept as `prefill`
-        keeps it, and the rest is left to forwards."""
+        """`Target.open_prompt`: where forwards batch (the native layer loop computes every row the same way at any
+        width, a prefill's rows included), the longest reusable prefix is kept as `prefill` keeps it (none where
+        nothing is reusable: another owner's, or the prefix cache off), and the rest is left to forwards."""
         self._check_prefill(sequence, token_ids)
         seq = self._lean(sequence)
-        key = None if seq.capture_hidden else self._row_key(seq.owner)
-        if key is None or not self.batches_sequences:
+        if seq.capture_hidden or not self.batches_sequences:
             return None
+        key = self._row_key(seq.owner)
         keep = self._reuse(seq, token_ids, key)
         if not keep:
             self._new_cache(seq)
