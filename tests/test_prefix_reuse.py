@@ -283,3 +283,33 @@ def test_the_budget_follows_memory_and_drops_everything_when_memory_runs_low(mon
     low[0] = True
     kept.keep(CachedRows([4, 5], ("k",)), "c")
     assert len(kept) == 0 and kept.tokens == 0
+
+
+@pytest.mark.parametrize(("dtype", "kv_cache"), [(torch.float32, "model"), (torch.bfloat16, "model"),
+                                                 (torch.float32, "float16")])  # fmt: skip
+def test_turns_either_side_of_the_old_4096_token_switch_reuse_and_equal_recomputing(dtype, kv_cache):
+    """A conversation whose turns grow from below 4096 tokens (where prefills once switched to flash attention,
+    whose rows were not reusable) to above it: every turn reuses the one before, and its logits and steps equal a
+    fresh target's that computes every row."""
+    model = toy_model(toy_config("qwen2", hidden_size=64, intermediate_size=128, head_dim=16), init_std=0.3, seed=4)
+    model = model.to(dtype)
+    lean = LeanTarget(model, kv_cache=kv_cache)
+    fresh = LeanTarget(model, prefix_cache=False, kv_cache=kv_cache)
+    if not _reuses(lean):
+        pytest.skip("this CPU computes these prefills with row-count-dependent products: nothing is reused")
+    rng = random.Random(7)
+    talk = [rng.randrange(256) for _ in range(4000)]
+    before = 0
+    for turn in range(3):
+        seq, fresh_seq = lean.new_sequence(), fresh.new_sequence()
+        logits = lean.prefill(seq, talk)
+        assert seq.reused == before, turn
+        assert torch.equal(logits, fresh.prefill(fresh_seq, talk)), turn
+        answer = [rng.randrange(256) for _ in range(3)]
+        for token in answer:
+            assert torch.equal(lean.forward(seq, [token]), fresh.forward(fresh_seq, [token])), turn
+        before = seq.length
+        lean.release(seq)
+        fresh.release(fresh_seq)
+        talk += [*answer, *(rng.randrange(256) for _ in range(60))]
+    assert len(talk) > 4096 + 60
