@@ -74,12 +74,18 @@ def test_one_tenant_never_drafts_from_another(loaded):
         assert complete(base, "alice", method="ngram")[0] == text  # other methods ignore the scope
 
 
-def test_without_keys_requests_share_nothing_unless_scoped(loaded):
+def test_without_keys_requests_are_one_users_unless_isolated(loaded):
+    """A server without keys has one user: its requests draft from each other (a scope still starts fresh);
+    ``--suffix-scope request`` shares nothing."""
     with running_server(loaded, method="suffix") as (base, _):
         text, alone = complete(base, "none")
-        assert complete(base, "none") == (text, alone)
-        complete(base, "none", scope="team")
+        again_text, again = complete(base, "none")
+        assert again_text == text and again < alone
+        assert complete(base, "none", scope="team") == (text, alone)
         assert complete(base, "none", scope="team")[1] < alone
+    with running_server(loaded, method="suffix", suffix_scope="request") as (base, _):
+        text, alone = complete(base, "none")
+        assert complete(base, "none") == (text, alone)
 
 
 def test_the_planners_learned_acceptance_stays_within_a_tenant(loaded):
