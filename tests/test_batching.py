@@ -137,6 +137,19 @@ def _run_batch(decoders, prompts, budgets, samplings, *, joins, max_batch, cance
     return gens, batch
 
 
+def _oracle_decoders(plain, target, prompts, budgets, samplings, *, max_draft):
+    """Plain decoding's answers to the prompts, and per prompt a decoder on ``target`` drafting from a corrupted
+    oracle of them (drafts fully accepted, partly, rejected at once), which knows the EOS plain decoding emits."""
+    triples = list(zip(prompts, budgets, samplings, strict=True))
+    want = [plain.generate(p, n, s).token_ids for p, n, s in triples]
+    free = [plain.generate(p, n + 4, s).token_ids for p, n, s in triples]  # past the budget: a real EOS
+    decoders = []
+    for i, prompt in enumerate(prompts):
+        drafter = OracleDrafter(prompt + free[i], vocab=TOY_VOCAB, corrupt=0.3, seed=i)
+        decoders.append(SpeculativeDecoder(target, drafter, max_draft=max_draft, eos_token_ids=[EOS], adaptive=False))
+    return want, decoders
+
+
 SAMPLINGS = [
     SamplingOptions(),
     SamplingOptions(temperature=0.9, seed=5),
@@ -154,13 +167,7 @@ def test_a_batch_emits_for_each_generation_what_plain_decoding_of_it_alone_emits
     prompts = _prompts(7, seed=len(arch))
     samplings = [SAMPLINGS[i % 3] for i in range(len(prompts))]
     budgets = [24, 1, 30, 12, 24, 18, 28]
-    want = [plain.generate(p, n, s).token_ids for p, n, s in zip(prompts, budgets, samplings, strict=True)]
-    # an EOS plain decoding really emits, for the prompts whose oracle knows it
-    free = [plain.generate(p, n + 4, s).token_ids for p, n, s in zip(prompts, budgets, samplings, strict=True)]
-    decoders = []
-    for i, prompt in enumerate(prompts):
-        drafter = OracleDrafter(prompt + free[i], vocab=TOY_VOCAB, corrupt=0.3, seed=i)
-        decoders.append(SpeculativeDecoder(target, drafter, max_draft=5, eos_token_ids=[EOS], adaptive=False))
+    want, decoders = _oracle_decoders(plain, target, prompts, budgets, samplings, max_draft=5)
     gens, batch = _run_batch(decoders, prompts, budgets, samplings, joins=[0, 0, 0, 2, 3, 5, 9], max_batch=3)
     for i, gen in enumerate(gens):
         assert gen.token_ids == want[i], (arch, dtype, i)
@@ -196,12 +203,7 @@ def test_long_prompts_taken_in_by_chunks_leave_every_answer_as_alone(arch, dtype
     ]
     samplings = [SAMPLINGS[i % 3] for i in range(len(prompts))]
     budgets = [30, 20, 16, 1, 12, 18]
-    want = [plain.generate(p, n, s).token_ids for p, n, s in zip(prompts, budgets, samplings, strict=True)]
-    free = [plain.generate(p, n + 4, s).token_ids for p, n, s in zip(prompts, budgets, samplings, strict=True)]
-    decoders = []
-    for i, prompt in enumerate(prompts):
-        drafter = OracleDrafter(prompt + free[i], vocab=TOY_VOCAB, corrupt=0.3, seed=i)
-        decoders.append(SpeculativeDecoder(target, drafter, max_draft=4, eos_token_ids=[EOS], adaptive=False))
+    want, decoders = _oracle_decoders(plain, target, prompts, budgets, samplings, max_draft=4)
     taken_in: set[int] = set()
     gens, _ = _run_batch(
         decoders, prompts, budgets, samplings, joins=[0, 0, 1, 1, 40, 41], max_batch=4, taken_in=taken_in
