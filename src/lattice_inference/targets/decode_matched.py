@@ -367,13 +367,12 @@ def decode_matched_sdpa(
     """transformers' ``sdpa`` attention; inside a decode-matched forward, each query row of a multi-row call runs
     as a 1-token step's call: its query over exactly the keys it may see, without a mask (or with its row of a
     mask that carries a bias, `_is_bias`)."""
-    rows = query.shape[2]
-    if _ACTIVE.get() is None or rows == 1:
+    if _ACTIVE.get() is None or query.shape[2] == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     window = kwargs.get("sliding_window")
     biased = _is_bias(attention_mask)
-    outputs = []
-    for i, (k, v, row_mask) in enumerate(_row_keys(key, value, attention_mask, rows)):
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor:
         # A 1-token step gets no mask, except over a full sliding window (transformers' sdpa_mask keeps it there),
         # or where the model adds a bias of its own to the scores (Doge's dynamic mask): that row's bias.
         seen = k.shape[2]
@@ -384,13 +383,30 @@ def decode_matched_sdpa(
             mask = None
         else:
             mask = key.new_ones((1, 1, 1, seen), dtype=torch.bool)
-        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], k, v, mask, **kwargs)
-        outputs.append(out)
-    return torch.cat(outputs, dim=1), None
+        return sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0]
+
+    return _by_rows(step, query, key, value, attention_mask), None
 
 
 EAGER = "eager_attention_forward"
 """The name under which a transformers modeling module defines its own eager attention (what ``eager`` models call)."""
+
+
+def _by_rows(
+    step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention of each query row as a 1-token step: ``step(its query, the keys and values it sees, its row of the
+    mask)`` per row (`_row_keys`), the outputs joined along the rows."""
+    rows = query.shape[2]
+    outputs = [
+        step(query[:, :, i : i + 1], k, v, mask)
+        for i, (k, v, mask) in enumerate(_row_keys(key, value, attention_mask, rows))
+    ]
+    return torch.cat(outputs, dim=1)
 
 
 def _row_keys(
@@ -431,14 +447,13 @@ def _eager_matched(original: Callable[..., tuple[torch.Tensor, object]]) -> Call
         *args: object,
         **kwargs: object,
     ) -> tuple[torch.Tensor, object]:
-        rows = query.shape[2]
-        if _ACTIVE.get() is None or rows == 1:
+        if _ACTIVE.get() is None or query.shape[2] == 1:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
-        outputs = []
-        for i, (k, v, mask) in enumerate(_row_keys(key, value, attention_mask, rows)):
-            out, _ = original(module, query[:, :, i : i + 1], k, v, mask, *args, **kwargs)
-            outputs.append(out)
-        return torch.cat(outputs, dim=1), None
+
+        def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+            return original(module, q, k, v, mask, *args, **kwargs)[0]
+
+        return _by_rows(step, query, key, value, attention_mask), None
 
     setattr(eager, _MATCHED, True)
     return eager
