@@ -41,7 +41,9 @@ def test_a_new_process_takes_the_saved_rows_bit_for_bit(tmp_path, dtype, capsys)
     fresh = LeanTarget(model, prefix_cache=False)
     question = [*document, 7, 8, 9, 42, 43]
     mine, theirs = later.new_sequence(), fresh.new_sequence()
+    later.prefill(mine, [3, 1, 4, 1, 5])  # rows of another prompt first: kept once, with their cache, when replaced
     assert torch.equal(later.prefill(mine, question), fresh.prefill(theirs, question))
+    assert [(rows.tokens, cache is not None) for rows, cache in later._kept._kept] == [([3, 1, 4, 1, 5], True)]
     assert mine.reused == len(document) + 3 and later.prompt_store is not None
     assert later.prompt_store.loaded == len(document) + 3
     for token in (5, 6):

@@ -355,7 +355,6 @@ class LeanTarget(TransformersTarget):
     def _prompt_store(self, folder: str, size: int) -> PromptStore:
         """The `PromptStore` of ``folder`` for this target: its identity is everything a row's value depends on
         beyond its tokens (the weights, dtypes, thread count, kernels' build, versions)."""
-        key = self._stored_key()
         kernels = native_ops.build_directory().name if self._native is not None else "none"
         identity = {
             "format": prompt_store.FORMAT,
@@ -366,16 +365,16 @@ class LeanTarget(TransformersTarget):
             "dtype": str(self.model.dtype),
             "kv_cache": str(self.kv_dtype),
             "threads": str(torch.get_num_threads()),
-            "reusable": str(key is not None),
+            "reusable": str(self._row_key("") is not None),
         }
         return PromptStore(folder, identity, size)
 
     def _stored_key(self) -> RowKey | None:
         """The `RowKey` of the rows the prompt cache on disk holds: the default owner's (a process's own user; a
         server's tenants never share files) under the thread count it was opened with."""
-        key = self._row_key("")
-        store = getattr(self, "prompt_store", None)
-        if key is None or (store is not None and str(key[2]) != store.identity["threads"]):
+        store = self.prompt_store
+        key = None if store is None else self._row_key("")
+        if key is None or store is None or str(key[2]) != store.identity["threads"]:
             return None
         return key
 
@@ -389,9 +388,7 @@ class LeanTarget(TransformersTarget):
         if path is None or rows <= have:
             return 0
         layers = store.load(path, rows, self.device)
-        self._kept.keep(seq.rows, self._cache_or_none(seq))
-        seq.cache = None
-        self._new_cache(seq)  # the old one was kept just above: this one is new and empty
+        self._new_cache(seq)  # the old cache is kept (`_new_cache`); this one starts empty
         for layer, (k, v) in zip(self.cache_of(seq).layers, layers, strict=True):
             layer.update(k.to(self.kv_dtype), v.to(self.kv_dtype))
         seq.rows.key = key
