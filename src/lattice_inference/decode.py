@@ -297,11 +297,16 @@ class SpeculativeDecoder:
     def taken_in(self, gen: Generation, logits: torch.Tensor) -> list[int]:
         """The prompt's last chunk was fed: its last row's ``logits`` choose the first token, as a prefill's do;
         returns the first emitted tokens (`open`'s)."""
-        prompt = gen.prompt_ids
         logits = logits[-1:]
+        return self._opened(gen, self._first(gen, logits), None, logits)
+
+    @staticmethod
+    def _first(gen: Generation, logits: torch.Tensor) -> list[int]:
+        """The first token, chosen by the prompt's last row (``logits`` ``[1, vocab]``), now pending."""
+        prompt = gen.prompt_ids
         first = gen.choose(logits, prompt[-1:], len(prompt))
         gen.pending = first[-1]
-        return self._opened(gen, first, None, logits)
+        return first
 
     def _opened(self, gen: Generation, first: list[int], hidden: torch.Tensor | None, rows: torch.Tensor) -> list[int]:
         """The prefill ended with ``first`` (chosen by ``rows``): timed, emitted, told to the grammar and drafter."""
@@ -542,9 +547,7 @@ class SpeculativeDecoder:
         if drafter is None or self._wants_hidden or not fused or budget < 2:
             logits = target.prefill(seq, prompt).unsqueeze(0)
             gen.metrics.cached_prompt_tokens = seq.reused
-            first = gen.choose(logits, prompt[-1:], len(prompt))
-            gen.pending = first[-1]
-            return first, self._path_hidden(seq.hidden, len(prompt)), logits
+            return self._first(gen, logits), self._path_hidden(seq.hidden, len(prompt)), logits
         planned = self._draft(gen, budget - 1)
         draft = planned.verify
         logits = target.prefill_with_draft(seq, prompt, draft)
