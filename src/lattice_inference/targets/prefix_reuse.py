@@ -63,11 +63,17 @@ class CachedRows:
         choose the first token); 0 where the rows were computed under another key or are not reusable."""
         if self.key is None or self.key != key:
             return 0
-        limit = min(len(self.tokens), len(prompt) - 1)
-        common = 0
-        while common < limit and self.tokens[common] == prompt[common]:
-            common += 1
-        return common
+        return reusable_rows(self.tokens, prompt)
+
+
+def reusable_rows(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many rows of ``cached`` ids a prefill of ``prompt`` may keep: their longest common prefix, at most
+    ``len(prompt) - 1`` (the last prompt row is always fed, as its logits choose the first token)."""
+    limit = min(len(cached), len(prompt) - 1)
+    common = 0
+    while common < limit and cached[common] == prompt[common]:
+        common += 1
+    return common
 
 
 class KeptSequences(Generic[C]):

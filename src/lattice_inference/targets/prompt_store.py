@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lattice_inference.options import PROMPT_CACHE_SIZE
+from lattice_inference.targets.prefix_reuse import reusable_rows
 
 FORMAT = "lattice-prompt-cache/1"
 """The files' format; part of the identity."""
@@ -90,25 +91,18 @@ class PromptStore:
             raise OSError(f"--prompt-cache {directory}: cannot make the folder ({exc.strerror})") from exc
         self.identity = dict(identity)
         self.max_bytes = max_bytes
-        self._entries: dict[Path, tuple[float, _Entry | None]] = {}  # path -> (mtime, entry; None: refused)
+        self._entries: dict[Path, _Entry | None] = {}  # path -> its metadata (None: refused), read once
         self.loaded = 0
         """Rows read back from files so far."""
 
     def _scan(self) -> dict[Path, _Entry]:
-        """The folder's usable files (their metadata read once per change); refused ones said once."""
+        """The folder's usable files (each one's metadata read once: a file's name is its tokens' hash, so a file of
+        one name never changes); refused ones said once."""
         usable: dict[Path, _Entry] = {}
         for path in sorted(self.directory.glob("*.safetensors")):
-            try:
-                mtime = path.stat().st_mtime
-            except OSError:
-                continue
-            known = self._entries.get(path)
-            if known is not None:
-                if known[1] is not None:
-                    usable[path] = known[1]
-                continue
-            entry = self._read(path)
-            self._entries[path] = (mtime, entry)
+            if path not in self._entries:
+                self._entries[path] = self._read(path)
+            entry = self._entries[path]
             if entry is not None:
                 usable[path] = entry
         return usable
@@ -138,12 +132,8 @@ class PromptStore:
         """The file holding the longest prefix of ``prompt`` (at most ``len(prompt) - 1`` rows: the last prompt
         row is always fed) and how many rows of it; ``(None, 0)`` where none holds any."""
         found, most = None, 0
-        limit = len(prompt) - 1
         for path, entry in self._scan().items():
-            tokens, common = entry.tokens, 0
-            end = min(limit, len(tokens))
-            while common < end and tokens[common] == prompt[common]:
-                common += 1
+            common = reusable_rows(entry.tokens, prompt)
             if common > most:
                 found, most = path, common
         return found, most
