@@ -174,8 +174,8 @@ class LeanTarget(TransformersTarget):
         if self._native is not None:
             self._native_forward = NativeForward(self._native, model, self._layers, self._loop, self.kv_dtype)
         """The native ops' path (where they run): matched forwards and every prompt, at any length (so a prompt's
-        rows are what every later forward computes, and reusable: `prefix_reuse`). Its attention runs each row's
-        keys in runs of rows sized to keep their scores in cache (`lean_ops.cpp`, ``RUN_SCORE_BYTES``)."""
+        rows are what every later forward computes, and reusable: `prefix_reuse`). Its attention is blocked over the
+        keys (online softmax, `lean_ops.cpp` ``attend``), so a long cache costs what a short one does per key."""
         self._step_forward = self._native_forward if decode_matched else None
         """What runs every forward after a prefill, chosen here: the native ops where they run and the forwards are
         decode-matched; else (None) the PyTorch path, decode-matched or not as the target is."""

@@ -223,21 +223,6 @@ torch::Tensor rope_impl(const torch::Tensor& qkv, const c10::optional<torch::Ten
   return q;
 }
 
-// The sums of 8 accumulators' lanes, as one vector: every accumulator's lanes combined by the same tree,
-// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), whichever slot it sits in.
-inline f8 sum8x8(const f8* a) {
-  typedef int32_t m8 __attribute__((vector_size(32)));
-  const m8 even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
-  const m8 lo = {0, 1, 8, 9, 4, 5, 12, 13}, hi = {2, 3, 10, 11, 6, 7, 14, 15};
-  const m8 first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
-  f8 t[4], u[2];
-  for (int i = 0; i < 4; ++i)
-    t[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], even) + __builtin_shuffle(a[2 * i], a[2 * i + 1], odd);
-  for (int i = 0; i < 2; ++i)
-    u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], lo) + __builtin_shuffle(t[2 * i], t[2 * i + 1], hi);
-  return __builtin_shuffle(u[0], u[1], first) + __builtin_shuffle(u[0], u[1], second);
-}
-
 // A row's softmax numerators in place: exp(score - the largest of its ``count`` scores), lanes from ``count`` up to
 // ``padded`` (a multiple of 8) set to zero; returns their sum (8 lanes, then `sum8`) in every lane.
 inline f8 exp_scores(float* sc, int64_t count, int64_t padded) {
@@ -262,82 +247,212 @@ inline f8 exp_scores(float* sc, int64_t count, int64_t padded) {
   return splat(sum8(total));
 }
 
-// One key-value head's attention for a run of ``rows`` rows whose keys are prefixes of one list (``counts[r]`` keys
-// each; a tree's rows come one at a time), with DV = head_dim / 8 chunks: per row, the scores of its ``groups``
-// query heads over its keys, 8 at a time (a row's last 8 may hold keys past its own, whose scores are dropped),
-// the softmax, and the value sums. Each block of 8 keys and values is widened to float once for all the rows.
-// Every score is one dot product accumulated chunk by chunk and reduced by `sum8x8`'s tree; every output lane sums
-// its keys in order: the same sequence for a row at any width, whichever rows come with it. Keys and values are
-// stored as C (the cache's type, widened exactly), the output written as O (the activations' type).
-template <typename C, typename O, int DV>
-void attend(const float* qs, int64_t q_stride, int64_t groups, const C* kc, const C* vc, int64_t dv_runtime,
-            const int64_t* keys, const int64_t* counts, int64_t rows, float scale, std::vector<float>& scores,
-            std::vector<float>& accs, O* dst, int64_t dst_row_stride, int64_t dst_stride) {
-  const int64_t dv = DV > 0 ? DV : dv_runtime, d = dv * L;
-  int64_t widest = 0;
-  for (int64_t r = 0; r < rows; ++r) widest = std::max(widest, counts[r]);
-  const int64_t span = (widest + L - 1) / L * L;  // score slots per (row, query head)
-  scores.resize(rows * groups * span);
-  accs.assign(rows * groups * d, 0.f);
-  float kbuf[L * 256];
-  for (int64_t j0 = 0; j0 < span; j0 += L) {
-    for (int64_t j = 0; j < L; ++j) {
-      const int64_t key = j0 + j < widest ? keys[j0 + j] : keys[0];
-      const C* k = kc + key * d;
-      for (int64_t c = 0; c < dv; ++c) store8(kbuf + j * d + c * L, widen8(k + c * L));
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      if (j0 >= counts[r]) continue;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* qv = qs + r * d + g * q_stride;
-        f8 acc[L];
-        for (int j = 0; j < L; ++j) acc[j] = splat(0.f);
-        for (int64_t c = 0; c < dv; ++c) {
-          const f8 qc = load8(qv + c * L);
-          for (int j = 0; j < L; ++j) acc[j] += qc * load8(kbuf + j * d + c * L);
-        }
-        store8(scores.data() + (r * groups + g) * span + j0, sum8x8(acc) * splat(scale));
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t count = counts[r], padded = (count + L - 1) / L * L;
-    for (int64_t g = 0; g < groups; ++g) {
-      float* sc = scores.data() + (r * groups + g) * span;
-      const f8 sum = exp_scores(sc, count, padded);
-      for (int64_t j = 0; j < padded; j += L) store8(sc + j, load8(sc + j) / sum);
-    }
-  }
-  // Value sums: each output lane adds its keys' terms in key order (the vector width does not enter).
-  for (int64_t j0 = 0; j0 < widest; j0 += L) {
-    const int64_t m = std::min<int64_t>(L, widest - j0);
-    for (int64_t j = 0; j < m; ++j) {
-      const C* v = vc + keys[j0 + j] * d;
-      for (int64_t c = 0; c < dv; ++c) store8(kbuf + j * d + c * L, widen8(v + c * L));
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t mr = std::min<int64_t>(m, counts[r] - j0);
-      for (int64_t g = 0; g < groups && mr > 0; ++g) {
-        const float* p = scores.data() + (r * groups + g) * span + j0;
-        float* sums = accs.data() + (r * groups + g) * d;
-        f8 acc[DV > 0 ? DV : 32];
-        for (int64_t c = 0; c < dv; ++c) acc[c] = load8(sums + c * L);
-        for (int64_t j = 0; j < mr; ++j) {
-          const f8 pj = splat(p[j]);
-          for (int64_t c = 0; c < dv; ++c) acc[c] += pj * load8(kbuf + j * d + c * L);
-        }
-        for (int64_t c = 0; c < dv; ++c) store8(sums + c * L, acc[c]);
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* sums = accs.data() + (r * groups + g) * d;
-      O* out = dst + r * dst_row_stride + g * dst_stride;
-      for (int64_t i = 0; i < d; ++i) out[i] = static_cast<O>(sums[i]);
-    }
+// The fused multiply-add of 8 lanes, explicitly (one rounding where the CPU has FMA): the same operation in every
+// tile shape below, so that a query's sums do not depend on which kernel variant computed them.
+inline f8 fmadd(f8 a, f8 b, f8 c) {
+#ifdef __FMA__
+  return (f8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
 }
 
+// Keys per step of `attend`'s online softmax. A row's key list is cut into blocks at the same places (0, 64,
+// 128, ... of its list) whichever rows share its run, so its sequence of operations is its own.
+constexpr int64_t KEY_BLOCK = 64;
+
+// `attend`'s working memory, one per thread, 8 queries to a vector: the scaled queries and value sums ([vector][dim]
+// [8]), a block's keys and values widened (caches other than float32), each lane's running maximum and sum.
+struct AttendBuffers {
+  std::vector<float> qt, acc, keys, values;
+  std::vector<float> top, total;
+  std::vector<int32_t> count;   // keys of each query's row
+  std::vector<int64_t> fewest;  // per vector, the fewest keys a lane sees (0 where lanes are unused)
+  std::vector<int64_t> most;    // per vector, the most keys a lane sees
+};
+
+// Scores of NV vectors of 8 queries (``qt``: [vector][dim][8], scaled) against NJ keys (``k[j]``: d floats each):
+// s[v][j] = sum over dims c in order of qt[v][c] * k[j][c], one fused multiply-add per dim, whatever NV and NJ.
+template <int NV, int NJ>
+inline void score_tile(const float* qt, int64_t d, const float* const* k, f8* s, int64_t s_stride) {
+  f8 acc[NV][NJ];
+  for (int v = 0; v < NV; ++v)
+    for (int j = 0; j < NJ; ++j) acc[v][j] = splat(0.f);
+  for (int64_t c = 0; c < d; ++c) {
+    f8 q[NV];
+    for (int v = 0; v < NV; ++v) q[v] = load8(qt + (v * d + c) * L);
+    for (int j = 0; j < NJ; ++j) {
+      const f8 kj = splat(k[j][c]);
+      for (int v = 0; v < NV; ++v) acc[v][j] = fmadd(q[v], kj, acc[v][j]);
+    }
+  }
+  for (int v = 0; v < NV; ++v)
+    for (int j = 0; j < NJ; ++j) s[v * s_stride + j] = acc[v][j];
+}
+
+// Value sums of NV vectors of 8 queries over dims [c0, c0 + NC): acc[v][c] = acc[v][c] * alpha[v] + sum over the
+// block's keys j in order of p[v][j] * value[j][c], one fused multiply-add per key, whatever NV and NC.
+template <int NV, int NC>
+inline void value_tile(float* acc, int64_t d, int64_t c0, const f8* alpha, const f8* p, int64_t p_stride,
+                       const float* const* vr, int64_t nb) {
+  f8 a[NV][NC];
+  for (int v = 0; v < NV; ++v)
+    for (int c = 0; c < NC; ++c) a[v][c] = load8(acc + (v * d + c0 + c) * L) * alpha[v];
+  for (int64_t j = 0; j < nb; ++j) {
+    f8 pj[NV];
+    for (int v = 0; v < NV; ++v) pj[v] = p[v * p_stride + j];
+    for (int c = 0; c < NC; ++c) {
+      const f8 vc = splat(vr[j][c0 + c]);
+      for (int v = 0; v < NV; ++v) a[v][c] = fmadd(pj[v], vc, a[v][c]);
+    }
+  }
+  for (int v = 0; v < NV; ++v)
+    for (int c = 0; c < NC; ++c) store8(acc + (v * d + c0 + c) * L, a[v][c]);
+}
+
+// The online softmax's step for one vector of 8 queries over a block's ``nb`` scores ``s`` (keys j0 ..): the
+// running maximum ``top`` and sum ``total`` (8 lanes each, updated in place) take the block in; the scores become
+// their probabilities exp(s - top); returns the factor that rescales the earlier value sums. Masked (a lane's keys
+// end inside the block): keys past a lane's count score -inf and weigh 0. Lanewise throughout, and a lane with no
+// key in the block keeps its maximum and sum (factor 1).
+template <bool Masked>
+inline f8 softmax_step(f8* s, int64_t nb, int64_t j0, const int32_t* count, float* top, float* total) {
+  const f8 minus_inf = splat(-INFINITY);
+  i8v counts;
+  std::memcpy(&counts, count, sizeof counts);
+  f8 block_top = minus_inf;
+  for (int64_t i = 0; i < nb; ++i) {
+    if constexpr (Masked) {
+      const i8v key = i8v{0, 0, 0, 0, 0, 0, 0, 0} + static_cast<int32_t>(j0 + i);
+      s[i] = key < counts ? s[i] : minus_inf;
+    }
+    block_top = vmax(block_top, s[i]);
+  }
+  const f8 old_top = load8(top), new_top = vmax(old_top, block_top);
+  const f8 alpha = new_top > old_top ? vexp(old_top - new_top) : splat(1.f);
+  f8 sum = load8(total) * alpha;
+  for (int64_t i = 0; i < nb; ++i) {
+    if constexpr (Masked) s[i] = s[i] > minus_inf ? vexp(s[i] - new_top) : splat(0.f);
+    else s[i] = vexp(s[i] - new_top);
+    sum += s[i];
+  }
+  store8(top, new_top);
+  store8(total, sum);
+  return alpha;
+}
+
+// One key block (``nb`` keys from j0, rows ``kr``/``vr`` of d floats) for NV query vectors from vector ``v0``:
+// scores in tiles of keys, the softmax step, value sums in tiles of dimensions (tile shapes change no sum).
+template <int NV>
+void attend_block(AttendBuffers& b, int64_t v0, int64_t d, int64_t j0, int64_t nb, const float* const* kr,
+                  const float* const* vr) {
+  f8 s[NV][KEY_BLOCK];
+  const float* qt = b.qt.data() + v0 * d * L;
+  int64_t j = 0;
+  if constexpr (NV == 1)  // one vector: 12 keys to a tile (12 sums in flight, as two vectors' 2 x 6)
+    for (; j + 12 <= nb; j += 12) score_tile<1, 12>(qt, d, kr + j, &s[0][j], KEY_BLOCK);
+  for (; j + 6 <= nb; j += 6) score_tile<NV, 6>(qt, d, kr + j, &s[0][j], KEY_BLOCK);
+  switch (nb - j) {
+    case 1: score_tile<NV, 1>(qt, d, kr + j, &s[0][j], KEY_BLOCK); break;
+    case 2: score_tile<NV, 2>(qt, d, kr + j, &s[0][j], KEY_BLOCK); break;
+    case 3: score_tile<NV, 3>(qt, d, kr + j, &s[0][j], KEY_BLOCK); break;
+    case 4: score_tile<NV, 4>(qt, d, kr + j, &s[0][j], KEY_BLOCK); break;
+    case 5: score_tile<NV, 5>(qt, d, kr + j, &s[0][j], KEY_BLOCK); break;
+    default: break;
+  }
+  f8 alpha[NV];
+  for (int v = 0; v < NV; ++v) {
+    const int64_t at = (v0 + v) * L;
+    int32_t* count = b.count.data() + at;
+    alpha[v] = b.fewest[v0 + v] >= j0 + nb
+                   ? softmax_step<false>(s[v], nb, j0, count, b.top.data() + at, b.total.data() + at)
+                   : softmax_step<true>(s[v], nb, j0, count, b.top.data() + at, b.total.data() + at);
+  }
+  float* acc = b.acc.data() + v0 * d * L;
+  // d is a multiple of 8: tiles of 6 dimensions (12 for one vector), then one or two of 4
+  constexpr int64_t wide = NV == 1 ? 12 : 6;
+  int64_t fours = 0;
+  while ((d - 4 * fours) % wide != 0) ++fours;
+  int64_t c = 0;
+  for (; c < d - 4 * fours; c += wide) value_tile<NV, wide>(acc, d, c, alpha, &s[0][0], KEY_BLOCK, vr, nb);
+  for (; c < d; c += 4) value_tile<NV, 4>(acc, d, c, alpha, &s[0][0], KEY_BLOCK, vr, nb);
+}
+
+// One key-value head's attention for a run of ``rows`` rows whose keys are prefixes of one list (``counts[r]`` keys
+// each; a tree's rows come one at a time), flash-style: the rows' ``groups`` query heads 8 to a vector (query
+// r * groups + g in lane order), the keys in blocks of `KEY_BLOCK`, each block's scores, running maximum and sum
+// (online softmax) and value sums kept per query lane, the output each lane's sums over its sum. Every lane's
+// operations are elementwise: a query computes the same sequence in any lane, beside any other queries; a block
+// holding none of a row's keys leaves that row's lanes as they were (its scale is 1, its probabilities 0), so a
+// row computes what it computes alone, bit for bit (zeros' signs included: the output adds +0). Keys and values
+// are stored as C (the cache's type, widened exactly), the output written as O (the activations' type).
+template <typename C, typename O>
+void attend(const float* qs, int64_t q_stride, int64_t groups, const C* kc, const C* vc, int64_t d,
+            const int64_t* keys, const int64_t* counts, int64_t rows, float scale, AttendBuffers& b, O* dst,
+            int64_t dst_row_stride, int64_t dst_stride) {
+  const int64_t queries = rows * groups, vectors = (queries + L - 1) / L;
+  int64_t widest = 0;
+  for (int64_t r = 0; r < rows; ++r) widest = std::max(widest, counts[r]);
+  b.qt.assign(vectors * d * L, 0.f);
+  b.acc.assign(vectors * d * L, 0.f);
+  b.top.assign(vectors * L, -INFINITY);
+  b.total.assign(vectors * L, 0.f);
+  b.count.assign(vectors * L, 0);
+  std::vector<int64_t>& last = b.most;
+  last.assign(vectors, 0);
+  b.fewest.assign(vectors, INT64_MAX);
+  if (queries % L != 0) b.fewest[vectors - 1] = 0;  // its unused lanes see no keys
+  for (int64_t i = 0; i < queries; ++i) {
+    const int64_t r = i / groups, g = i % groups, v = i / L, lane = i % L;
+    const float* q = qs + r * d + g * q_stride;
+    for (int64_t c = 0; c < d; ++c) b.qt[(v * d + c) * L + lane] = q[c] * scale;
+    b.count[i] = static_cast<int32_t>(counts[r]);
+    last[v] = std::max(last[v], counts[r]);
+    b.fewest[v] = std::min(b.fewest[v], counts[r]);
+  }
+  const float* kr[KEY_BLOCK];
+  const float* vr[KEY_BLOCK];
+  if constexpr (!std::is_same_v<C, float>) {
+    b.keys.resize(KEY_BLOCK * d);
+    b.values.resize(KEY_BLOCK * d);
+  }
+  for (int64_t j0 = 0; j0 < widest; j0 += KEY_BLOCK) {
+    const int64_t nb = std::min(KEY_BLOCK, widest - j0);
+    for (int64_t j = 0; j < nb; ++j) {
+      const C* k = kc + keys[j0 + j] * d;
+      const C* v = vc + keys[j0 + j] * d;
+      if constexpr (std::is_same_v<C, float>) {
+        kr[j] = k;
+        vr[j] = v;
+      } else {
+        float* kw = b.keys.data() + j * d;
+        float* vw = b.values.data() + j * d;
+        for (int64_t c = 0; c < d; c += L) {
+          store8(kw + c, widen8(k + c));
+          store8(vw + c, widen8(v + c));
+        }
+        kr[j] = kw;
+        vr[j] = vw;
+      }
+    }
+    for (int64_t v = 0; v < vectors;) {
+      if (last[v] <= j0) { ++v; continue; }  // none of its rows' keys are in this block
+      if (v + 1 < vectors && last[v + 1] > j0) {
+        attend_block<2>(b, v, d, j0, nb, kr, vr);
+        v += 2;
+      } else {
+        attend_block<1>(b, v, d, j0, nb, kr, vr);
+        v += 1;
+      }
+    }
+  }
+  for (int64_t i = 0; i < queries; ++i) {
+    const int64_t r = i / groups, g = i % groups, v = i / L, lane = i % L;
+    O* out = dst + r * dst_row_stride + g * dst_stride;
+    const float total = b.total[v * L + lane];
+    for (int64_t c = 0; c < d; ++c) out[c] = static_cast<O>(b.acc[(v * d + c) * L + lane] / total + 0.0f);
+  }
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define LATTICE_BF16_ATTENTION 1
@@ -491,14 +606,24 @@ void attend_bf16(const float* qs, int64_t q_stride, int64_t groups, const c10::B
 
 bool bf16_attention_dots = true;  // `attention_bf16_dots`
 
-// Most rows of one run of `attention_impl`: a run's scores ([rows, groups, keys] floats) then stay in the L2
-// cache (32 rows x 3 heads x 4096 keys: 1.5 MiB). Without a limit a 2048-token prefill kept 25 MB of scores per
-// run and took 1.3x the time of flash attention; with it, 0.8x (`bench/bench_prefill.py`, bench/RESULTS.md).
+// Most rows of one run of `attention_impl`: they share each key block `attend` widens (and, in `attend_bf16`, a
+// run's scores, [rows, groups, keys] floats, stay in the L2 cache: 32 rows x 3 heads x 4096 keys, 1.5 MiB).
 constexpr int64_t RUN_ROWS = 32;
-// ... and fewer where the keys are many: a run's scores at most this many bytes (past 4096 keys 32 rows' scores
-// left the L2 cache; 1 MiB: 8192 rows, Qwen2.5-0.5B's heads, 1.21 s against 1.63 s, AMD EPYC Zen 3,
-// 2 threads). Which rows share a run changes no row.
+// ... and in `attend_bf16`, which keeps a run's scores whole, fewer where the keys are many: a run's scores at most
+// this many bytes (past 4096 keys 32 rows' scores left the L2 cache). Which rows share a run changes no row.
 constexpr int64_t RUN_SCORE_BYTES = int64_t(1) << 20;
+
+// Whether a call of caches C and output O with head size ``d`` runs on `attend_bf16` (AVX512-BF16 dots).
+template <typename C, typename O>
+bool bf16_dots(int64_t d) {
+#ifdef LATTICE_BF16_ATTENTION
+  return std::is_same_v<C, c10::BFloat16> && std::is_same_v<O, c10::BFloat16> && bf16_attention_dots &&
+         (d == 64 || d == 128);
+#else
+  (void)d;
+  return false;
+#endif
+}
 
 // One attention call's inputs (`attention_impl` takes several: the sequences of a batched step): q [H, n, D] float,
 // caches [K, capacity, D] of C; row r sees the cache rows keys[spans[r][0] .. spans[r][1]) in that order.
@@ -547,7 +672,9 @@ std::vector<torch::Tensor> attention_impl(std::vector<AttentionCall>& calls, dou
     // (a long prefill's runs keep their scores in cache).
     int64_t widest = 0;
     for (int64_t r = 0; r < n; ++r) widest = std::max(widest, call.counts[r]);
-    const int64_t run_rows = std::clamp<int64_t>(RUN_SCORE_BYTES / (groups * (widest + 15) * 4), 1, RUN_ROWS);
+    const int64_t run_rows =
+        bf16_dots<C, O>(d) ? std::clamp<int64_t>(RUN_SCORE_BYTES / (groups * (widest + 15) * 4), 1, RUN_ROWS)
+                           : RUN_ROWS;
     const int64_t want = std::max<int64_t>((2 * threads + kv_heads - 1) / kv_heads, (n + run_rows - 1) / run_rows);
     const int64_t per_head = shared ? std::min<int64_t>(n, want) : n;
     call.run = (n + per_head - 1) / per_head;
@@ -556,7 +683,8 @@ std::vector<torch::Tensor> attention_impl(std::vector<AttentionCall>& calls, dou
   }
   const float scale = static_cast<float>(scaling);
   at::parallel_for(0, first_unit.back(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, accs;
+    std::vector<float> scores, accs;  // `attend_bf16`'s
+    AttendBuffers buffers;            // `attend`'s
     size_t c = 0;
     for (int64_t unit = begin; unit < end; ++unit) {
       while (unit >= first_unit[c + 1]) ++c;
@@ -574,10 +702,9 @@ std::vector<torch::Tensor> attention_impl(std::vector<AttentionCall>& calls, dou
       O* dst = call.out.data_ptr<O>() + r0 * heads * d + kv * groups * d;
       const int64_t* ks = call.keys.data_ptr<int64_t>() + call.spans.data_ptr<int64_t>()[2 * r0];
       const int64_t* cs = call.counts.data() + r0;
-      const int64_t dv = d / L;
 #ifdef LATTICE_BF16_ATTENTION
       if constexpr (std::is_same_v<C, c10::BFloat16> && std::is_same_v<O, c10::BFloat16>) {
-        if (bf16_attention_dots && (d == 64 || d == 128)) {
+        if (bf16_dots<C, O>(d)) {
           if (d == 64)
             attend_bf16<2>(qs, n * d, groups, kc_h, vc_h, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
           else
@@ -586,12 +713,7 @@ std::vector<torch::Tensor> attention_impl(std::vector<AttentionCall>& calls, dou
         }
       }
 #endif
-      if (dv == 8)
-        attend<C, O, 8>(qs, n * d, groups, kc_h, vc_h, dv, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
-      else if (dv == 16)
-        attend<C, O, 16>(qs, n * d, groups, kc_h, vc_h, dv, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
-      else
-        attend<C, O, 0>(qs, n * d, groups, kc_h, vc_h, dv, ks, cs, rows, scale, scores, accs, dst, heads * d, d);
+      attend<C, O>(qs, n * d, groups, kc_h, vc_h, d, ks, cs, rows, scale, buffers, dst, heads * d, d);
     }
   });
   std::vector<torch::Tensor> outs;
