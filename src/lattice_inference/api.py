@@ -79,12 +79,13 @@ class SamplingArgs(TypedDict, total=False):
 
 class StartArgs(SamplingArgs, total=False):
     """The keywords of `Generator.start` and `generate`: sampling (`SamplingArgs`), the suffix index, the scope and
-    a grammar the output must follow (`Generator.grammar`)."""
+    a grammar the output must follow (`Generator.grammar`), a prediction of the output."""
 
     suffix_index: SuffixIndex | None
     scope: str | None
     grammar: Grammar | None
     response_format: Mapping[str, Any] | None
+    prediction: str | Sequence[int] | None
 
 
 def mtp_head_for(
@@ -280,6 +281,7 @@ class Generator:
         scope: str | None = "",
         grammar: Grammar | None = None,
         response_format: Mapping[str, Any] | None = None,
+        prediction: str | Sequence[int] | None = None,
         **sampling: Unpack[SamplingArgs],
     ) -> Generation:
         """Validate and start one generation; iterate over it for token-id chunks (``.seed``, ``.metrics``,
@@ -298,14 +300,25 @@ class Generator:
         ``lattice serve`` passes the tenant; None: nothing carried). ``grammar``: what the output must follow
         (`grammar`: a JSON schema, a regular expression or a Lark grammar), every method emitting exactly what plain
         constrained decoding emits; ``response_format``: the same as OpenAI's (``{"type": "json_schema",
-        "json_schema": {"name": ..., "schema": {...}}}`` or ``{"type": "json_object"}``), in place of ``grammar``."""
+        "json_schema": {"name": ..., "schema": {...}}}`` or ``{"type": "json_object"}``), in place of ``grammar``.
+        ``prediction``: what the output will mostly be (OpenAI's predicted outputs: the file an edit reproduces), as
+        text or token ids; drafted from first (`lattice_inference.drafters.prediction`), the output unchanged by it;
+        ``.metrics`` counts its tokens accepted and refused."""
         options = self.sampling(**sampling)
         index = suffix_index if suffix_index is not None else self.suffix_index
         ids = self.encode(prompt, chat)
         chosen = self._chosen_grammar(grammar, response_format)
         state = None if chosen is None else chosen.state()
+        predicted = self.codec.continuation_ids(prediction) if isinstance(prediction, str) else prediction
         return self.decoder.start(
-            ids, max_new_tokens, options, logprobs=logprobs, suffix_index=index, scope=scope, grammar=state
+            ids,
+            max_new_tokens,
+            options,
+            logprobs=logprobs,
+            suffix_index=index,
+            scope=scope,
+            grammar=state,
+            prediction=predicted,
         )
 
     def grammar(

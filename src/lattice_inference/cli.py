@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument(
         "--grammar", metavar="FILE", help="the output follows this grammar: Lark (llguidance's) or llama.cpp's GBNF"
     )
+    gen.add_argument(
+        "--prediction-file",
+        metavar="FILE",
+        help="what the output will mostly be (the file an edit reproduces): drafted from first, output unchanged",
+    )
     add_engine_arguments(gen)
 
     bench = sub.add_parser("bench", help="run several methods on the same prompts and compare speed and output")
@@ -122,6 +127,16 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
+def _read_prediction(args: argparse.Namespace) -> str | None:
+    """The text of ``--prediction-file`` (None where not given)."""
+    if args.prediction_file is None:
+        return None
+    try:
+        return Path(args.prediction_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read prediction file '{args.prediction_file}': {exc}") from exc
+
+
 def quiet_transformers() -> None:
     """Silence transformers' progress bars and info logs so stderr carries only our own lines."""
     from transformers.utils import logging as hf_logging
@@ -137,10 +152,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     options = decode_options(args)
     text = _read_prompt(args)
+    prediction = _read_prediction(args)
     quiet_transformers()
     if parse_engines(args.engine) != ["local"]:
-        if args.json_schema or args.regex is not None or args.grammar:
-            raise ConfigError("--json-schema, --regex and --grammar run on the local engine only")
+        if args.json_schema or args.regex is not None or args.grammar or prediction is not None:
+            raise ConfigError("--json-schema, --regex, --grammar and --prediction-file run on the local engine only")
         from lattice_inference.engines.vllm.generate import generate
 
         return generate(args, options, text)
@@ -154,7 +170,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompt_ids = gen.encode(text, chat=gen.has_chat_template if args.chat is None else args.chat)
     grammar = _grammar(gen, args)
     if args.json:
-        out = gen.generate(prompt_ids, args.max_new_tokens, grammar=grammar)
+        out = gen.generate(prompt_ids, args.max_new_tokens, grammar=grammar, prediction=prediction)
         payload = {
             "text": out.text,
             "token_ids": out.token_ids,
@@ -169,7 +185,7 @@ def _generate(args: argparse.Namespace) -> int:
             payload["mtp_metrics"] = out.metrics.reference_mtp()
         sys.stdout.write(json.dumps(payload) + "\n")
         return 0
-    generation = gen.start(prompt_ids, args.max_new_tokens, grammar=grammar)
+    generation = gen.start(prompt_ids, args.max_new_tokens, grammar=grammar, prediction=prediction)
     for piece in gen.text_stream(generation):
         sys.stdout.write(piece)
         sys.stdout.flush()

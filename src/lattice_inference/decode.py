@@ -36,6 +36,7 @@ from lattice_inference.acceptance import AcceptanceStats
 from lattice_inference.batching import Batch
 from lattice_inference.draft_planner import DraftPlanner
 from lattice_inference.drafters.base import Drafter, PlannedDraft
+from lattice_inference.drafters.prediction import PREDICTION_PRIORS, PredictionState
 from lattice_inference.drafters.suffix_index import SuffixIndex
 from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.generation import Generation, GenerationResult, row_logprob
@@ -72,6 +73,7 @@ class RequestArgs(TypedDict, total=False):
     suffix_index: SuffixIndex | None
     scope: str | None
     grammar: GrammarState | None
+    prediction: Sequence[int] | None
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,26 @@ class SpeculativeDecoder:
         gen.suffix_index = request.get("suffix_index")
         gen.scope = scope
         gen.grammar = request.get("grammar")
+        prediction = request.get("prediction")
+        if prediction:
+            gen.prediction = self._checked_prediction(prediction, len(prompt_ids))
         return gen
+
+    def _checked_prediction(self, prediction: Sequence[int], prompt_tokens: int) -> list[int]:
+        """A request's prediction as token ids, or a `TokenError` naming an id outside the vocabulary or a length
+        past the model's positions after the prompt."""
+        ids = [int(t) for t in prediction]
+        vocab = self.target.vocab_size
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise TokenError(f"prediction token {i} has id {t}, outside the vocabulary of size {vocab}")
+        limit = self.target.max_positions
+        if limit is not None and prompt_tokens + len(ids) > limit:
+            raise TokenError(
+                f"prediction of {len(ids)} tokens plus the prompt's {prompt_tokens} exceeds the model's {limit} "
+                "positions"
+            )
+        return ids
 
     def start(
         self,
@@ -252,8 +273,7 @@ class SpeculativeDecoder:
         left wait in ``gen.prompt_left``, to be fed by chunks in the batch's steps beside the other generations'
         rounds, and `take_in` finishes the opening; this returns no tokens then."""
         m = gen.metrics
-        drafter = self.drafter
-        if drafter is not None:
+        if self.drafter is not None or gen.prediction:
             start = time.perf_counter()
             costs = self._calibrate()  # once per target: a no-op here where `prepare` ran at load
             m.calibration_s = time.perf_counter() - start
@@ -264,7 +284,9 @@ class SpeculativeDecoder:
                 gen.grammar.spellings.update(kept.spellings)
             if costs is not None:
                 learned = kept.stats.carried() if kept is not None and kept.stats is not None else None
-                priors = self.drafter.key_priors if self.drafter is not None else None
+                priors = dict(self.drafter.key_priors) if self.drafter is not None else {}
+                if gen.prediction:
+                    priors.update(PREDICTION_PRIORS)
                 gen.planner = DraftPlanner(costs, max_leaves=self._leaves(), learned=learned, priors=priors)
         gen.sequence = self.target.new_sequence(owner, capture_hidden=self._wants_hidden)
         gen.opening_at = time.perf_counter()
@@ -333,7 +355,7 @@ class SpeculativeDecoder:
             gen.planner.share(shared_rows, shared_tokens)
         planned = self._draft(gen, room)
         if gen.grammar is not None:  # plain decoding (no drafter) drafts nothing, not even forced tokens
-            cap = min(self.max_draft, room) if self.drafter is not None else 0
+            cap = min(self.max_draft, room) if gen.drafter_state is not None else 0
             planned = self._grammatical(gen.grammar, planned, cap)
         pending, position = gen.pending, _sequence(gen).length
         if planned.alternatives and self.target.verifies_trees and self.shares_forwards:  # a draft tree
@@ -540,11 +562,11 @@ class SpeculativeDecoder:
         inside the prefill forward and the drafter needs no hidden states, the first draft is proposed from the
         prompt alone and verified there (rows choose indices ``len(prompt) ..``), saving one forward.
         """
-        target, drafter, prompt, seq = self.target, self.drafter, gen.prompt_ids, _sequence(gen)
+        target, prompt, seq = self.target, gen.prompt_ids, _sequence(gen)
         self._start_drafter(gen)
         budget = gen.max_new_tokens
         fused = target.fuses_prefill_and_draft and gen.grammar is None
-        if drafter is None or self._wants_hidden or not fused or budget < 2:
+        if gen.drafter_state is None or self._wants_hidden or not fused or budget < 2:
             logits = target.prefill(seq, prompt).unsqueeze(0)
             gen.metrics.cached_prompt_tokens = seq.reused
             return self._first(gen, logits), self._path_hidden(seq.hidden, len(prompt)), logits
@@ -560,11 +582,16 @@ class SpeculativeDecoder:
         return verdict.tokens, None, logits
 
     def _start_drafter(self, gen: Generation) -> None:
-        """The drafter's state for ``gen`` (`Drafter.start` on its prompt), where it drafts."""
+        """The drafter's state for ``gen`` (`Drafter.start` on its prompt), where it drafts; where the request
+        brings a prediction, a `PredictionState` following it ahead of the method's state."""
+        state = None
         if self.drafter is not None:
-            gen.drafter_state = self.drafter.start(gen.prompt_ids, sampler=gen.sampler, suffix_index=gen.suffix_index)
-            if gen.grammar is not None:
-                gen.drafter_state.under_grammar(gen.grammar.spelling)
+            state = self.drafter.start(gen.prompt_ids, sampler=gen.sampler, suffix_index=gen.suffix_index)
+        if gen.prediction:
+            state = PredictionState(gen.prediction, state)
+        gen.drafter_state = state
+        if state is not None and gen.grammar is not None:
+            state.under_grammar(gen.grammar.spelling)
 
     def _path_hidden(self, hidden: torch.Tensor | None, rows: int | list[int]) -> torch.Tensor | None:
         """The rows of a forward's ``hidden`` states (the first ``rows``, or those listed: an accepted path), if
@@ -586,6 +613,9 @@ class SpeculativeDecoder:
         state.extend(tokens)
         if hidden is not None:
             state.observe(hidden, position)
+        if isinstance(state, PredictionState):  # counted as each round ends: a server reports them at the end
+            gen.metrics.accepted_prediction_tokens = state.accepted
+            gen.metrics.rejected_prediction_tokens = state.rejected
 
 
 def _sequence(gen: Generation) -> TargetSequence:

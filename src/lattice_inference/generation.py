@@ -100,6 +100,8 @@ class Generation:
         """The cross-request index this generation drafts from and is added to (None: its own tokens only)."""
         self.scope: str | None = ""
         """Whose learned acceptance the planner starts from and leaves its own to (`SpeculativeDecoder.start`)."""
+        self.prediction: list[int] | None = None
+        """The request's predicted output as token ids (OpenAI's ``prediction``; None: none), drafted from first."""
         self.drafter_state: DrafterState | None = None
         """What the drafter knows about this generation's sequence (`Drafter.start`; None: no drafter)."""
         self.token_ids: list[int] = []

@@ -40,6 +40,10 @@ class GenerationMetrics:
     at that drafted token's position)."""
     drafter_forwards: int = 0
     """Forward passes of a learned drafter (MTP head steps, catch-up batches included); 0 for n-gram lookup."""
+    accepted_prediction_tokens: int = 0
+    """Tokens of the request's prediction (OpenAI's predicted outputs) drafted and accepted."""
+    rejected_prediction_tokens: int = 0
+    """Tokens of the request's prediction drafted, verified and refused."""
     grammar_forced_tokens: int = 0
     """Tokens drafted because the request's grammar forced them (structured output; counted in ``drafted_tokens``)."""
     grammar_spelled_tokens: int = 0
@@ -150,6 +154,8 @@ class GenerationMetrics:
             "leaves": self.leaves,
             "accepted_leaves": self.accepted_leaves,
             "drafter_forwards": self.drafter_forwards,
+            "accepted_prediction_tokens": self.accepted_prediction_tokens,
+            "rejected_prediction_tokens": self.rejected_prediction_tokens,
             "grammar_forced_tokens": self.grammar_forced_tokens,
             "grammar_spelled_tokens": self.grammar_spelled_tokens,
             "grammar_cut_tokens": self.grammar_cut_tokens,
@@ -192,4 +198,9 @@ class GenerationMetrics:
             f"acceptance {self.acceptance_rate:.1%} ({self.accepted_tokens}/{self.drafted_tokens}), "
             f"mean acceptance length {self.mean_acceptance_length:.2f}"
             + (f", {self.leaves} tree leaves ({self.accepted_leaves} accepted)" if self.leaves else "")
+            + (
+                f", prediction {self.accepted_prediction_tokens} accepted, {self.rejected_prediction_tokens} refused"
+                if self.accepted_prediction_tokens or self.rejected_prediction_tokens
+                else ""
+            )
         )

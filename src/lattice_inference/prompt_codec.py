@@ -64,6 +64,10 @@ class PromptCodec:
         """Token ids of plain ``text``, with the tokenizer's special tokens (a BOS where it adds one)."""
         return list(self.tokenizer(text, add_special_tokens=True).input_ids)
 
+    def continuation_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` as an output would spell it: no special tokens (a prediction of the output)."""
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
     def chat_ids(self, turns: Sequence[Mapping[str, Any]], tools: Sequence[Tool] = ()) -> list[int]:
         """Token ids of ``turns`` (``{"role", "content"}``, and the tool turns of `tool_messages`) through the chat
         template, the assistant's turn opened (``add_generation_prompt``), offering ``tools``: through the

@@ -230,6 +230,9 @@ class Server:
         parallel = not isinstance(body, ChatCompletionRequest) or body.parallel_calls
         grammar = await run_in_threadpool(engine.grammar_for, body.grammar_source(), required, parallel=parallel)
         default_max_tokens = None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+        prediction = None
+        if body.prediction is not None:
+            prediction = await run_in_threadpool(engine.encode_prediction, body.prediction.text(), prompt_ids)
         spec = body.speculative
         job = GenerationJob(
             prompt_ids=prompt_ids,
@@ -244,6 +247,7 @@ class Server:
             clear_index=bool(spec and spec.clear_index),
             grammar=grammar,
             tool_mode=tool_mode,
+            prediction=prediction,
         )
         try:
             queued = self.queue.submit(lambda: engine.reply(job, self.metrics.observe_generation))

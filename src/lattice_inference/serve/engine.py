@@ -69,6 +69,8 @@ class GenerationJob:
     """What the output must follow (``response_format``, or a required tool call; None: free)."""
     tool_mode: str = "none"
     """``"auto"`` or ``"required"``: the output's tool calls are parsed out of its text (`ToolCallParser`)."""
+    prediction: list[int] | None = None
+    """The request's predicted output as token ids (OpenAI's ``prediction``; None: none): drafted from first."""
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,21 @@ class Engine:
             raise bad_request("the prompt is empty", param="prompt")
         return self.codec.text_ids(text)
 
+    def encode_prediction(self, text: str, prompt_ids: Sequence[int]) -> list[int]:
+        """Token ids of a request's ``prediction`` (OpenAI's predicted outputs), or a 400 naming ``prediction``
+        where it is not valid Unicode or longer than the model's positions leave after the prompt."""
+        _check_text(text, "prediction")
+        ids = self.codec.continuation_ids(text)
+        room = None if self.max_positions is None else self.max_positions - len(prompt_ids)
+        if room is not None and len(ids) > room:
+            raise bad_request(
+                f"prediction: {len(ids)} tokens, more than the {room} positions this model has after the prompt's "
+                f"{len(prompt_ids)} tokens",
+                param="prediction",
+                code="context_length_exceeded",
+            )
+        return ids
+
     def budget(
         self, prompt_ids: Sequence[int], requested: int | None, default: int | None, prompt_param: str = "prompt"
     ) -> int:
@@ -347,6 +364,7 @@ class Reply:
             suffix_index=index,
             scope=job.tenant,
             grammar=None if job.grammar is None else job.grammar.state(),
+            prediction=job.prediction,
         )
         self.owner = job.tenant
         """Whose earlier rows the prefill may reuse: the tenant's only (none for a request of no tenant), since a

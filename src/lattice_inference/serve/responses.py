@@ -71,12 +71,17 @@ class CompletionFormat:
     @staticmethod
     def usage(finish: Finish) -> dict[str, Any]:
         """OpenAI's ``usage`` object (``cached_tokens``: prompt tokens the prefill kept from the same tenant's
-        earlier requests, see ``--no-prefix-cache``)."""
+        earlier requests, see ``--no-prefix-cache``; the prediction's tokens drafted and accepted, and drafted,
+        verified and refused, where the request sent a ``prediction``)."""
         return {
             "prompt_tokens": finish.prompt_tokens,
             "completion_tokens": finish.completion_tokens,
             "total_tokens": finish.prompt_tokens + finish.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": int(finish.metrics.get("cached_prompt_tokens", 0))},
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": int(finish.metrics.get("accepted_prediction_tokens", 0)),
+                "rejected_prediction_tokens": int(finish.metrics.get("rejected_prediction_tokens", 0)),
+            },
         }
 
     def whole(

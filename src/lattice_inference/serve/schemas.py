@@ -160,6 +160,43 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ContentPart(_Strict):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is understood."""
+
+    type: str
+    text: str | None = None
+
+
+def _text_parts(content: Any) -> Any:
+    """``content`` (a string, text parts or None) as given, or a ValueError naming a part that is not text."""
+    for part in content if isinstance(content, list) else ():
+        if part.type != "text" or part.text is None:
+            raise ValueError(f"content parts of type {part.type!r} are not supported; only text")
+    return content
+
+
+def _joined(content: str | list[ContentPart] | None) -> str:
+    """``content`` as one string (its text parts joined; None: empty)."""
+    if isinstance(content, list):
+        return "".join(part.text or "" for part in content)
+    return content or ""
+
+
+class Prediction(_Strict):
+    """OpenAI's predicted outputs: ``{"type": "content", "content": "..."}`` (or its text parts), what the output
+    will mostly be (the file an edit reproduces). Drafted from, verified like any draft: the output is what the
+    request gives without it."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    _text_only = field_validator("content")(classmethod(lambda cls, content: _text_parts(content)))
+
+    def text(self) -> str:
+        """The predicted text as one string."""
+        return _joined(self.content)
+
+
 class _Generation(_Strict):
     """Fields shared by chat and text completions."""
 
@@ -188,6 +225,8 @@ class _Generation(_Strict):
     """OpenAI's: token id (as a string) to a bias in -100..100 added to its logit, in every row alike."""
     response_format: ResponseFormat | None = None
     """OpenAI's structured output: the output follows a JSON schema, or is any JSON object (a grammar's masks)."""
+    prediction: Prediction | None = None
+    """OpenAI's predicted outputs: drafted from first (`lattice_inference.drafters.prediction`)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -247,13 +286,6 @@ class _Generation(_Strict):
         return None
 
 
-class ContentPart(_Strict):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is understood."""
-
-    type: str
-    text: str | None = None
-
-
 class Message(_Strict):
     """A chat message: its role and text; an assistant's may hold the ``tool_calls`` it made, a tool's answer names
     the call it answers (``tool_call_id``)."""
@@ -271,19 +303,11 @@ class Message(_Strict):
             raise ValueError(f"unknown role {role!r}; choose from {', '.join(ROLES)}")
         return role
 
-    @field_validator("content")
-    @classmethod
-    def _text_only(cls, content: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
-        for part in content if isinstance(content, list) else ():
-            if part.type != "text" or part.text is None:
-                raise ValueError(f"content parts of type {part.type!r} are not supported; only text")
-        return content
+    _text_only = field_validator("content")(classmethod(lambda cls, content: _text_parts(content)))
 
     def text(self) -> str:
         """The message's content as one string."""
-        if isinstance(self.content, list):
-            return "".join(part.text or "" for part in self.content)
-        return self.content or ""
+        return _joined(self.content)
 
     def turn(self) -> dict[str, Any]:
         """The message as the chat template takes it (`lattice_inference.tool_calls.tool_messages` converts its
