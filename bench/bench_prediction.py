@@ -5,9 +5,11 @@ Each edit asks for a whole file back with one change (a rename, a signature chan
 no one here wrote (the first ``--lines`` lines of a standard-library module). Ours runs every edit as whole
 (non-streamed) greedy requests: ``greedy`` and ``ngram`` without a prediction, ``ngram`` and ``greedy`` with the
 original file as the prediction, and ``ngram`` with an unrelated file as the prediction (what a wrong prediction
-costs); llama-server runs it with ``--spec-type ngram-mod``. Each row (seconds, tokens, decode time, the
-prediction's accepted and refused tokens, the text) is appended to ``--out`` the moment it is measured; the summary
-gives each variant's whole-request time over the edits and its ratio to ours without a prediction.
+costs); llama-server runs it with ``--spec-type ngram-mod``. Each request is a new edit: ours runs with
+``--no-prefix-cache`` (the variants of one edit share its prompt, which would otherwise be computed once for all).
+Each row (seconds, tokens, decode time, the prediction's accepted and refused tokens, the text) is appended to
+``--out`` the moment it is measured; the summary gives each variant's whole-request time over the edits and its
+ratio to ours without a prediction.
 
     python bench/bench_prediction.py --gguf qwen2.5-coder-0.5b-instruct-q4_k_m.gguf \\
         --llama-server /path/llama.cpp/build/bin/llama-server --out bench/prediction_rows.jsonl
@@ -50,11 +52,15 @@ def source(module: str, lines: int) -> str:
     return "".join(path.read_text().splitlines(keepends=True)[:lines])
 
 
+MODEL = {"id": "m"}
+"""The model id the running server lists (`start` returns it)."""
+
+
 def body(instruction: str, text: str, method: str | None, prediction: str | None, args: argparse.Namespace) -> dict:
     """One whole greedy chat request for the edit (``method``: ours's speculation method; None: the server's)."""
     ask = f"{instruction} Output the whole edited file in one ```python block, nothing else.\n\n```python\n{text}```"
     out: dict[str, Any] = {
-        "model": "m",
+        "model": MODEL["id"],
         "messages": [{"role": "user", "content": ask}],
         "max_tokens": args.max_tokens,
         "temperature": 0,
@@ -138,7 +144,7 @@ def main() -> int:
     print(f"# {base['cpu']}, {args.threads} threads, {base['gguf']}", flush=True)
     ours = [
         sys.executable, "-m", "lattice_inference.cli", "serve", "--model", args.gguf, "--host", HOST, "--port",
-        "{port}", "--threads", str(args.threads), "--log-level", "warning",
+        "{port}", "--threads", str(args.threads), "--log-level", "warning", "--no-prefix-cache",
     ]  # fmt: skip
     binary = Path(args.llama_server)
     llama = [
@@ -153,7 +159,7 @@ def main() -> int:
         server, variants = engines[engine]
         port = free_port()
         try:
-            start(server, port, Path(args.out).with_suffix(f".{engine}.log"), timeout=600)
+            MODEL["id"] = start(server, port, Path(args.out).with_suffix(f".{engine}.log"), timeout=600)
             run_edits(port, engine, variants, args, rows)
         except Exception as exc:  # the rows so far are written; say what failed and go on
             rows.add(engine=engine, error=repr(exc)[:300])

@@ -227,6 +227,7 @@ class SpeculativeDecoder:
         """Cut ``tokens`` at the budget and before the first EOS, recording why generation stops (and, where
         asked, their log-probabilities from the rows ``path`` of ``logits``, which chose them)."""
         budget = gen.max_new_tokens - gen.metrics.new_tokens
+        own = len(tokens) - 1  # a round's tokens: its accepted draft, then the target's own choice
         tokens = tokens[:budget]
         for i, t in enumerate(tokens):
             if t in self.eos_token_ids:
@@ -237,6 +238,7 @@ class SpeculativeDecoder:
             if len(tokens) == budget:
                 gen.stop_reason = "length"
         gen.metrics.new_tokens += len(tokens)
+        gen.from_draft.extend(i < own for i in range(len(tokens)))
         if gen.penalties is not None:
             gen.penalties.extend(tokens)
         if gen.top_logprobs is not None:

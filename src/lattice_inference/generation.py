@@ -105,6 +105,8 @@ class Generation:
         self.drafter_state: DrafterState | None = None
         """What the drafter knows about this generation's sequence (`Drafter.start`; None: no drafter)."""
         self.token_ids: list[int] = []
+        self.from_draft: list[bool] = []
+        """Per emitted token, whether it came from an accepted draft (else the target chose it itself)."""
         self.top_logprobs = logprobs
         """How many most likely tokens each `TokenLogprob` lists (None: log-probabilities are not computed)."""
         self.logprobs: list[TokenLogprob] = []

@@ -15,13 +15,14 @@ import hmac
 import time
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import asynccontextmanager
+from importlib import resources
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -248,6 +249,7 @@ class Server:
             grammar=grammar,
             tool_mode=tool_mode,
             prediction=prediction,
+            show_drafts=bool(spec and spec.show_drafts),
         )
         try:
             queued = self.queue.submit(lambda: engine.reply(job, self.metrics.observe_generation))
@@ -307,8 +309,8 @@ class Server:
                     if not got_token:
                         got_token = True
                         self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - arrived)
-                    if item.text or item.logprobs:
-                        yield sse(fmt.text_chunk(item.text, item.logprobs))
+                    if item.text or item.logprobs or item.drafted:
+                        yield sse(fmt.text_chunk(item.text, item.logprobs, item.drafted))
                     if item.tool_calls:
                         yield sse(fmt.tool_calls_chunk(item.tool_calls))
                 elif isinstance(item, Finish):
@@ -353,6 +355,17 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return _json_error(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
+WEBUI = resources.files("lattice_inference.serve") / "webui" / "index.html"
+"""The chat page: one static file (its script and style inline), no build step and no requests elsewhere."""
+
+
+async def chat_page(request: Request) -> Response:
+    """``GET /``: the chat page (conversation, streaming, stop, method and sampling, each answer's speed and its
+    tokens from accepted drafts marked). Served without a key: it holds no data and asks for the key where the
+    server wants one."""
+    return HTMLResponse(WEBUI.read_text(encoding="utf-8"))
+
+
 def create_app(
     engine: Engine,
     *,
@@ -361,9 +374,10 @@ def create_app(
     max_body: int = DEFAULT_MAX_BODY,
     shutdown_timeout: float = SHUTDOWN_TIMEOUT,
     max_batch: int = MAX_BATCH,
+    webui: bool = True,
 ) -> Starlette:
     """The server's ASGI app over ``engine``; ``app.state.server`` holds its scheduler (``max_batch`` generations
-    at once), metrics and shutdown."""
+    at once), metrics and shutdown; ``webui``: the chat page at ``/`` (`chat_page`)."""
     server = Server(
         engine,
         api_key=api_key,
@@ -378,8 +392,10 @@ def create_app(
         yield
         server.queue.close()
 
+    page = [Route("/", chat_page, methods=["GET"])] if webui else []
     app = Starlette(
         routes=[
+            *page,
             Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.prometheus, methods=["GET"]),
             Route("/v1/models", server.models, methods=["GET"]),

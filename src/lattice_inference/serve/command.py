@@ -75,6 +75,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"on SIGTERM/SIGINT: seconds running generations may finish before they are ended (default "
         f"{SHUTDOWN_TIMEOUT:g})",
     )
+    serve.add_argument(
+        "--no-webui", action="store_true", help="serve no chat page at / (the API only; default: the page at /)"
+    )
     add_decode_arguments(serve)
     add_placement_arguments(serve)
     serve.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
@@ -166,11 +169,13 @@ def run(args: argparse.Namespace) -> int:
         max_body=args.max_body,
         max_batch=args.max_batch,
         shutdown_timeout=args.shutdown_timeout,
+        webui=not args.no_webui,
     )
     where = app.state.server.metrics.info
     print(
         f"lattice serve: {engine.name} ({args.method}, {where['dtype']} on {where['device']}, up to "
-        f"{args.max_batch} at once) on http://{args.host}:{args.port}/v1",
+        f"{args.max_batch} at once) on http://{args.host}:{args.port}/v1"
+        + ("" if args.no_webui else f"; chat page: http://{args.host}:{args.port}/"),
         flush=True,
     )
     serve(app, host=args.host, port=args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)

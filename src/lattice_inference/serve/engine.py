@@ -71,6 +71,8 @@ class GenerationJob:
     """``"auto"`` or ``"required"``: the output's tool calls are parsed out of its text (`ToolCallParser`)."""
     prediction: list[int] | None = None
     """The request's predicted output as token ids (OpenAI's ``prediction``; None: none): drafted from first."""
+    show_drafts: bool = False
+    """Report, per round, the spans of text whose tokens came from accepted drafts (`Delta.drafted`)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,9 @@ class Delta:
     tokens: int
     logprobs: list[LogprobEntry] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    drafted: list[tuple[int, int]] | None = None
+    """Where the request asked (``show_drafts``): the spans of the generated text (character offsets, end exclusive)
+    of this round's tokens that came from accepted drafts; None where not asked."""
 
 
 @dataclass
@@ -384,13 +389,30 @@ class Reply:
         """The client's `Delta` for one round's tokens: the text now released (held back while it may still
         become a stop string) and the log-probabilities of the tokens it covers."""
         state, text = self.state, self._text
+        start = len(text.token_ids)
         self._released.append(self._stops.push(text.push(chunk)))
         entries: list[LogprobEntry] = []
         if self.job.logprobs is not None:
             upto = text.tokens_within("".join(self._released), self._sent)
             entries, self._sent = self.engine.logprob_entries(state, text, self._sent, upto), upto
         content, calls = self._split(self._released[-1])
-        return Delta(content, len(chunk), entries, calls)
+        drafted = self._drafted(start, len(text.token_ids)) if self.job.show_drafts else None
+        return Delta(content, len(chunk), entries, calls, drafted)
+
+    def _drafted(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The text spans of tokens ``start .. end - 1`` that came from accepted drafts, a run of them per span."""
+        flags, text = self.state.from_draft, self._text
+        spans, i = [], start
+        while i < end:
+            if not flags[i]:
+                i += 1
+                continue
+            j = i
+            while j < end and flags[j]:
+                j += 1
+            spans.append((text.offset_of(i), text.offset_of(j)))
+            i = j
+        return spans
 
     def _split(self, released: str, end: bool = False) -> tuple[str, list[ToolCall]]:
         """Released text as the client's content and the tool calls it completed (where tools were offered)."""

@@ -111,9 +111,15 @@ class CompletionFormat:
         chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
         return chunk
 
-    def text_chunk(self, text: str, entries: list[LogprobEntry] | None = None) -> dict[str, Any]:
-        """A chunk carrying newly released text (and the log-probabilities of the tokens it completes)."""
-        return self._chunk([self._choice(text, None, whole=False, entries=entries or [])])
+    def text_chunk(
+        self, text: str, entries: list[LogprobEntry] | None = None, drafted: list[tuple[int, int]] | None = None
+    ) -> dict[str, Any]:
+        """A chunk carrying newly released text (and the log-probabilities of the tokens it completes; where asked,
+        ``speculative.drafted``: the round's spans of text from accepted drafts)."""
+        chunk = self._chunk([self._choice(text, None, whole=False, entries=entries or [])])
+        if drafted is not None:
+            chunk["speculative"] = {"drafted": [list(span) for span in drafted]}
+        return chunk
 
     def tool_calls_chunk(self, calls: Sequence[ToolCall]) -> dict[str, Any]:
         """A chunk with tool calls the output completed, each whole (name and arguments), indexed as OpenAI's

@@ -64,6 +64,9 @@ class Speculative(_Strict):
     """The suffix methods' scope: requests sending the same scope (under the same API key) draft from each other."""
     clear_index: bool | None = None
     """True clears this request's scope's suffix index before it runs."""
+    show_drafts: bool | None = None
+    """True: each streamed chunk carries ``speculative.drafted``, the spans of the generated text (character offsets,
+    end exclusive) whose tokens came from accepted drafts (the chat page shows them)."""
 
     @field_validator("method")
     @classmethod
@@ -73,8 +76,9 @@ class Speculative(_Strict):
         return method
 
 
-#: `Speculative` fields that choose where a request drafts from, not how (no part of `DecodeOptions`).
-SCOPE_FIELDS = frozenset({"scope", "clear_index"})
+#: `Speculative` fields that choose where a request drafts from or what it reports, not how it drafts (no part of
+#: `DecodeOptions`).
+SCOPE_FIELDS = frozenset({"scope", "clear_index", "show_drafts"})
 
 
 class JsonSchemaFormat(_Strict):
