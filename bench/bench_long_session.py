@@ -211,14 +211,21 @@ def servers(args: argparse.Namespace, slots: int) -> dict[str, Server]:
 SCENARIOS = {"session": (session, 1), "gap": (gap, 2), "whole": (whole, 1)}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def peer_parser(doc: str | None, out: str) -> argparse.ArgumentParser:
+    """The arguments a bench beside llama-server takes: the GGUF file, llama-server's binary, the rows' file, the
+    engines and the threads (its description: ``doc``'s first paragraph)."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     parser.add_argument("--gguf", required=True)
     parser.add_argument("--llama-server", default="llama-server", help="llama.cpp's binary (its libraries beside it)")
-    parser.add_argument("--out", default="bench/long_session_rows.jsonl")
-    parser.add_argument("--scenarios", default="session,gap,whole")
+    parser.add_argument("--out", default=out)
     parser.add_argument("--engines", default="ours,llama-server")
     parser.add_argument("--threads", type=int, default=2)
+    return parser
+
+
+def main() -> int:
+    parser = peer_parser(__doc__, "bench/long_session_rows.jsonl")
+    parser.add_argument("--scenarios", default="session,gap,whole")
     parser.add_argument("--ctx", type=int, default=32768, help="llama-server's -c (its context over every slot)")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--session-tokens", type=int, default=14000)

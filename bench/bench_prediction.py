@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_long_session import Rows
+from bench_long_session import Rows, peer_parser
 from bench_serve_concurrency import Server, cpu_line, free_port, send, start, stop
 
 HOST = "127.0.0.1"
@@ -126,12 +126,7 @@ def summary(path: Path, date: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gguf", required=True)
-    parser.add_argument("--llama-server", default="llama-server", help="llama.cpp's binary (its libraries beside it)")
-    parser.add_argument("--out", default="bench/prediction_rows.jsonl")
-    parser.add_argument("--engines", default="ours,llama-server")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = peer_parser(__doc__, "bench/prediction_rows.jsonl")
     parser.add_argument("--lines", type=int, default=120, help="lines of each module sent (and asked back)")
     parser.add_argument("--max-tokens", type=int, default=1500)
     parser.add_argument("--timeout", type=float, default=1800)

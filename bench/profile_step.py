@@ -26,9 +26,13 @@ import functools
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import timed
 
 from lattice_inference.benchmark import GROUNDED_TASKS, load_prompts
 from lattice_inference.cli import quiet_transformers
@@ -154,13 +158,7 @@ def lean_parts(target: LeanTarget, context: int, reps: int) -> dict[str, dict[in
             ("attention", functools.partial(_attention, ops, len(layers), q, k_cache, v_cache, keys, spans)),
         )
         for name, run in runs:
-            run()
-            times = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
-            parts[name][width] = statistics.median(times) * 1e3
+            parts[name][width] = timed(run, reps) * 1e3
     return parts
 
 
