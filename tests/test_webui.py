@@ -98,6 +98,9 @@ def test_the_page_in_a_browser_streams_an_answer_with_its_drafted_tokens_marked(
             want_marked = [text[a:b].strip() for a, b in spans if text[a:b].strip()]
             assert [m.strip() for m in marked if m.strip()] == want_marked and want_marked
             assert "tok/s" in answer.find_element(By.CSS_SELECTOR, ".stats").text
+            # the first text shown within a second of the server's first token (its prefill's end)
+            first_ms = float(answer.get_attribute("data-first-ms"))
+            assert first_ms <= 1000 * (metrics["prefill_s"] + metrics["calibration_s"]) + 1000
             driver.save_screenshot(str(tmp_path / "page.png"))
         with running_server(loaded, api_key="s3cret") as (base, _):
             driver.get(base + "/")
