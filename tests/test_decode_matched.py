@@ -307,3 +307,24 @@ def test_the_self_check_costs_and_row_plans_live_on_their_target(forward):
     assert exactness(other, 4).exact
     dtypes = {key[-3] for key in other.facts.row_plans}
     assert dtypes == {torch.bfloat16} and {key[-3] for key in first.facts.row_plans} == {torch.float32}
+
+
+def test_our_own_kernels_are_planned_without_calibration(monkeypatch):
+    """Our product kernels (`ROW_EXACT_KINDS`: tiles, rows, every quantized format) are row-exact by construction
+    and planned at base 1 at once (calibrating a 1.5B model's output layer cost its first decode step 4.8 s);
+    oneDNN's and dense products are still calibrated."""
+    from lattice_inference.targets import decode_matched
+
+    def fail(*args, **kwargs):
+        raise AssertionError("calibrated")
+
+    monkeypatch.setattr(decode_matched, "calibrate", fail)
+    plans: dict = {}
+    x = torch.randn(1, 8)
+    for kind in ("tiles", "rows", "quant-Q4_K", "quant-Q5_0+Q5_0+Q8_0"):
+        assert decode_matched.plan_for((kind, (4, 8), False), lambda r: r, x, plans) == decode_matched.RowPlan(1)
+    calls = []
+    monkeypatch.setattr(decode_matched, "calibrate", lambda *a: calls.append(a) or decode_matched.RowPlan(4))
+    for kind in ("packed", "dense"):
+        assert decode_matched.plan_for((kind, (4, 8), False), lambda r: r, x, plans) == decode_matched.RowPlan(4)
+    assert len(calls) == 2
