@@ -140,16 +140,20 @@ class SpeculativeDecoder:
             raise TokenError("the prompt is empty: at least one token is needed")
         if max_new_tokens < 0:
             raise ConfigError(f"max_new_tokens must be non-negative, got {max_new_tokens}")
-        vocab = self.target.vocab_size
-        for i, t in enumerate(prompt_ids):
-            if not 0 <= t < vocab:
-                raise TokenError(f"prompt token {i} has id {t}, outside the vocabulary of size {vocab}")
+        self._check_vocabulary(prompt_ids, "prompt")
         limit = self.target.max_positions
         if limit is not None and len(prompt_ids) + max_new_tokens > limit:
             raise TokenError(
                 f"prompt of {len(prompt_ids)} tokens plus max_new_tokens {max_new_tokens} = "
                 f"{len(prompt_ids) + max_new_tokens} exceeds the model's {limit} positions"
             )
+
+    def _check_vocabulary(self, ids: Sequence[int], what: str) -> None:
+        """A `TokenError` naming the first of ``ids`` (``what``'s tokens) outside the target's vocabulary."""
+        vocab = self.target.vocab_size
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise TokenError(f"{what} token {i} has id {t}, outside the vocabulary of size {vocab}")
 
     def new_generation(
         self,
@@ -178,10 +182,7 @@ class SpeculativeDecoder:
         """A request's prediction as token ids, or a `TokenError` naming an id outside the vocabulary or a length
         past the model's positions after the prompt."""
         ids = [int(t) for t in prediction]
-        vocab = self.target.vocab_size
-        for i, t in enumerate(ids):
-            if not 0 <= t < vocab:
-                raise TokenError(f"prediction token {i} has id {t}, outside the vocabulary of size {vocab}")
+        self._check_vocabulary(ids, "prediction")
         limit = self.target.max_positions
         if limit is not None and prompt_tokens + len(ids) > limit:
             raise TokenError(

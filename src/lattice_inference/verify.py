@@ -90,6 +90,14 @@ class DraftTree:
         return Verdict(accepted=depth + 1, tokens=tokens, rows=[*range(depth + 1), row])
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n, end = 0, min(len(a), len(b))
+    while n < end and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def verify_prefix(draft: Sequence[int], choices: Sequence[int]) -> Verdict:
     """Accept the longest prefix of ``draft`` that matches the target's ``choices``.
 
@@ -98,9 +106,5 @@ def verify_prefix(draft: Sequence[int], choices: Sequence[int]) -> Verdict:
     """
     if len(choices) != len(draft) + 1:
         raise ValueError(f"need {len(draft) + 1} target choices for a draft of {len(draft)}, got {len(choices)}")
-    accepted = 0
-    for d, c in zip(draft, choices, strict=False):
-        if d != c:
-            break
-        accepted += 1
+    accepted = common_prefix(draft, choices)
     return Verdict(accepted=accepted, tokens=[*draft[:accepted], choices[accepted]])

@@ -22,6 +22,7 @@ import torch
 
 from lattice_inference.acceptance import KEY_GROUP
 from lattice_inference.drafters.base import DrafterState, Plan, PlannedDraft, Proposal, Spelling
+from lattice_inference.verify import common_prefix
 
 REJOIN_NGRAM = 3
 """Tokens of the output's end looked up in the prediction to find where the output rejoins it after departing from
@@ -45,15 +46,14 @@ class PredictionState(DrafterState):
     def __init__(self, prediction: Sequence[int], then: DrafterState | None = None) -> None:
         self.prediction = [int(t) for t in prediction]
         self.then = then
-        self.proposes_for_free = True
         self.cursor: int | None = 0
         """Index of the prediction token the output should reach next (None: lost, looking for a rejoin)."""
         self.reached = 0
         """How far into the prediction the output had come where it last departed from it."""
         self.followed = SETTLED
         """Tokens the output has followed the prediction for since its start or last rejoin."""
-        self.output: list[int] = []
-        """The tokens emitted so far."""
+        self.tail: list[int] = []
+        """The last `REJOIN_NGRAM` tokens emitted (what a rejoin looks up)."""
         self.accepted = 0
         """Prediction tokens drafted and accepted."""
         self.rejected = 0
@@ -118,11 +118,11 @@ class PredictionState(DrafterState):
         the output departed, to where it rejoins), and passed on to the method's state."""
         tokens = [int(t) for t in token_ids]
         if self._drafted:
-            taken = _common_prefix(self._drafted, tokens)
+            taken = common_prefix(self._drafted, tokens)
             self.accepted += taken
             self.rejected += len(self._drafted) - taken
             self._drafted = []
-        self.output.extend(tokens)
+        self.tail = (self.tail + tokens)[-REJOIN_NGRAM:]
         if self.then is not None:
             self.then.extend(tokens)
         if self.cursor is not None:
@@ -131,27 +131,15 @@ class PredictionState(DrafterState):
                 self.cursor += len(tokens)
                 self.followed += len(tokens)
                 return
-            self.reached = self.cursor + _common_prefix(expected, tokens)
+            self.reached = self.cursor + common_prefix(expected, tokens)
         self.cursor = self._rejoin()
         self.followed = 0
 
     def _rejoin(self) -> int | None:
         """Where the output's last `REJOIN_NGRAM` tokens end in the prediction: the first place past ``reached``,
         else the first anywhere (None: nowhere)."""
-        if len(self.output) < REJOIN_NGRAM:
-            return None
-        ends = self._positions.get(tuple(self.output[-REJOIN_NGRAM:]))
+        ends = self._positions.get(tuple(self.tail))  # none while fewer than REJOIN_NGRAM tokens were emitted
         if not ends:
             return None
         i = bisect.bisect_right(ends, self.reached)
         return ends[i] if i < len(ends) else ends[0]
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from lattice_inference.verify import common_prefix
+
 C = TypeVar("C")
 
 RowKey = tuple[object, ...]
@@ -69,11 +71,7 @@ class CachedRows:
 def reusable_rows(cached: Sequence[int], prompt: Sequence[int]) -> int:
     """How many rows of ``cached`` ids a prefill of ``prompt`` may keep: their longest common prefix, at most
     ``len(prompt) - 1`` (the last prompt row is always fed, as its logits choose the first token)."""
-    limit = min(len(cached), len(prompt) - 1)
-    common = 0
-    while common < limit and cached[common] == prompt[common]:
-        common += 1
-    return common
+    return common_prefix(cached, prompt[: len(prompt) - 1])
 
 
 class KeptSequences(Generic[C]):
