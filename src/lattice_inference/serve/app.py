@@ -11,6 +11,7 @@ stream with an error chunk saying so and ``[DONE]``, a whole response with a 503
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -355,15 +356,18 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return _json_error(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-WEBUI = resources.files("lattice_inference.serve") / "webui" / "index.html"
-"""The chat page: one static file (its script and style inline), no build step and no requests elsewhere."""
+@functools.cache
+def webui_html() -> str:
+    """The chat page (`serve/webui/index.html`: one static file, its script and style inline, no build step and no
+    requests elsewhere), read once."""
+    return (resources.files("lattice_inference.serve") / "webui" / "index.html").read_text(encoding="utf-8")
 
 
 async def chat_page(request: Request) -> Response:
     """``GET /``: the chat page (conversation, streaming, stop, method and sampling, each answer's speed and its
     tokens from accepted drafts marked). Served without a key: it holds no data and asks for the key where the
     server wants one."""
-    return HTMLResponse(WEBUI.read_text(encoding="utf-8"))
+    return HTMLResponse(webui_html())
 
 
 def create_app(

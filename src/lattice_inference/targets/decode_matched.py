@@ -154,7 +154,7 @@ def calibrate(kernel: Kernel, in_features: int, dtype: torch.dtype, device: torc
 
 
 ROW_EXACT_KINDS = ("tiles", "rows", "quant-")
-"""Plan-key kinds (`packed_linear.packed_kind`; a ``quant-`` prefix covers every format) of our own product kernels,
+"""Starts of the plan-key kinds (`packed_linear.packed_kind`; ``quant-``: every format) of our own product kernels,
 whose rows are alike at any width by construction: each output's sum one fixed instruction sequence per row
 (`csrc/tile_linear.cpp`, `rows_linear.cpp`, `quant_linear.cpp`; their tests compare every width with 1-row calls
 bitwise, and a target's load-time self-check compares whole forwards). Their plan is base 1 without calibration,
@@ -170,8 +170,7 @@ def plan_for(
     full = (*key, x.dtype, x.device.type, torch.get_num_threads())
     plan = plans.get(full)
     if plan is None:
-        kind = str(key[0]) if key else ""
-        exact = kind in ROW_EXACT_KINDS or kind.startswith(ROW_EXACT_KINDS[-1])
+        exact = bool(key) and str(key[0]).startswith(ROW_EXACT_KINDS)
         plan = plans[full] = RowPlan(1) if exact else calibrate(kernel, x.shape[-1], x.dtype, x.device)
     return plan
 
