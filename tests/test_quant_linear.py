@@ -99,9 +99,16 @@ def test_products_are_the_float64_product_of_the_rounded_inputs_to_float32_round
     packed = quant_pack(raw, kind)
     fmt = FORMATS[kind]
     assert quant_format(packed) == kind and packed.shape == (out // 16, inp // fmt.inputs, fmt.packed_bytes)
+    _assert_reference_product(ops, raw, kind, x, bias)
+
+
+def _assert_reference_product(ops, raw: torch.Tensor, kind: str, x: torch.Tensor, bias: torch.Tensor) -> None:
+    """The product of ``raw`` (GGUF blocks) with ``x`` is the float64 product of the rounded inputs with the
+    dequantized weight to float32 rounding, and the exact one to the inputs' rounding."""
     weight = dequantize(raw, kind).double()
-    y = ops.quant_linear(x, packed, bias)
-    assert y.shape == (21, out) and y.dtype == torch.float32
+    y = ops.quant_linear(x, quant_pack(raw, kind), bias)
+    assert y.shape == (x.shape[0], raw.shape[0]) and y.dtype == torch.float32
+    inp = x.shape[1]
     xq, scale = rounded_inputs(x, kind)
     want = xq @ weight.T + bias.double()
     # float32 roundings per block: a scale product and a fused multiply-add (two for a minimum; the K-quants' integer
@@ -112,6 +119,36 @@ def test_products_are_the_float64_product_of_the_rounded_inputs_to_float32_round
     # and the inputs' rounding (half a step of each block's scale) from the exact product
     exact = x.double() @ weight.T + bias.double()
     assert bool(((y.double() - exact).abs() <= (scale / 2) @ weight.abs().T * 1.01 + 1e-5).all())
+
+
+LARGEST_QUANTS = {
+    "Q8_0": [(2, 34, 0x80)],  # -128: |w| 128 times 127 twice is 32,512, the pair sum nearest int16's end
+    "Q4_0": [(2, 18, 0xFF)],
+    "Q4_1": [(4, 20, 0xFF)],
+    "Q5_0": [(2, 22, 0xFF)],  # the fifth bits and the nibbles: 31
+    "Q5_1": [(4, 24, 0xFF)],
+    "Q4_K": [(16, 144, 0xFF)],
+    "Q5_K": [(16, 176, 0xFF)],
+    "Q6_K": [(0, 192, 0xFF)],  # low nibbles and high bit pairs: 63
+}
+"""Per format, the byte ranges of a GGUF block holding its quants and the byte that makes each quant its largest."""
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_the_largest_quants_times_the_largest_inputs_keep_exact_dots(ops, kind):
+    """Every quant at its format's largest and every input at +-127 after rounding: the integer dots' pair sums at
+    their largest (where the kernels add two pair sums in int16 before widening, 4 x 63 x 127 = 32,004 for Q6_K's)
+    still give the reference product, and every row its 1-row product."""
+    inp = _inputs(512, kind)
+    raw = quantized(_rand(32, inp, seed=7), kind)
+    blocks = raw.view(32, -1, FORMATS[kind].block_bytes)
+    for begin, end, byte in LARGEST_QUANTS[kind]:
+        blocks[:, :, begin:end] = byte
+    x = torch.stack([torch.ones(inp), -torch.ones(inp), torch.full((inp,), 3.0), _rand(inp, seed=8)])
+    _assert_reference_product(ops, raw, kind, x, torch.zeros(32))
+    packed = quant_pack(raw, kind)
+    alone = torch.cat([ops.quant_linear(x[i : i + 1], packed, None) for i in range(4)])
+    assert torch.equal(ops.quant_linear(x, packed, None), alone)
 
 
 @pytest.mark.parametrize("kind", list(FORMATS))

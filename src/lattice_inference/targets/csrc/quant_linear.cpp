@@ -45,7 +45,8 @@
 #define LATTICE_QUANT 1
 #include <immintrin.h>
 namespace {
-constexpr int ROWS = 4;  // rows per pass over a group's weights
+constexpr int ROWS = 4;     // rows per pass over a group's weights
+constexpr int ROWS_Q6 = 4;  // Q6_K's
 struct VI {              // 16 outputs' int32 sums
   __m512i v;
 };
@@ -71,6 +72,17 @@ inline VI dot4(VI acc, VI w, VI x) {
   return {_mm512_dpbusd_epi32(acc.v, w.v, x.v)};
 #else
   return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.v, x.v), _mm512_set1_epi16(1)))};
+#endif
+}
+// acc + the dots of ``w0`` with ``x0`` and of ``w1`` with ``x1``, for weights below 64 (every nibble format's, the
+// fifth and sixth bits over them included) and inputs in [-127, 127]: a lane's two pair sums together stay within
+// int16 (2 * 2 * 63 * 127 = 32,004), so without VNNI they are added as int16 and widened once. The same integers.
+inline VI dot4_pair(VI acc, VI w0, VI x0, VI w1, VI x1) {
+#if defined(__AVX512VNNI__)
+  return dot4(dot4(acc, w0, x0), w1, x1);
+#else
+  const __m512i p = _mm512_add_epi16(_mm512_maddubs_epi16(w0.v, x0.v), _mm512_maddubs_epi16(w1.v, x1.v));
+  return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(p, _mm512_set1_epi16(1)))};
 #endif
 }
 // Signed weights (Q8_0) times signed inputs. With VNNI: the inputs offset by 128 (unsigned, a flip of the sign bit)
@@ -126,7 +138,10 @@ const char* const KERNEL = "avx512";
 #define LATTICE_QUANT 1
 #include <immintrin.h>
 namespace {
-constexpr int ROWS = 2;
+// Rows per pass over a group's weights: each pass unpacks its weights' nibbles (and the bits above them) once for
+// its rows. 4 (Q6_K: 6) measured fastest on Zen 3 at 512 rows (bench/RESULTS.md, session 42), before 2.
+constexpr int ROWS = 4;
+constexpr int ROWS_Q6 = 6;
 struct VI {  // outputs 0-7, 8-15
   __m256i lo, hi;
 };
@@ -155,6 +170,14 @@ inline __m256i dot4_half(__m256i acc, __m256i w, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
 inline VI dot4(VI acc, VI w, VI x) { return {dot4_half(acc.lo, w.lo, x.lo), dot4_half(acc.hi, w.hi, x.hi)}; }
+// `dot4_pair` of the AVX-512 build: the two dots' pair sums added as int16 (weights below 64), widened once.
+inline __m256i dot4_pair_half(__m256i acc, __m256i w0, __m256i x0, __m256i w1, __m256i x1) {
+  const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+inline VI dot4_pair(VI acc, VI w0, VI x0, VI w1, VI x1) {
+  return {dot4_pair_half(acc.lo, w0.lo, x0.lo, w1.lo, x1.lo), dot4_pair_half(acc.hi, w0.hi, x0.hi, w1.hi, x1.hi)};
+}
 struct Signed {
   VI w;
 };
@@ -390,30 +413,47 @@ __attribute__((always_inline)) inline void nibble_dots(const uint8_t* const* qua
     if constexpr (FIFTH || PAIRS) h0[g] = load64(highs[g]);
     if constexpr (PAIRS) h1[g] = load64(highs[g] + 64);
   }
-  for (int c = 0; c < 4; ++c) {
-    VI xlo[R], xhi[R];
-    for (int r = 0; r < R; ++r) {
-      xlo[r] = bcast4(xb[r] + 4 * c);
-      xhi[r] = bcast4(xb[r] + 16 + 4 * c);
+  // chunk c's weights (inputs 4c..4c+3 and 16+4c..): nibbles, with the bits above them
+  const auto weights = [&](int g, int c, VI& wlo, VI& whi) {
+    nibbles(quants[g] + 64 * c, wlo, whi);
+    if constexpr (FIFTH) {
+      wlo = high_bits(wlo, h0[g], c, 1);
+      whi = high_bits(whi, h0[g], c + 4, 1);
     }
-    for (int g = 0; g < G; ++g) {
-      VI wlo, whi;
-      nibbles(quants[g] + 64 * c, wlo, whi);
-      if constexpr (FIFTH) {
-        wlo = high_bits(wlo, h0[g], c, 1);
-        whi = high_bits(whi, h0[g], c + 4, 1);
-      }
-      if constexpr (PAIRS) {
-        wlo = high_bits(wlo, h0[g], 2 * c, 3);
-        whi = high_bits(whi, h1[g], 2 * c, 3);
-      }
-      for (int r = 0; r < R; ++r) {
-        if constexpr (SPLIT) {
-          lo[r][g] = dot4(lo[r][g], wlo, xlo[r]);
-          hi[r][g] = dot4(hi[r][g], whi, xhi[r]);
-        } else {
-          lo[r][g] = dot4(dot4(lo[r][g], wlo, xlo[r]), whi, xhi[r]);
+    if constexpr (PAIRS) {
+      wlo = high_bits(wlo, h0[g], 2 * c, 3);
+      whi = high_bits(whi, h1[g], 2 * c, 3);
+    }
+  };
+  if constexpr (SPLIT) {  // two chunks at a time: each half's dots of chunks c and c + 1 paired
+    for (int c = 0; c < 4; c += 2) {
+      VI xlo[R][2], xhi[R][2];
+      for (int r = 0; r < R; ++r)
+        for (int k = 0; k < 2; ++k) {
+          xlo[r][k] = bcast4(xb[r] + 4 * (c + k));
+          xhi[r][k] = bcast4(xb[r] + 16 + 4 * (c + k));
         }
+      for (int g = 0; g < G; ++g) {
+        VI wlo[2], whi[2];
+        weights(g, c, wlo[0], whi[0]);
+        weights(g, c + 1, wlo[1], whi[1]);
+        for (int r = 0; r < R; ++r) {
+          lo[r][g] = dot4_pair(lo[r][g], wlo[0], xlo[r][0], wlo[1], xlo[r][1]);
+          hi[r][g] = dot4_pair(hi[r][g], whi[0], xhi[r][0], whi[1], xhi[r][1]);
+        }
+      }
+    }
+  } else {
+    for (int c = 0; c < 4; ++c) {
+      VI xlo[R], xhi[R];
+      for (int r = 0; r < R; ++r) {
+        xlo[r] = bcast4(xb[r] + 4 * c);
+        xhi[r] = bcast4(xb[r] + 16 + 4 * c);
+      }
+      for (int g = 0; g < G; ++g) {
+        VI wlo, whi;
+        weights(g, c, wlo, whi);
+        for (int r = 0; r < R; ++r) lo[r][g] = dot4_pair(lo[r][g], wlo, xlo[r], whi, xhi[r]);
       }
     }
   }
@@ -516,7 +556,7 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
             lo = high_bits(lo, h, c, 1);
             hi = high_bits(hi, h, c + 4, 1);
           }
-          for (int r = 0; r < R; ++r) dot[r][g] = dot4(dot4(dot[r][g], lo, xlo[r]), hi, xhi[r]);
+          for (int r = 0; r < R; ++r) dot[r][g] = dot4_pair(dot[r][g], lo, xlo[r], hi, xhi[r]);
         }
       }
     } else {  // the K-quants, per 32 inputs j: Q4_K/Q5_K: sumi += scale_j * dot_j, the mins' part below from the
@@ -568,14 +608,15 @@ void quant_tail(const QuantRows& xq, int64_t r0, int64_t rows, const uint8_t* w,
   }
 }
 
-// All ``n`` rows times G blocks from block ``b``, ROWS rows a pass.
+// All ``n`` rows times G blocks from block ``b``, ROWS (Q6_K: ROWS_Q6) rows a pass.
 template <Quant F, int G>
 void quant_group(const QuantRows& xq, int64_t n, const uint8_t* w, int64_t block, const float* bias, float* out,
                  int64_t stride, int64_t col) {
+  constexpr int rows = F == Quant::Q6_K ? ROWS_Q6 : ROWS;
   int64_t r = 0;
-  for (; r + ROWS <= n; r += ROWS)
-    quant_pass<F, ROWS, G>(xq, r, w, block, bias, out + r * stride, stride, col);
-  if (r < n) quant_tail<F, ROWS - 1, G>(xq, r, n - r, w, block, bias, out + r * stride, stride, col);
+  for (; r + rows <= n; r += rows)
+    quant_pass<F, rows, G>(xq, r, w, block, bias, out + r * stride, stride, col);
+  if (r < n) quant_tail<F, rows - 1, G>(xq, r, n - r, w, block, bias, out + r * stride, stride, col);
 }
 
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
