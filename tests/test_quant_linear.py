@@ -144,11 +144,12 @@ def test_the_largest_quants_times_the_largest_inputs_keep_exact_dots(ops, kind):
     blocks = raw.view(32, -1, FORMATS[kind].block_bytes)
     for begin, end, byte in LARGEST_QUANTS[kind]:
         blocks[:, :, begin:end] = byte
-    x = torch.stack([torch.ones(inp), -torch.ones(inp), torch.full((inp,), 3.0), _rand(inp, seed=8)])
-    _assert_reference_product(ops, raw, kind, x, torch.zeros(32))
+    x = torch.stack([torch.ones(inp), -torch.ones(inp), torch.full((inp,), 3.0), _rand(inp, seed=8)]).repeat(5, 1)
     packed = quant_pack(raw, kind)
-    alone = torch.cat([ops.quant_linear(x[i : i + 1], packed, None) for i in range(4)])
-    assert torch.equal(ops.quant_linear(x, packed, None), alone)
+    alone = torch.cat([ops.quant_linear(x[i : i + 1], packed, None) for i in range(4)]).repeat(5, 1)
+    for rows in (4, 20):  # below and above the rows from which a pass spreads its quants to bytes first
+        _assert_reference_product(ops, raw, kind, x[:rows], torch.zeros(32))
+        assert torch.equal(ops.quant_linear(x[:rows], packed, None), alone[:rows])
 
 
 @pytest.mark.parametrize("kind", list(FORMATS))

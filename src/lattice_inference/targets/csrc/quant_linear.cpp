@@ -56,6 +56,7 @@ struct VF {
 inline VI izero() { return {_mm512_setzero_si512()}; }
 inline VF fzero() { return {_mm512_setzero_ps()}; }
 inline VI load64(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+inline void store64(uint8_t* p, VI v) { _mm512_storeu_si512(p, v.v); }
 inline VI bcast4(const int8_t* p) {  // 4 inputs' bytes in every lane
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -153,6 +154,10 @@ inline VF fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline VI load64(const uint8_t* p) {
   return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline void store64(uint8_t* p, VI v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v.lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), v.hi);
 }
 inline VI bcast4(const int8_t* p) {
   int32_t v;
@@ -401,28 +406,41 @@ QuantRows quantize_rows(const float* x, int64_t n, int64_t in, bool k_quant) {
   return rows;
 }
 
-// R rows' exact integer dots with the 32 inputs of one block of 4-bit quants in each of G weight blocks (Q4_0's layout
-// at ``quants[g]``; with FIFTH, Q5's fifth bits at ``highs[g]`` over them; with PAIRS, Q6_K's two high bits, two
-// vectors of 64 bytes): each row's 8 broadcasts of its inputs made once for all G blocks. ``lo`` gets the dots over
+// Chunk ``c`` of a block of 32 inputs' 4-bit quants ``quants`` (Q4_0's layout): the weights of inputs 4c..4c+3
+// (``wlo``) and 16+4c.. (``whi``), one byte each; with FIFTH, Q5's fifth bits ``h0`` over them; with PAIRS, Q6_K's
+// two high bits (``h0``: groups 0-3, ``h1``: 4-7).
+template <bool FIFTH, bool PAIRS>
+__attribute__((always_inline)) inline void chunk_weights(const uint8_t* quants, VI h0, VI h1, int c, VI& wlo, VI& whi) {
+  nibbles(quants + 64 * c, wlo, whi);
+  if constexpr (FIFTH) {
+    wlo = high_bits(wlo, h0, c, 1);
+    whi = high_bits(whi, h0, c + 4, 1);
+  }
+  if constexpr (PAIRS) {
+    wlo = high_bits(wlo, h0, 2 * c, 3);
+    whi = high_bits(whi, h1, 2 * c, 3);
+  }
+}
+
+// R rows' exact integer dots with the 32 inputs of one block of quants in each of G weight blocks: 4-bit quants at
+// ``quants[g]`` (Q4_0's layout; with FIFTH, Q5's fifth bits at ``highs[g]`` over them; with PAIRS, Q6_K's two high
+// bits, two vectors of 64 bytes), or with SPREAD the block's weights one byte each (`spread_group`: chunk c's at
+// 64c and 64(c + 4)); each row's 8 broadcasts of its inputs made once for all G blocks. ``lo`` gets the dots over
 // inputs 0..15 and 16..31 both, unless SPLIT (Q6_K's sub-blocks of 16), where ``hi`` gets those over 16..31.
-template <int R, int G, bool FIFTH, bool PAIRS, bool SPLIT>
-__attribute__((always_inline)) inline void nibble_dots(const uint8_t* const* quants, const uint8_t* const* highs, const int8_t* const* xb,
-                        VI (*lo)[G], VI (*hi)[G]) {
+template <int R, int G, bool FIFTH, bool PAIRS, bool SPLIT, bool SPREAD>
+__attribute__((always_inline)) inline void nibble_dots(const uint8_t* const* quants, const uint8_t* const* highs,
+                                                       const int8_t* const* xb, VI (*lo)[G], VI (*hi)[G]) {
   VI h0[G], h1[G];
   for (int g = 0; g < G; ++g) {
-    if constexpr (FIFTH || PAIRS) h0[g] = load64(highs[g]);
-    if constexpr (PAIRS) h1[g] = load64(highs[g] + 64);
+    h0[g] = FIFTH || PAIRS ? load64(highs[g]) : izero();
+    h1[g] = PAIRS ? load64(highs[g] + 64) : izero();
   }
-  // chunk c's weights (inputs 4c..4c+3 and 16+4c..): nibbles, with the bits above them
   const auto weights = [&](int g, int c, VI& wlo, VI& whi) {
-    nibbles(quants[g] + 64 * c, wlo, whi);
-    if constexpr (FIFTH) {
-      wlo = high_bits(wlo, h0[g], c, 1);
-      whi = high_bits(whi, h0[g], c + 4, 1);
-    }
-    if constexpr (PAIRS) {
-      wlo = high_bits(wlo, h0[g], 2 * c, 3);
-      whi = high_bits(whi, h1[g], 2 * c, 3);
+    if constexpr (SPREAD) {
+      wlo = load64(quants[g] + 64 * c);
+      whi = load64(quants[g] + 64 * (c + 4));
+    } else {
+      chunk_weights<FIFTH, PAIRS>(quants[g], h0[g], h1[g], c, wlo, whi);
     }
   };
   if constexpr (SPLIT) {  // two chunks at a time: each half's dots of chunks c and c + 1 paired
@@ -506,12 +524,38 @@ inline void prefetch_ahead(const uint8_t* w, int64_t b, int64_t nb, int64_t bloc
   }
 }
 
+// The weights of G blocks (``block`` bytes apart) of format F, not Q8_0, one byte each, as `nibble_dots` reads them
+// with SPREAD: ``out`` [superblocks][inputs / 32][G][512]. A pass over many rows unpacks its nibbles (and the bits
+// above them) once here instead of once per ROWS rows.
+template <Quant F, int G>
+void spread_group(const uint8_t* w, int64_t block, int64_t nb, uint8_t* out) {
+  constexpr int64_t head = Format<F>::HEAD, bytes = Format<F>::BYTES, subs = Format<F>::INPUTS / 32;
+  constexpr bool fifth = F == Quant::Q5_0 || F == Quant::Q5_1 || F == Quant::Q5_K, q6 = F == Quant::Q6_K;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t j = 0; j < subs; ++j)
+      for (int g = 0; g < G; ++g) {
+        const uint8_t* sb = w + g * block + b * bytes;
+        const uint8_t* quants = sb + head + 256 * j;
+        const uint8_t* highs = subs == 1 ? sb + head + 256 : sb + head + 2048 + (q6 ? 128 : 64) * j;
+        const VI h0 = fifth || q6 ? load64(highs) : izero(), h1 = q6 ? load64(highs + 64) : izero();
+        uint8_t* o = out + ((b * subs + j) * G + g) * 512;
+        for (int c = 0; c < 4; ++c) {
+          VI lo, hi;
+          chunk_weights<fifth, q6>(quants, h0, h1, c, lo, hi);
+          store64(o + 64 * c, lo);
+          store64(o + 64 * (c + 4), hi);
+        }
+      }
+}
+
 // R rows (from ``r0``) times G blocks of weights (``block`` bytes apart) into ``out`` [R][stride] from column
-// ``col``, plus the bias: steps 2 and 3 of the file comment, each output's blocks in input order.
-template <Quant F, int R, int G>
+// ``col``, plus the bias: steps 2 and 3 of the file comment, each output's blocks in input order. With SPREAD the
+// quants are read from ``spread`` (`spread_group` of these G blocks), else unpacked here.
+template <Quant F, int R, int G, bool SPREAD>
 void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block, const float* bias, float* out,
-                int64_t stride, int64_t col) {
+                int64_t stride, int64_t col, const uint8_t* spread) {
   constexpr int64_t head = Format<F>::HEAD, bytes = Format<F>::BYTES, inputs = Format<F>::INPUTS;
+  constexpr int64_t subs = inputs / 32;
   const int64_t in = xq.in, nb = xq.blocks;
   VF acc[R][G];
   for (int r = 0; r < R; ++r)
@@ -519,12 +563,20 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* sb[G];
     for (int g = 0; g < G; ++g) sb[g] = w + g * block + b * bytes;
-    prefetch_ahead<G>(w, b, nb, block, bytes);
+    if constexpr (!SPREAD) prefetch_ahead<G>(w, b, nb, block, bytes);
     const int8_t* xb[R];
     for (int r = 0; r < R; ++r) xb[r] = xq.q.data() + (r0 + r) * in + b * inputs;
     VI dot[R][G];
     for (int r = 0; r < R; ++r)
       for (int g = 0; g < G; ++g) dot[r][g] = izero();
+    // sub-block j's quants: spread, or as stored (the bits above the nibbles at ``highs``)
+    const uint8_t *quants[G], *highs[G];
+    const auto locate = [&](int64_t j) {
+      for (int g = 0; g < G; ++g) {
+        quants[g] = SPREAD ? spread + ((b * subs + j) * G + g) * 512 : sb[g] + head + 256 * j;
+        highs[g] = subs == 1 ? sb[g] + head + 256 : sb[g] + head + 2048 + (F == Quant::Q6_K ? 128 : 64) * j;
+      }
+    };
     if constexpr (F == Quant::Q8_0) {
       VI sums[G];
       for (int g = 0; g < G; ++g) sums[g] = izero();
@@ -541,41 +593,20 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
         for (int r = 0; r < R; ++r) dot[r][g] = q8_correct(dot[r][g], sums[g]);
     } else if constexpr (!K_QUANT<F>) {  // Q4_0, Q4_1, Q5_0, Q5_1: quants 0..15 (0..31), offsets below
       constexpr bool fifth = F == Quant::Q5_0 || F == Quant::Q5_1;
-      const int8_t* x0 = xb[0];
-      for (int c = 0; c < 4; ++c) {
-        VI xlo[R], xhi[R];
-        for (int r = 0; r < R; ++r) {
-          xlo[r] = bcast4(x0 + r * in + 4 * c);
-          xhi[r] = bcast4(x0 + r * in + 16 + 4 * c);
-        }
-        for (int g = 0; g < G; ++g) {
-          VI lo, hi;
-          nibbles(sb[g] + head + 64 * c, lo, hi);
-          if constexpr (fifth) {
-            const VI h = load64(sb[g] + head + 256);
-            lo = high_bits(lo, h, c, 1);
-            hi = high_bits(hi, h, c + 4, 1);
-          }
-          for (int r = 0; r < R; ++r) dot[r][g] = dot4_pair(dot[r][g], lo, xlo[r], hi, xhi[r]);
-        }
-      }
+      locate(0);
+      nibble_dots<R, G, fifth && !SPREAD, false, false, SPREAD>(quants, highs, xb, dot, dot);
     } else {  // the K-quants, per 32 inputs j: Q4_K/Q5_K: sumi += scale_j * dot_j, the mins' part below from the
       // rows' sums; Q6_K: per 16 inputs, sumi += scale * (dot - 32 * the rows' sum); all exact
       constexpr bool q6 = F == Quant::Q6_K;
-      constexpr int64_t high_bytes = q6 ? 128 : 64;
       for (int j = 0; j < 8; ++j) {
         const int8_t* xj[R];
         VI lo[R][G], hi[R][G];
-        const uint8_t *quants[G], *highs[G];
         for (int r = 0; r < R; ++r) {
           xj[r] = xb[r] + 32 * j;
           for (int g = 0; g < G; ++g) lo[r][g] = hi[r][g] = izero();
         }
-        for (int g = 0; g < G; ++g) {
-          quants[g] = sb[g] + head + 256 * j;
-          highs[g] = sb[g] + head + 2048 + high_bytes * j;
-        }
-        nibble_dots<R, G, F == Quant::Q5_K, q6, q6>(quants, highs, xj, lo, hi);
+        locate(j);
+        nibble_dots<R, G, F == Quant::Q5_K && !SPREAD, q6 && !SPREAD, q6, SPREAD>(quants, highs, xj, lo, hi);
         for (int g = 0; g < G; ++g) {
           if constexpr (q6) {
             const VI scale_lo = widen_i8(sb[g] + 32 + 32 * j), scale_hi = widen_i8(sb[g] + 32 + 32 * j + 16);
@@ -599,24 +630,43 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
   store_rows<G>(acc, R, bias, out, stride, col);
 }
 
-template <Quant F, int R, int G>
+template <Quant F, int R, int G, bool SPREAD>
 void quant_tail(const QuantRows& xq, int64_t r0, int64_t rows, const uint8_t* w, int64_t block, const float* bias,
-                float* out, int64_t stride, int64_t col) {
+                float* out, int64_t stride, int64_t col, const uint8_t* spread) {
   if constexpr (R > 0) {
-    if (rows == R) return quant_pass<F, R, G>(xq, r0, w, block, bias, out, stride, col);
-    quant_tail<F, R - 1, G>(xq, r0, rows, w, block, bias, out, stride, col);
+    if (rows == R) return quant_pass<F, R, G, SPREAD>(xq, r0, w, block, bias, out, stride, col, spread);
+    quant_tail<F, R - 1, G, SPREAD>(xq, r0, rows, w, block, bias, out, stride, col, spread);
   }
 }
 
-// All ``n`` rows times G blocks from block ``b``, ROWS (Q6_K: ROWS_Q6) rows a pass.
-template <Quant F, int G>
+// All ``n`` rows times G blocks from block ``b``, ROWS (Q6_K: ROWS_Q6) rows a pass; with SPREAD reading the quants
+// from ``spread`` (`spread_group`).
+template <Quant F, int G, bool SPREAD>
 void quant_group(const QuantRows& xq, int64_t n, const uint8_t* w, int64_t block, const float* bias, float* out,
-                 int64_t stride, int64_t col) {
+                 int64_t stride, int64_t col, const uint8_t* spread) {
   constexpr int rows = F == Quant::Q6_K ? ROWS_Q6 : ROWS;
   int64_t r = 0;
   for (; r + rows <= n; r += rows)
-    quant_pass<F, rows, G>(xq, r, w, block, bias, out + r * stride, stride, col);
-  if (r < n) quant_tail<F, rows - 1, G>(xq, r, n - r, w, block, bias, out + r * stride, stride, col);
+    quant_pass<F, rows, G, SPREAD>(xq, r, w, block, bias, out + r * stride, stride, col, spread);
+  if (r < n) quant_tail<F, rows - 1, G, SPREAD>(xq, r, n - r, w, block, bias, out + r * stride, stride, col, spread);
+}
+
+// From this many rows a pass spreads its quants to bytes once (`spread_group`) rather than unpacking them per ROWS
+// rows: above a verification's widths, so decode steps and verification run as before.
+constexpr int64_t SPREAD_ROWS = 17;
+
+// ``n`` rows times G blocks of weights from ``w``: spread first where that pays (``buffer`` its room).
+template <Quant F, int G>
+void quant_blocks(const QuantRows& xq, int64_t n, const uint8_t* w, int64_t block, const float* bias, float* out,
+                  int64_t stride, int64_t col, std::vector<uint8_t>& buffer) {
+  if constexpr (F != Quant::Q8_0) {  // Q8_0's quants are bytes as stored
+    if (n >= SPREAD_ROWS) {
+      buffer.resize(xq.blocks * (Format<F>::INPUTS / 32) * G * 512);
+      spread_group<F, G>(w, block, xq.blocks, buffer.data());
+      return quant_group<F, G, true>(xq, n, w, block, bias, out, stride, col, buffer.data());
+    }
+  }
+  quant_group<F, G, false>(xq, n, w, block, bias, out, stride, col, nullptr);
 }
 
 #if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
@@ -779,9 +829,10 @@ void quant_all(const QuantRows& xq, int64_t n, const uint8_t* wp, int64_t blocks
 #endif
   const int64_t block = xq.blocks * Format<F>::BYTES;
   at::parallel_for(0, blocks, GROUP, [&](int64_t b0, int64_t b1) {
+    std::vector<uint8_t> buffer;
     for (int64_t b = b0; b < b1; b += GROUP) {
-      if (b + GROUP <= b1) quant_group<F, GROUP>(xq, n, wp + b * block, block, bias, out, stride, col + b * 16);
-      else quant_group<F, 1>(xq, n, wp + b * block, block, bias, out, stride, col + b * 16);
+      if (b + GROUP <= b1) quant_blocks<F, GROUP>(xq, n, wp + b * block, block, bias, out, stride, col + b * 16, buffer);
+      else quant_blocks<F, 1>(xq, n, wp + b * block, block, bias, out, stride, col + b * 16, buffer);
     }
   });
 }
