@@ -62,6 +62,8 @@ inline VI bcast4(const int8_t* p) {  // 4 inputs' bytes in every lane
   std::memcpy(&v, p, 4);
   return {_mm512_set1_epi32(v)};
 }
+inline VI bcast32(int32_t v) { return {_mm512_set1_epi32(v)}; }
+inline VI madd16(VI a, VI b) { return {_mm512_madd_epi16(a.v, b.v)}; }  // per lane a.lo16*b.lo16 + a.hi16*b.hi16
 inline void nibbles(const uint8_t* p, VI& lo, VI& hi) {
   const __m512i v = _mm512_loadu_si512(p), m = _mm512_set1_epi8(15);
   lo = {_mm512_and_si512(v, m)};
@@ -86,6 +88,25 @@ inline VI dot4_pair(VI acc, VI w0, VI x0, VI w1, VI x1) {
   return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(p, _mm512_set1_epi16(1)))};
 #endif
 }
+// Whether `dot4_pair_scaled` costs less than `dot4_pair` and a multiply after (without VNNI: the scale takes the
+// place of the widening's ones).
+#if defined(__AVX512VNNI__)
+constexpr bool SCALE_IN_DOTS = false;
+inline VI scale_pairs(VI s) { return s; }
+inline VI dot4_pair_scaled(VI acc, VI w0, VI x0, VI w1, VI x1, VI s) {
+  return {_mm512_add_epi32(acc.v, _mm512_mullo_epi32(dot4_pair({_mm512_setzero_si512()}, w0, x0, w1, x1).v, s.v))};
+}
+#else
+constexpr bool SCALE_IN_DOTS = true;
+// 16 outputs' scales below 2^15 (int32 lanes) as two int16 each: what `dot4_pair_scaled` widens with
+inline VI scale_pairs(VI s) { return {_mm512_or_si512(s.v, _mm512_slli_epi32(s.v, 16))}; }
+// `dot4_pair` times each lane's scale ``s`` (`scale_pairs`; a K-quant's 6-bit sub-block scale), exactly: the int16
+// pair sums (at most 2 * 2 * 31 * 127) times s, summed in int32.
+inline VI dot4_pair_scaled(VI acc, VI w0, VI x0, VI w1, VI x1, VI s) {
+  const __m512i p = _mm512_add_epi16(_mm512_maddubs_epi16(w0.v, x0.v), _mm512_maddubs_epi16(w1.v, x1.v));
+  return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(p, s.v))};
+}
+#endif
 // Signed weights (Q8_0) times signed inputs. With VNNI: the inputs offset by 128 (unsigned, a flip of the sign bit)
 // times the weights, less 128 times the weights' sum (one dot product per row, the sum shared by the rows).
 // Without: |w| times x with w's sign (|w| <= 128 and |x| <= 127: no pair sum saturates).
@@ -165,6 +186,11 @@ inline VI bcast4(const int8_t* p) {
   const __m256i b = _mm256_set1_epi32(v);
   return {b, b};
 }
+inline VI bcast32(int32_t v) {
+  const __m256i b = _mm256_set1_epi32(v);
+  return {b, b};
+}
+inline VI madd16(VI a, VI b) { return {_mm256_madd_epi16(a.lo, b.lo), _mm256_madd_epi16(a.hi, b.hi)}; }
 inline void nibbles(const uint8_t* p, VI& lo, VI& hi) {
   const VI v = load64(p);
   const __m256i m = _mm256_set1_epi8(15);
@@ -182,6 +208,17 @@ inline __m256i dot4_pair_half(__m256i acc, __m256i w0, __m256i x0, __m256i w1, _
 }
 inline VI dot4_pair(VI acc, VI w0, VI x0, VI w1, VI x1) {
   return {dot4_pair_half(acc.lo, w0.lo, x0.lo, w1.lo, x1.lo), dot4_pair_half(acc.hi, w0.hi, x0.hi, w1.hi, x1.hi)};
+}
+// `dot4_pair_scaled` of the AVX-512 build: each lane's scale (as two int16, `scale_pairs`) widens the pair sums.
+constexpr bool SCALE_IN_DOTS = true;
+inline VI scale_pairs(VI s) { return {_mm256_or_si256(s.lo, _mm256_slli_epi32(s.lo, 16)), _mm256_or_si256(s.hi, _mm256_slli_epi32(s.hi, 16))}; }
+inline __m256i dot4_pair_scaled_half(__m256i acc, __m256i w0, __m256i x0, __m256i w1, __m256i x1, __m256i s) {
+  const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+}
+inline VI dot4_pair_scaled(VI acc, VI w0, VI x0, VI w1, VI x1, VI s) {
+  return {dot4_pair_scaled_half(acc.lo, w0.lo, x0.lo, w1.lo, x1.lo, s.lo),
+          dot4_pair_scaled_half(acc.hi, w0.hi, x0.hi, w1.hi, x1.hi, s.hi)};
 }
 struct Signed {
   VI w;
@@ -426,10 +463,12 @@ __attribute__((always_inline)) inline void chunk_weights(const uint8_t* quants, 
 // ``quants[g]`` (Q4_0's layout; with FIFTH, Q5's fifth bits at ``highs[g]`` over them; with PAIRS, Q6_K's two high
 // bits, two vectors of 64 bytes), or with SPREAD the block's weights one byte each (`spread_group`: chunk c's at
 // 64c and 64(c + 4)); each row's 8 broadcasts of its inputs made once for all G blocks. ``lo`` gets the dots over
-// inputs 0..15 and 16..31 both, unless SPLIT (Q6_K's sub-blocks of 16), where ``hi`` gets those over 16..31.
-template <int R, int G, bool FIFTH, bool PAIRS, bool SPLIT, bool SPREAD>
+// inputs 0..15 and 16..31 both, unless SPLIT (Q6_K's sub-blocks of 16), where ``hi`` gets those over 16..31. With
+// SCALED (not SPLIT) ``lo`` gets them times each block's ``scales[g]`` (`scale_pairs`).
+template <int R, int G, bool FIFTH, bool PAIRS, bool SPLIT, bool SPREAD, bool SCALED = false>
 __attribute__((always_inline)) inline void nibble_dots(const uint8_t* const* quants, const uint8_t* const* highs,
-                                                       const int8_t* const* xb, VI (*lo)[G], VI (*hi)[G]) {
+                                                       const int8_t* const* xb, VI (*lo)[G], VI (*hi)[G],
+                                                       const VI* scales = nullptr) {
   VI h0[G], h1[G];
   for (int g = 0; g < G; ++g) {
     h0[g] = FIFTH || PAIRS ? load64(highs[g]) : izero();
@@ -471,7 +510,10 @@ __attribute__((always_inline)) inline void nibble_dots(const uint8_t* const* qua
       for (int g = 0; g < G; ++g) {
         VI wlo, whi;
         weights(g, c, wlo, whi);
-        for (int r = 0; r < R; ++r) lo[r][g] = dot4_pair(lo[r][g], wlo, xlo[r], whi, xhi[r]);
+        for (int r = 0; r < R; ++r) {
+          if constexpr (SCALED) lo[r][g] = dot4_pair_scaled(lo[r][g], wlo, xlo[r], whi, xhi[r], scales[g]);
+          else lo[r][g] = dot4_pair(lo[r][g], wlo, xlo[r], whi, xhi[r]);
+        }
       }
     }
   }
@@ -484,7 +526,8 @@ constexpr bool has_min = F == Quant::Q4_1 || F == Quant::Q5_1 || F == Quant::Q4_
 // scaled (the weights' scales ``dw``, minimums or dmins ``mw``), whichever kernel computed the dot.
 template <Quant F>
 __attribute__((always_inline)) inline VF block_sum(VF acc, VI sum, VF dw, VF mw, const uint8_t* sb,
-                                                   const QuantRows& xq, int64_t row, int64_t b) {
+                                                   const QuantRows& xq, int64_t row, int64_t b,
+                                                   const VI* min_pairs = nullptr) {
   const int64_t i = row * xq.blocks + b;
   if constexpr (F == Quant::Q4_0) sum = minus(sum, 8 * xq.s[i]);  // quants minus 8
   if constexpr (F == Quant::Q5_0) sum = minus(sum, 16 * xq.s[i]);  // quants minus 16
@@ -493,7 +536,15 @@ __attribute__((always_inline)) inline VF block_sum(VF acc, VI sum, VF dw, VF mw,
   if constexpr (F == Quant::Q4_K || F == Quant::Q5_K) {  // minus dmin * d_x * sum_j min_j * (the rows' sum j)
     const int32_t* s = xq.s.data() + row * xq.sums + b * 16;
     VI mins = izero();
-    for (int j = 0; j < 8; ++j) mins = add(mins, mul(widen_u8(sb + 192 + 16 * j), s[2 * j] + s[2 * j + 1]));
+    if (min_pairs) {  // (`min_pairs`) each two sub-blocks' mins times the row's two sums in one widening
+      for (int k = 0; k < 4; ++k) {
+        const int32_t s0 = s[4 * k] + s[4 * k + 1], s1 = s[4 * k + 2] + s[4 * k + 3];  // |s| <= 32 * 127
+        mins = add(mins, madd16(min_pairs[k], bcast32(static_cast<int32_t>((static_cast<uint32_t>(s1) << 16) |
+                                                                            (static_cast<uint32_t>(s0) & 0xFFFF)))));
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) mins = add(mins, mul(widen_u8(sb + 192 + 16 * j), s[2 * j] + s[2 * j + 1]));
+    }
     acc = fnma_int(scaled(mw, xq.d[i]), mins, acc);
   }
   return acc;
@@ -521,6 +572,15 @@ inline void prefetch_ahead(const uint8_t* w, int64_t b, int64_t nb, int64_t bloc
     const int64_t off = b + AHEAD < nb ? g * block + (b + AHEAD) * bytes : (G + g) * block + (b + AHEAD - nb) * bytes;
     const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + off;
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+  }
+}
+
+// A Q4_K/Q5_K superblock's 8 sub-blocks' mins (6 bits, at ``sb + 192``) as 4 vectors of two int16 per lane
+// (sub-blocks 2k and 2k + 1): what `block_sum` multiplies with a row's sums, two sub-blocks in one widening.
+inline void min_pairs_of(const uint8_t* sb, VI* pairs) {
+  for (int k = 0; k < 4; ++k) {
+    const VI low = widen_u8(sb + 192 + 32 * k), high = widen_u8(sb + 192 + 32 * k + 16);
+    pairs[k] = add(low, mul(high, 65536));
   }
 }
 
@@ -606,6 +666,13 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
           for (int g = 0; g < G; ++g) lo[r][g] = hi[r][g] = izero();
         }
         locate(j);
+        if constexpr (SCALE_IN_DOTS && !q6) {  // Q4_K, Q5_K: each dot times its sub-block's scale in the widening
+          VI scales[G];
+          for (int g = 0; g < G; ++g) scales[g] = scale_pairs(widen_u8(sb[g] + 64 + 16 * j));
+          nibble_dots<R, G, F == Quant::Q5_K && !SPREAD, false, false, SPREAD, true>(quants, highs, xj, dot, hi,
+                                                                                     scales);
+          continue;
+        }
         nibble_dots<R, G, F == Quant::Q5_K && !SPREAD, q6 && !SPREAD, q6, SPREAD>(quants, highs, xj, lo, hi);
         for (int g = 0; g < G; ++g) {
           if constexpr (q6) {
@@ -624,7 +691,14 @@ void quant_pass(const QuantRows& xq, int64_t r0, const uint8_t* w, int64_t block
     }
     for (int g = 0; g < G; ++g) {
       const VF dw = half16(sb[g]), mw = has_min<F> ? half16(sb[g] + 32) : dw;
-      for (int r = 0; r < R; ++r) acc[r][g] = block_sum<F>(acc[r][g], dot[r][g], dw, mw, sb[g], xq, r0 + r, b);
+      if constexpr (SCALE_IN_DOTS && (F == Quant::Q4_K || F == Quant::Q5_K)) {
+        VI pairs[4];
+        min_pairs_of(sb[g], pairs);
+        for (int r = 0; r < R; ++r)
+          acc[r][g] = block_sum<F>(acc[r][g], dot[r][g], dw, mw, sb[g], xq, r0 + r, b, pairs);
+      } else {
+        for (int r = 0; r < R; ++r) acc[r][g] = block_sum<F>(acc[r][g], dot[r][g], dw, mw, sb[g], xq, r0 + r, b);
+      }
     }
   }
   store_rows<G>(acc, R, bias, out, stride, col);
