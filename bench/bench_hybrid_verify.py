@@ -35,7 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from lattice_inference.targets.hybrid import KERNELS, HybridTarget
-from lattice_inference.testing.toy import qwen35_08b_shape_config
+from lattice_testing.toy import qwen35_08b_shape_config
 
 KS = (1, 2, 4, 8, 16)
 

@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from lattice_inference.api import mtp_head_for
 from lattice_inference.models.load import load_model
 from lattice_inference.mtp import MtpConfig, MtpHead, MtpWeights
-from lattice_inference.testing.toy import qwen35_08b_shape_config
+from lattice_testing.toy import qwen35_08b_shape_config
 
 CATCH_UP = (1, 4, 8)
 

@@ -36,8 +36,16 @@ from lattice_inference.targets import LeanTarget, make_target, native_ops
 from lattice_inference.targets.lean_forward import Layer, product
 from lattice_inference.targets.packed_linear import packed_operands
 
-FORMAT_OF_BYTES = {544: "Q8_0", 288: "Q4_0", 320: "Q4_1", 352: "Q5_0", 384: "Q5_1", 2368: "Q4_K", 2880: "Q5_K",
-                   3360: "Q6_K"}  # fmt: skip
+FORMAT_OF_BYTES = {
+    544: "Q8_0",
+    288: "Q4_0",
+    320: "Q4_1",
+    352: "Q5_0",
+    384: "Q5_1",
+    2368: "Q4_K",
+    2880: "Q5_K",
+    3360: "Q6_K",
+}
 """`quant_pack`'s superblock bytes (16 outputs) per format (``csrc/quant_linear.cpp``'s table)."""
 
 
@@ -86,8 +94,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=512, help="prompt rows per chunk")
     parser.add_argument("--contexts", default="512,4096,8192,16384", help="cache lengths the chunk's attention sees")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--fma-gmacs", type=float, default=0.0,
-                        help="float32 FMA GMAC/s per core for the attention bound (0: 16 x the clock, read here)")  # fmt: skip
+    parser.add_argument(
+        "--fma-gmacs",
+        type=float,
+        default=0.0,
+        help="float32 FMA GMAC/s per core for the attention bound (0: 16 x the clock, read here)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quiet_transformers()
@@ -109,9 +121,11 @@ def main() -> None:
     fma = args.fma_gmacs or 16 * clock
     kernel = ops.quant_linear_tiles() or ops.quant_linear_kernel()
     int8_peak = INT8_MACS_PER_CYCLE.get(kernel, 64) * clock * args.threads
-    print(f"# {cpu_name()} at {clock:.2f} GHz; {args.threads} threads; quant kernel {ops.quant_linear_kernel()}"
-          f"{' + ' + ops.quant_linear_tiles() if ops.quant_linear_tiles() else ''}; model {args.model}; "
-          f"{layers} layers; {n} rows a chunk")  # fmt: skip
+    print(
+        f"# {cpu_name()} at {clock:.2f} GHz; {args.threads} threads; quant kernel {ops.quant_linear_kernel()}"
+        f"{' + ' + ops.quant_linear_tiles() if ops.quant_linear_tiles() else ''}; model {args.model}; "
+        f"{layers} layers; {n} rows a chunk"
+    )
     x = torch.randn(n, hidden)
     rows: list[tuple[str, float, str]] = []
 
@@ -157,13 +171,17 @@ def main() -> None:
         bound = fma * args.threads
         add(f"attention at {context}", seconds, f"{rate:6.1f} GMAC/s  f32 FMA bound {bound:6.1f} ({rate / bound:4.0%})")
         layer_s = fixed + seconds
-        print(f"  a layer at {context}: {layer_s * 1e3:.1f} ms, products {share(rows, 'product', layer_s)}, "
-              f"attention {seconds / layer_s:.0%}; {n / (layer_s * layers):.0f} prompt rows/s from kernels alone")  # fmt: skip
+        print(
+            f"  a layer at {context}: {layer_s * 1e3:.1f} ms, products {share(rows, 'product', layer_s)}, "
+            f"attention {seconds / layer_s:.0%}; {n / (layer_s * layers):.0f} prompt rows/s from kernels alone"
+        )
     prompt = torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     whole = whole_prefill(target, prompt, args.reps)
     first = fixed + rows[-len(args.contexts.split(","))][1]
-    print(f"whole prefill of {n} tokens: {whole * 1e3:.1f} ms ({n / whole:.0f} rows/s); kernels x {layers} layers at "
-          f"{args.contexts.split(',')[0]} keys: {first * layers * 1e3:.1f} ms ({first * layers / whole:.0%})")  # fmt: skip
+    print(
+        f"whole prefill of {n} tokens: {whole * 1e3:.1f} ms ({n / whole:.0f} rows/s); kernels x {layers} layers at "
+        f"{args.contexts.split(',')[0]} keys: {first * layers * 1e3:.1f} ms ({first * layers / whole:.0%})"
+    )
 
 
 def bytes_note(nbytes: int, seconds: float) -> str:
@@ -214,6 +232,7 @@ def clock_ghz() -> float:
     except OSError:
         pass
     return 3.0
+
 
 if __name__ == "__main__":
     main()

@@ -160,7 +160,7 @@ def write_gguf(path: Path, shape: str, fmt: str, template: Path) -> None:
     }  # fmt: skip
     import torch
 
-    from lattice_inference.testing.gguf_blocks import quantize
+    from lattice_testing.gguf_blocks import quantize
 
     def qtype_of(name: str) -> Any:
         kind = name.removesuffix(".weight").split(".")[-1]

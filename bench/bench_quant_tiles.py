@@ -23,7 +23,7 @@ from bench_serve_concurrency import cpu_line
 
 from lattice_inference.targets import native_ops
 from lattice_inference.targets.quant_linear import quant_pack
-from lattice_inference.testing.gguf_blocks import quantize
+from lattice_testing.gguf_blocks import quantize
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 """A SmolLM2-135M layer's products (fused q/k/v, o, fused gate/up, down): outputs, inputs."""

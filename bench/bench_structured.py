@@ -97,7 +97,7 @@ def within(value: object, schema: Mapping[str, Any]) -> bool:
 
 def valid(text: str, stop: str, schema: Mapping[str, Any]) -> bool:
     """Whether an output ended on EOS, parses as JSON and follows ``schema`` (bounds included)."""
-    from lattice_inference.testing.json_schema import follows
+    from lattice_testing.json_schema import follows
 
     if stop != "eos":
         return False

@@ -9,7 +9,7 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from lattice_inference import ConfigError, Generator, TokenError, UnsupportedModelError
 from lattice_inference.targets import HybridTarget, TransformersTarget, make_target
 from lattice_inference.targets.facts import ForwardCosts
-from lattice_inference.testing.toy import byte_tokenizer, toy_config, toy_model
+from lattice_testing.toy import byte_tokenizer, toy_config, toy_model
 
 TEXT = "alpha beta gamma delta\nalpha beta gamma delta\nalpha beta"
 

@@ -17,7 +17,7 @@ import torch
 
 from lattice_inference.api import Generator
 from lattice_inference.errors import ConfigError
-from lattice_inference.testing.arch_sweep import (
+from lattice_testing.arch_sweep import (
     causal_lm_types,
     markdown,
     report,

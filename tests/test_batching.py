@@ -27,7 +27,7 @@ from lattice_inference.targets.base import Segment
 from lattice_inference.targets.exactness import check_exactness
 from lattice_inference.targets.facts import ForwardCosts
 from lattice_inference.targets.lean import LeanTarget
-from lattice_inference.testing.toy import TOY_VOCAB, byte_tokenizer, toy_config, toy_model
+from lattice_testing.toy import TOY_VOCAB, byte_tokenizer, toy_config, toy_model
 
 from .helpers import FLAT_COSTS, OracleDrafter, TreeOracleDrafter
 

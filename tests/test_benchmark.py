@@ -18,7 +18,7 @@ from lattice_inference.benchmark import (
 )
 from lattice_inference.cli import main
 from lattice_inference.errors import ConfigError
-from lattice_inference.testing.toy import byte_tokenizer, save_toy_model_dir, toy_config, toy_model
+from lattice_testing.toy import byte_tokenizer, save_toy_model_dir, toy_config, toy_model
 
 
 def test_copy_and_repetition_rates():

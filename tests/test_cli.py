@@ -10,7 +10,7 @@ import pytest
 
 from lattice_inference.cli import main
 from lattice_inference.devices import resolve_device
-from lattice_inference.testing.toy import save_toy_model_dir
+from lattice_testing.toy import save_toy_model_dir
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
 

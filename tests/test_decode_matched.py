@@ -35,7 +35,7 @@ from lattice_inference.targets.decode_matched import (
 from lattice_inference.targets.exactness import check_exactness, exactness
 from lattice_inference.targets.facts import ForwardCosts
 from lattice_inference.targets.packed_linear import pack_weight, packed_linear, packing_supported
-from lattice_inference.testing.toy import TOY_VOCAB, toy_config, toy_model
+from lattice_testing.toy import TOY_VOCAB, toy_config, toy_model
 
 from .helpers import OracleDrafter, TreeOracleDrafter
 from .test_hybrid_methods import tiny_config

@@ -12,7 +12,7 @@ from lattice_inference.devices import check_fits, first_weight, placement, resol
 from lattice_inference.errors import ConfigError, ModelLoadError
 from lattice_inference.models.load import _check_local_dir, load_model, torch_dtype
 from lattice_inference.models.source import resolve_model
-from lattice_inference.testing.toy import save_toy_model_dir, toy_config, toy_model
+from lattice_testing.toy import save_toy_model_dir, toy_config, toy_model
 
 
 @pytest.fixture

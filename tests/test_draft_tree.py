@@ -19,8 +19,8 @@ from lattice_inference.draft_planner import DraftPlanner
 from lattice_inference.sampling import GreedySampler, KeyedSampler, SamplingOptions
 from lattice_inference.targets import HybridTarget, TransformersTarget
 from lattice_inference.targets.facts import ForwardCosts
-from lattice_inference.testing.toy import TOY_ARCHITECTURES, TOY_VOCAB, toy_config, toy_model
 from lattice_inference.verify import DraftTree
+from lattice_testing.toy import TOY_ARCHITECTURES, TOY_VOCAB, toy_config, toy_model
 
 from .helpers import TreeOracleDrafter, hf_generate, hf_plain
 from .test_hybrid_target import build_model

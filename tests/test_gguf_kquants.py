@@ -17,7 +17,7 @@ import torch
 from lattice_inference.models.gguf_quantized import QuantizedEmbedding, attach_tensors
 from lattice_inference.targets.packed_linear import QUANT, packed_kind
 from lattice_inference.targets.quant_linear import dequantize, quant_pack
-from lattice_inference.testing.gguf_blocks import quantize
+from lattice_testing.gguf_blocks import quantize
 
 from .test_quant_linear import _rand
 
@@ -52,7 +52,7 @@ def test_parts_side_by_side_equal_each_parts_own_product(quant_ops):
 def _quantized_toy(arch: str, **overrides: object) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A toy of ``arch`` (dimensions multiples of 256) whose linear layers are GGUF blocks in the `Q4_K_M` mix,
     attached by content; and the same model left dense (its weights the blocks' values)."""
-    from lattice_inference.testing.toy import toy_config, toy_model
+    from lattice_testing.toy import toy_config, toy_model
 
     shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     models = [toy_model(toy_config(arch, **{**shape, **overrides}), init_std=0.05, seed=3) for _ in range(2)]
@@ -92,7 +92,7 @@ def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(quant_ops, arc
     from lattice_inference.targets import make_target
     from lattice_inference.targets.exactness import check_exactness
     from lattice_inference.targets.lean import LeanTarget
-    from lattice_inference.testing.toy import TOY_VOCAB, byte_tokenizer
+    from lattice_testing.toy import TOY_VOCAB, byte_tokenizer
 
     from .helpers import FLAT_COSTS, OracleDrafter, TreeOracleDrafter
 
@@ -137,7 +137,7 @@ def test_a_q4_k_m_toy_decodes_speculatively_as_it_decodes_plainly(quant_ops, arc
 
 
 def test_a_scaled_embedding_kept_in_blocks_looks_up_what_the_models_own_does():
-    from lattice_inference.testing.toy import toy_config, toy_model
+    from lattice_testing.toy import toy_config, toy_model
 
     model = toy_model(toy_config("gemma3_text", hidden_size=256), init_std=0.05, seed=1)
     own = model.get_input_embeddings()
@@ -156,7 +156,7 @@ def test_a_tree_over_sliding_window_layers_sees_each_rows_window_by_position(qua
     logits are those of its own path fed as a chain (a row sees the keys of the window before its position, its
     ancestors included, not by column: a second branch's rows sit further right than their depth)."""
     from lattice_inference.targets import make_target
-    from lattice_inference.testing.toy import toy_config, toy_model
+    from lattice_testing.toy import toy_config, toy_model
 
     model = toy_model(toy_config("gemma3_text", hidden_size=256), init_std=0.05, seed=1)
     target = make_target(model, decode_matched=False)

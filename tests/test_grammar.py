@@ -17,7 +17,7 @@ import torch
 from lattice_inference import Generator
 from lattice_inference.batching import Driver
 from lattice_inference.grammar import GrammarError
-from lattice_inference.testing.json_schema import follows
+from lattice_testing.json_schema import follows
 
 from .helpers import skip_without_real_model
 

@@ -20,8 +20,8 @@ from lattice_inference.cli import main
 from lattice_inference.drafters.mtp import BACK_OFF, MtpDrafter, confidence_key
 from lattice_inference.errors import ConfigError
 from lattice_inference.mtp import MtpConfig, load_mtp_head
-from lattice_inference.testing.mtp_checkpoint import random_mtp_tensors
-from lattice_inference.testing.toy import byte_tokenizer
+from lattice_testing.mtp_checkpoint import random_mtp_tensors
+from lattice_testing.toy import byte_tokenizer
 
 
 def tiny_config(vocab: int, moe: bool = False) -> Qwen3_5TextConfig:
@@ -191,7 +191,7 @@ def test_cli_mtp_errors(models, tmp_path, capsys):
     assert main(["generate", "--model", path, "--prompt", "x", "--method", "mtp", "--draft-length", "9"]) == 2
     assert "must be 2..8, got 9" in capsys.readouterr().err
     plain = tmp_path / "plain"
-    from lattice_inference.testing.toy import save_toy_model_dir
+    from lattice_testing.toy import save_toy_model_dir
 
     save_toy_model_dir(plain, "qwen3")
     assert main(["generate", "--model", str(plain), "--prompt", "x", "--method", "mtp"]) == 2

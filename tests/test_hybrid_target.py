@@ -389,7 +389,7 @@ def test_bounds_and_errors(models: dict[str, PreTrainedModel]) -> None:
 
 
 def test_is_hybrid_and_unsupported_models(models: dict[str, PreTrainedModel]) -> None:
-    from lattice_inference.testing.toy import toy_config, toy_model
+    from lattice_testing.toy import toy_config, toy_model
 
     dense = toy_model(toy_config("qwen3"))
     assert all(is_hybrid(m) for m in models.values())

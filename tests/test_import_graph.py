@@ -1,4 +1,5 @@
-"""The package's import graph has no cycle: every module imports only modules below it.
+"""The package's import graph has no cycle: every module imports only modules below it; and the core package
+imports nothing of the packages built on it (`lattice_testing`, `lattice_reference`).
 
 Imports are read from the source with `ast` (module-level and function-level ones alike, since a lazy import
 closes a circle too). Those under ``if TYPE_CHECKING:`` do not run, but a circle through them still knots the
@@ -124,3 +125,46 @@ def test_type_only_imports_are_read_where_asked():
 def test_no_import_cycle(type_only: bool):
     found = cycles(import_graph(type_only))
     assert found == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+OUTSIDE_THE_CORE = ("lattice_testing", "lattice_reference")
+"""Packages beside the core that build on it (test helpers; the seed's API): the core never imports them."""
+
+
+def _absolute_imports(path: Path) -> set[str]:
+    """Every absolute module name ``path`` imports, at any depth of its code (relative imports stay in the core)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_core_imports_nothing_built_on_it():
+    wrong = {
+        f"{path.relative_to(PACKAGE.parent)} imports {name}"
+        for path in PACKAGE.rglob("*.py")
+        for name in _absolute_imports(path)
+        if name.split(".")[0] in OUTSIDE_THE_CORE
+    }
+    assert not wrong, "; ".join(sorted(wrong))
+    assert not (PACKAGE / "testing").exists() and not (PACKAGE / "reference.py").exists()
+
+
+LONGEST_FUNCTION = 80
+"""Lines a function of the source may run to (its signature and docstring included): past that it does several
+things, and is split where they part."""
+
+
+def test_no_function_runs_over_80_lines():
+    long = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for package in (ROOT, *OUTSIDE_THE_CORE)
+        for path in (PACKAGE.parent / package).rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (node.end_lineno or node.lineno) - node.lineno + 1 > LONGEST_FUNCTION
+    ]
+    assert not long, "; ".join(long)

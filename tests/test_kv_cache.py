@@ -10,7 +10,7 @@ from transformers.cache_utils import DynamicLayer
 
 from lattice_inference.targets import TransformersTarget
 from lattice_inference.targets.kv_cache import MIN_CAPACITY, GrowableLayer
-from lattice_inference.testing.toy import toy_config, toy_model
+from lattice_testing.toy import toy_config, toy_model
 
 
 def test_matches_dynamic_layer_under_random_appends_and_crops():

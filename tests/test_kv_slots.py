@@ -12,7 +12,7 @@ from lattice_inference.errors import ConfigError, TokenError
 from lattice_inference.options import DecodeOptions
 from lattice_inference.targets import make_target
 from lattice_inference.targets.kv_cache import GrowableLayer
-from lattice_inference.testing.toy import byte_tokenizer, toy_config, toy_model
+from lattice_testing.toy import byte_tokenizer, toy_config, toy_model
 
 from .helpers import FLAT_COSTS
 

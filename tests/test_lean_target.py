@@ -21,7 +21,7 @@ from lattice_inference.errors import ConfigError
 from lattice_inference.options import DecodeOptions
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets import LeanTarget, TransformersTarget, make_target, native_ops
-from lattice_inference.testing.toy import byte_tokenizer, toy_config, toy_model
+from lattice_testing.toy import byte_tokenizer, toy_config, toy_model
 
 from .helpers import hf_generate, hf_sampled
 

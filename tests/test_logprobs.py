@@ -12,7 +12,7 @@ from lattice_inference import Generator, SamplingOptions
 from lattice_inference.api import mtp_head_for
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.targets.transformers import TransformersTarget
-from lattice_inference.testing.toy import toy_config, toy_model
+from lattice_testing.toy import toy_config, toy_model
 
 from .helpers import OracleDrafter, TreeOracleDrafter
 from .serve_harness import MODEL_NAME, PROMPTS, client, running_server

@@ -18,7 +18,7 @@ from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.drafters.ngram import NgramDrafter
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.targets import TransformersTarget
-from lattice_inference.testing.toy import TOY_ARCHITECTURES, TOY_VOCAB, toy_config, toy_model
+from lattice_testing.toy import TOY_ARCHITECTURES, TOY_VOCAB, toy_config, toy_model
 
 from .helpers import OracleDrafter, RecordingTarget, hf_generate
 

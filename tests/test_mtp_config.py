@@ -9,7 +9,7 @@ import pytest
 
 from lattice_inference.errors import ConfigError
 from lattice_inference.mtp import MtpConfig
-from lattice_inference.testing.mtp_checkpoint import tiny_hf_config
+from lattice_testing.mtp_checkpoint import tiny_hf_config
 
 # Abridged config.json of Qwen3-Next-80B-A3B as released (legacy top-level RoPE keys, flat).
 QWEN3_NEXT_JSON = {

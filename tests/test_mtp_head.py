@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from lattice_inference.errors import TokenError
 from lattice_inference.mtp import MtpConfig, MtpHead, load_mtp_head
-from lattice_inference.testing.mtp_checkpoint import build_tiny_checkpoint, embed_name, tiny_hf_config
+from lattice_testing.mtp_checkpoint import build_tiny_checkpoint, embed_name, tiny_hf_config
 
 ATOL = 1e-4
 FAMILIES = ["qwen3_next", "qwen3_5_moe", "qwen3_5"]
@@ -271,7 +271,7 @@ def test_zero_norm_weights_mean_pure_normalisation(tmp_path: Path) -> None:
     for name in list(tensors):
         if name.endswith("norm.weight") or "norm_" in name:
             tensors[name] = torch.zeros_like(tensors[name])
-    from lattice_inference.testing.mtp_checkpoint import tiny_hf_config, write_checkpoint
+    from lattice_testing.mtp_checkpoint import tiny_hf_config, write_checkpoint
 
     write_checkpoint(path, tiny_hf_config("qwen3_5"), tensors)
     head = load_mtp_head(path, dtype=torch.float32)

@@ -11,7 +11,7 @@ import torch
 from lattice_inference.errors import ConfigError, ModelLoadError
 from lattice_inference.mtp import MtpConfig, load_mtp_head
 from lattice_inference.mtp.weights import detect_layout, index_checkpoint, plan_load
-from lattice_inference.testing.mtp_checkpoint import (
+from lattice_testing.mtp_checkpoint import (
     build_tiny_checkpoint,
     embed_name,
     tiny_hf_config,

@@ -8,7 +8,7 @@ import pytest
 from lattice_inference.errors import ConfigError
 from lattice_inference.options import MAX_BATCH_ROWS, DecodeOptions, TargetOptions, check_max_batch
 from lattice_inference.targets import LeanTarget, target_for
-from lattice_inference.testing.toy import toy_config, toy_model
+from lattice_testing.toy import toy_config, toy_model
 
 
 def test_decode_options_name_their_target_and_nothing_per_request_changes_it():

@@ -22,7 +22,7 @@ from lattice_inference.errors import ConfigError
 from lattice_inference.mtp import load_mtp_head
 from lattice_inference.penalties import Penalties, row_paths
 from lattice_inference.targets import TransformersTarget
-from lattice_inference.testing.toy import TOY_VOCAB, toy_config, toy_model
+from lattice_testing.toy import TOY_VOCAB, toy_config, toy_model
 
 from .helpers import FLAT_COSTS, OpenAIPenaltyProcessor, OracleDrafter, RecordingTarget, hf_generate, hf_plain
 from .test_hybrid_methods import prompts, write_model

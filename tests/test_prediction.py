@@ -21,7 +21,7 @@ from lattice_inference.drafters.prediction import PREDICTION_KEY, REJOIN_NGRAM, 
 from lattice_inference.errors import TokenError
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets.lean import LeanTarget
-from lattice_inference.testing.toy import toy_config, toy_model
+from lattice_testing.toy import toy_config, toy_model
 
 from .serve_harness import MODEL_NAME, request, running_server
 

@@ -17,7 +17,7 @@ from lattice_inference.options import DecodeOptions
 from lattice_inference.targets import LeanTarget
 from lattice_inference.targets import lean as lean_module
 from lattice_inference.targets.prefix_reuse import CachedRows, KeptSequences
-from lattice_inference.testing.toy import byte_tokenizer, toy_config, toy_model
+from lattice_testing.toy import byte_tokenizer, toy_config, toy_model
 
 from .serve_harness import request, running_server
 

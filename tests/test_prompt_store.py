@@ -11,7 +11,7 @@ import torch
 from lattice_inference.errors import ConfigError
 from lattice_inference.targets import LeanTarget, make_target
 from lattice_inference.targets.prompt_store import MIN_ROWS, PromptStore, model_fingerprint
-from lattice_inference.testing.toy import toy_config, toy_model
+from lattice_testing.toy import toy_config, toy_model
 
 
 def _model(seed: int = 1, dtype: torch.dtype = torch.float32):

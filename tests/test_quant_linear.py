@@ -26,7 +26,7 @@ from lattice_inference.targets.quant_linear import (
     quant_pack,
     unpack,
 )
-from lattice_inference.testing.gguf_blocks import quantize
+from lattice_testing.gguf_blocks import quantize
 
 gguf = pytest.importorskip("gguf")
 
@@ -231,7 +231,7 @@ def _quantize_model(model: torch.nn.Module, kinds: list[str]) -> list[tuple[str,
 
 
 def _quantized_toy(arch: str, kinds: list[str]):
-    from lattice_inference.testing.toy import toy_config, toy_model
+    from lattice_testing.toy import toy_config, toy_model
 
     model = toy_model(toy_config(arch), init_std=0.4, seed=3)
     dense = toy_model(toy_config(arch), init_std=0.4, seed=3)
@@ -247,7 +247,7 @@ def test_a_quantized_toy_model_decodes_speculatively_as_it_decodes_plainly(ops, 
     from lattice_inference.drafters.ngram import NgramDrafter
     from lattice_inference.sampling import SamplingOptions
     from lattice_inference.targets.lean import LeanTarget
-    from lattice_inference.testing.toy import TOY_VOCAB
+    from lattice_testing.toy import TOY_VOCAB
 
     from .helpers import FLAT_COSTS, OracleDrafter, TreeOracleDrafter
 
@@ -291,7 +291,7 @@ def test_a_quantized_toy_model_decodes_speculatively_as_it_decodes_plainly(ops, 
 def test_quantized_layers_in_a_batch_and_under_the_transformers_forward(ops):
     from lattice_inference import Generator
     from lattice_inference.targets import make_target
-    from lattice_inference.testing.toy import byte_tokenizer
+    from lattice_testing.toy import byte_tokenizer
 
     from .helpers import FLAT_COSTS
 
@@ -311,7 +311,7 @@ def test_quantized_layers_in_a_batch_and_under_the_transformers_forward(ops):
 
 
 def test_attaching_matches_by_content_and_leaves_what_matches_nothing(ops):
-    from lattice_inference.testing.toy import toy_config, toy_model
+    from lattice_testing.toy import toy_config, toy_model
 
     model = toy_model(toy_config("llama"), init_std=0.4, seed=3)
     down = model.model.layers[1].mlp.down_proj

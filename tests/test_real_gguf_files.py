@@ -3,7 +3,7 @@
 Every matrix of each file is computed from its blocks (Q4_K, Q5_0, Q6_K, Q8_0: none dequantized), the embedding
 stays in its blocks, the output layer keeps no dense copy, the chat template comes from the file's metadata, and
 prompt lookup (greedy and seeded) and batches equal plain decoding of it token for token. Each module skips with a
-one-line reason where the file's packages are not installed (`lattice_inference.testing.real_files`).
+one-line reason where the file's packages are not installed (`lattice_testing.real_files`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from lattice_inference.models.gguf_quantized import QuantizedEmbedding, quantize
 from lattice_inference.models.load import load_model
 from lattice_inference.targets import native_ops
 from lattice_inference.targets.exactness import check_exactness
-from lattice_inference.testing.real_files import missing, real_file
+from lattice_testing.real_files import missing, real_file
 
 from .helpers import assert_same_tokenizer
 

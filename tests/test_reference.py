@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lattice_inference import reference
+import lattice_reference as reference
 from lattice_inference.drafters.base import Proposal
 from lattice_inference.drafters.ngram import NgramDrafter, NgramState
 from lattice_inference.errors import ConfigError, TokenError
-from lattice_inference.reference import NgramSpeculator, argmax, generate_with_speculation, verify_draft
+from lattice_reference import NgramSpeculator, argmax, generate_with_speculation, verify_draft
 
 # ---------------------------------------------------------------------------------------------------------
 # Mock models

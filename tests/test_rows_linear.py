@@ -118,7 +118,7 @@ def test_a_bfloat16_lean_target_without_bfloat16_dot_products_runs_its_layers_on
     from lattice_inference.decode import SpeculativeDecoder
     from lattice_inference.drafters.ngram import NgramDrafter
     from lattice_inference.targets.lean import LeanTarget
-    from lattice_inference.testing.toy import toy_config, toy_model
+    from lattice_testing.toy import toy_config, toy_model
 
     monkeypatch.setenv("LATTICE_TILES", "0")
     model = toy_model(toy_config("qwen3", hidden_size=128, intermediate_size=512, head_dim=32), seed=1).bfloat16()
@@ -145,7 +145,7 @@ def test_a_float32_lean_target_runs_its_layers_on_them_and_its_rows_are_reusable
     prefill's rows are reused only where the row plans found oneDNN's rows alike at every width (not with AVX-512,
     where its float32 products split their sums by row count; held to AVX2 they may be)."""
     from lattice_inference.targets.lean import LeanTarget
-    from lattice_inference.testing.toy import toy_config, toy_model
+    from lattice_testing.toy import toy_config, toy_model
 
     if not on:
         monkeypatch.setenv("LATTICE_ROWS", "0")

@@ -17,7 +17,7 @@ from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.errors import ConfigError
 from lattice_inference.sampling import GreedySampler, KeyedSampler, gumbel_noise, process_logits
 from lattice_inference.targets.base import Target
-from lattice_inference.testing.toy import save_toy_model_dir
+from lattice_testing.toy import save_toy_model_dir
 
 from .helpers import OracleDrafter, hf_warpers
 

@@ -19,7 +19,7 @@ from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.drafters.ngram import NgramDrafter
 from lattice_inference.mtp import load_mtp_head
 from lattice_inference.targets import TransformersTarget, make_target
-from lattice_inference.testing.toy import TOY_VOCAB, toy_config, toy_model
+from lattice_testing.toy import TOY_VOCAB, toy_config, toy_model
 
 from .helpers import OracleDrafter, RecordingTarget, hf_sampled
 from .test_hybrid_methods import prompts, write_model

@@ -13,8 +13,8 @@ from lattice_inference import Generator
 from lattice_inference.errors import ConfigError
 from lattice_inference.grammar import GrammarError
 from lattice_inference.models.load import load_model
-from lattice_inference.testing.json_schema import follows
 from lattice_inference.tool_calls import Tool, ToolCallParser, chosen_tools, tools_grammar
+from lattice_testing.json_schema import follows
 
 from .helpers import skip_without_real_model
 from .serve_harness import MODEL_NAME, client, running_server
@@ -268,8 +268,8 @@ def test_a_template_with_a_tools_section_gets_the_tools_and_a_lossless_constrain
     grammar (llguidance once allowed it in a mask and refused it when consumed); prompt lookup emits plain
     constrained decoding's call."""
     from lattice_inference.targets import native_ops
-    from lattice_inference.testing.real_files import missing, real_file
     from lattice_inference.tool_calls import template_has_tools
+    from lattice_testing.real_files import missing, real_file
 
     path = real_file("qwen2.5-coder-0.5b")
     if path is None or native_ops.quant() is None:

@@ -17,7 +17,7 @@ from lattice_inference.sampling import SamplingOptions
 from lattice_inference.targets import TransformersTarget
 from lattice_inference.targets.base import TargetSequence
 from lattice_inference.targets.facts import ForwardCosts
-from lattice_inference.testing.toy import TOY_ARCHITECTURES, byte_tokenizer, toy_config, toy_model
+from lattice_testing.toy import TOY_ARCHITECTURES, byte_tokenizer, toy_config, toy_model
 
 from .helpers import ContextKeyedTarget, hf_generate, hf_sampled
 

@@ -94,7 +94,7 @@ def test_a_bfloat16_lean_target_runs_its_layers_on_the_tiles_or_on_onednn(tiles,
     """With our products (the default here) and without them (``LATTICE_TILES=0 LATTICE_ROWS=0``: oneDNN), a
     bfloat16 lean target's k-token rows equal its 1-token steps."""
     from lattice_inference.targets.lean import LeanTarget
-    from lattice_inference.testing.toy import toy_config, toy_model
+    from lattice_testing.toy import toy_config, toy_model
 
     if not on:
         monkeypatch.setenv("LATTICE_TILES", "0")

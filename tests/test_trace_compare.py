@@ -15,8 +15,8 @@ from lattice_inference.engines.compare_report import format_report
 from lattice_inference.engines.vllm import batch, runtime
 from lattice_inference.errors import ConfigError
 from lattice_inference.prompt_codec import PromptCodec
-from lattice_inference.testing.toy import save_toy_model_dir
 from lattice_inference.traces import encode_traces, load_traces
+from lattice_testing.toy import save_toy_model_dir
 
 DOC = "alpha beta gamma delta alpha beta gamma delta"
 TRACES = [

@@ -20,9 +20,9 @@ from lattice_inference.cli import main
 from lattice_inference.errors import ModelLoadError
 from lattice_inference.models.load import LoadedModel, load_model
 from lattice_inference.mtp.head_file import config_for_target, load_head_file
-from lattice_inference.testing.toy import save_toy_model_dir, toy_config, toy_model
 from lattice_inference.train.export import HEAD_NAME, export_head
 from lattice_inference.train.model import TrainableHead
+from lattice_testing.toy import save_toy_model_dir, toy_config, toy_model
 
 from .helpers import FLAT_COSTS
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lattice_inference.api import Generator
+from lattice_inference.api import GenerationResult, Generator
 from lattice_inference.errors import ConfigError
 from lattice_inference.metrics import GenerationMetrics
 from lattice_inference.models.source import ModelSource
@@ -271,10 +271,7 @@ def run_bench(
     sampling = greedy.options.sampling
     if seed is None and not sampling.greedy:
         seed = sampling.seeded().seed
-    exactness = ""
-    for gen in generators.values():  # warm-up (a drafted method's first generation runs its target's self-check)
-        result = gen.generate(encoded[0], max_new_tokens=min(16, max_new_tokens))
-        exactness = exactness or result.metrics.exactness
+    exactness = _warm_up(generators, encoded[0], max_new_tokens)
     for rep in range(reps):
         for gen in generators.values():
             gen.clear_suffix_index()
@@ -298,12 +295,7 @@ def run_bench(
                     g.copy_matched += matched
                     g.copy_compared += compared
                 if p.kind not in samples:
-                    samples[p.kind] = {
-                        "id": p.id or f"prompt {i + 1}",
-                        "prompt_tokens": len(ids),
-                        "output": outs["greedy"].text,
-                        "identical": {m: outs[m].token_ids == greedy_ids for m in methods},
-                    }
+                    samples[p.kind] = _sample(p.id or f"prompt {i + 1}", len(ids), outs, methods)
             if progress:
                 progress(f"rep {rep + 1}/{reps} prompt {i + 1}/{len(prompts)} ({p.kind})")
         for g in (overall, *groups.values()):
@@ -317,6 +309,22 @@ def run_bench(
         "groups": {k: g.report() for k, g in groups.items()},
         "samples": samples,
     }
+
+
+def _warm_up(generators: dict[str, Generator], ids: list[int], max_new_tokens: int) -> str:
+    """One short generation per method before timing (a drafted method's first runs its target's self-check);
+    what the self-check verified (`GenerationMetrics.exactness`)."""
+    exactness = ""
+    for gen in generators.values():
+        exactness = exactness or gen.generate(ids, max_new_tokens=min(16, max_new_tokens)).metrics.exactness
+    return exactness
+
+
+def _sample(name: str, prompt_tokens: int, outs: dict[str, GenerationResult], methods: list[str]) -> dict[str, Any]:
+    """A prompt kind's sample for the report: greedy's output and whether each method's tokens equal it."""
+    greedy_ids = outs["greedy"].token_ids
+    identical = {m: outs[m].token_ids == greedy_ids for m in methods}
+    return {"id": name, "prompt_tokens": prompt_tokens, "output": outs["greedy"].text, "identical": identical}
 
 
 def _format_rows(rows: list[dict[str, Any]]) -> list[str]:

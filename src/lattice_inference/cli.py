@@ -25,12 +25,27 @@ from lattice_inference.process import settle_after_load
 if TYPE_CHECKING:
     from lattice_inference.api import Generator
     from lattice_inference.grammar import Grammar
+    from lattice_inference.models.load import LoadedModel
+    from lattice_inference.options import DecodeOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lattice`` command."""
     parser = argparse.ArgumentParser(prog="lattice", description="Lossless speculative decoding for Hugging Face LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub)
+    _add_bench_parser(sub)
+    from lattice_inference.serve.command import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
+    from lattice_inference.train.command import add_parser as add_train_parser
+
+    add_train_parser(sub, positive_int, MODEL_HELP)
+    return parser
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    """``lattice generate``'s arguments."""
     gen = sub.add_parser("generate", help="generate text from a prompt, streaming it to stdout")
     gen.add_argument("--model", help=MODEL_HELP)
     src = gen.add_mutually_exclusive_group(required=True)
@@ -60,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_arguments(gen)
 
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """``lattice bench``'s arguments."""
     bench = sub.add_parser("bench", help="run several methods on the same prompts and compare speed and output")
     bench.add_argument("--model", help=MODEL_HELP)
     bench.add_argument(
@@ -102,14 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", help="write a PNG of speed-up and per-position acceptance (needs matplotlib)")
     bench.add_argument("--threads", type=positive_int, help="torch CPU threads")
     add_engine_arguments(bench, several=True)
-
-    from lattice_inference.serve.command import add_parser as add_serve_parser
-
-    add_serve_parser(sub)
-    from lattice_inference.train.command import add_parser as add_train_parser
-
-    add_train_parser(sub, positive_int, MODEL_HELP)
-    return parser
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -209,15 +219,40 @@ def _grammar(gen: Generator, args: argparse.Namespace) -> Grammar | None:
     return gen.grammars.get(kind, source)
 
 
+def _bench_generators(
+    args: argparse.Namespace, loaded: LoadedModel, methods: list[str], base: DecodeOptions, explicit: bool
+) -> dict[str, Generator]:
+    """`lattice bench`'s generators, one per method: MTP methods dropped (with a line saying why) where the model has
+    no usable head and the methods were not named, or where its head is this project's trained one (run when asked)."""
+    from lattice_inference import benchmark
+    from lattice_inference.api import Generator, mtp_head_for
+    from lattice_inference.mtp.head_file import shipped_head
+
+    head = None
+    if not explicit and args.mtp_head is None and shipped_head(loaded.source) is not None:
+        # A head trained by this project for a model without one (SmolLM2): run it when asked, not by default;
+        # its card says how far its training got.
+        methods = [m for m in methods if not needs_mtp_head(m)]
+        benchmark.log("MTP methods need --methods ...,mtp for this model's trained head (see its card)")
+    if any(map(needs_mtp_head, methods)):
+        try:
+            head = mtp_head_for(loaded, base.draft_length, base.draft_vocab, args.mtp_head)
+        except LatticeError as exc:
+            if explicit:
+                raise
+            methods = [m for m in methods if not needs_mtp_head(m)]
+            benchmark.log(f"no MTP methods: {exc}")
+    model, tokenizer, eos = loaded.model, loaded.tokenizer, loaded.eos_token_ids
+    return {m: Generator(model, tokenizer, base.updated(method=m), mtp_head=head, eos_token_ids=eos) for m in methods}
+
+
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from lattice_inference import benchmark
-    from lattice_inference.api import Generator, mtp_head_for
     from lattice_inference.devices import placement
     from lattice_inference.models.load import load_model
     from lattice_inference.models.source import resolve_model
-    from lattice_inference.mtp.head_file import shipped_head
 
     if parse_engines(args.engine, several=True) != ["local"]:
         from lattice_inference.engines.compare import compare
@@ -247,25 +282,9 @@ def _bench(args: argparse.Namespace) -> int:
     benchmark.log(f"loading {source.name} ({source.location})")
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     settle_after_load()
-    lm, tok = loaded.model, loaded.tokenizer
-    head = None
-    if not explicit and args.mtp_head is None and shipped_head(loaded.source) is not None:
-        # A head trained by this project for a model without one (SmolLM2): run it when asked, not by default;
-        # its card says how far its training got.
-        methods = [m for m in methods if not needs_mtp_head(m)]
-        benchmark.log("MTP methods need --methods ...,mtp for this model's trained head (see its card)")
-    if any(map(needs_mtp_head, methods)):
-        try:
-            head = mtp_head_for(loaded, base.draft_length, base.draft_vocab, args.mtp_head)
-        except LatticeError as exc:
-            if explicit:
-                raise
-            methods = [m for m in methods if not needs_mtp_head(m)]
-            benchmark.log(f"no MTP methods: {exc}")
-    generators = {
-        m: Generator(lm, tok, base.updated(method=m), mtp_head=head, eos_token_ids=loaded.eos_token_ids)
-        for m in methods
-    }
+    lm = loaded.model
+    generators = _bench_generators(args, loaded, methods, base, explicit)
+    methods = list(generators)
     if args.traces:
         benchmark.log(f"{len(traces)} traces, methods {', '.join(methods)}, model {loaded.source}")
         report = trace_bench.run_traces(generators, traces, max_new_tokens=args.max_new_tokens, progress=benchmark.log)

@@ -262,10 +262,6 @@ class SpeculativeDecoder:
         finally:
             batch.close()
 
-    def wants_hidden(self) -> bool:
-        """Whether this decoder's drafter reads the target's hidden states (the target must capture them)."""
-        return self._wants_hidden
-
     def open(self, gen: Generation, owner: str | None = "", *, chunk: int = 0) -> list[int]:
         """Start ``gen`` on a new sequence of the target (`Generation.sequence`, whose prefill may reuse ``owner``'s
         earlier rows): the self-check and cost measurement where not done yet, the planner, the prefill; returns

@@ -390,11 +390,6 @@ class GrammarState:
         tail = rest[len(spelled) :]
         self._spelled_at = (position + 1, tail) if tail else None
 
-    @property
-    def accepting(self) -> bool:
-        """Whether the tokens so far form a complete match (EOS is allowed now)."""
-        return bool(self._matcher.is_accepting())
-
 
 class GrammarCache:
     """Grammars compiled for one tokenizer, once per source (a `Generator`'s, the server engine's): llguidance's

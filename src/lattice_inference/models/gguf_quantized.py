@@ -40,7 +40,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -220,13 +220,13 @@ def quantized_weights(model: nn.Module) -> QuantizedWeights | None:
     return found if isinstance(found, QuantizedWeights) else None
 
 
-def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] | None:
-    """The GGUF file ``path`` as a model whose quantized linear layers hold the file's blocks, built without
-    dequantizing the file whole (see the module docstring), and its tokenizer (what was attached: `quantized_weights`
-    of the model); None where transformers reshapes this architecture's tensors beyond a row permutation, or a
-    parameter is not in the file (then load it dequantized and `attach`)."""
-    import gguf
-    import numpy as np
+def _skeleton(
+    path: Path,
+) -> tuple[GGUFIndex, PreTrainedModel, PreTrainedTokenizerBase, Any, dict[str, str]] | None:
+    """`load_as_stored`'s start: the file's index, an empty model of its config (on the meta device), its tokenizer,
+    transformers' tensor processor for its architecture and the file's tensor names to the model's; None where the
+    processor reshapes tensors beyond a row permutation or the config cannot be read (the dequantizing load then
+    names what is wrong)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
@@ -238,25 +238,60 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     )
 
     from lattice_inference.models.gguf_dequantized import check_gguf_file, config_and_tokenizer, load_error
-    from lattice_inference.targets import native_ops
 
-    path = Path(path)
     check_gguf_file(path)
     try:
         reader = read_index(path)
     except Exception as exc:  # gguf raises many types for a bad file
         raise load_error(path, exc) from exc
-    architecture = reader.architecture
     try:
         config, tokenizer = config_and_tokenizer(path)
     except ModelLoadError:
         return None  # the dequantizing load names what is wrong with the file, as it always has
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    processor = TENSOR_PROCESSORS.get(reader.architecture, TensorProcessor)(config=config.to_dict())
     if type(processor) not in (TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor):  # rows permuted at most
         return None
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    names = _tensor_names(model, architecture) or get_gguf_hf_weights_map(model, processor)
+    names = _tensor_names(model, reader.architecture) or get_gguf_hf_weights_map(model, processor)
+    return reader, model, tokenizer, processor, names
+
+
+def _tied_and_complete(
+    model: PreTrainedModel,
+    inputs: nn.Module | None,
+    outputs: nn.Module | None,
+    tied: tuple[str, torch.Tensor, bool] | None,
+    linears: dict[str, nn.Linear],
+    done: QuantizedWeights,
+) -> bool:
+    """`load_as_stored`'s end: a tied output layer given the embedding's blocks (``tied``: kind, blocks, packed?),
+    or tied as transformers ties it; whether every parameter is now held (none left on the meta device)."""
+    if model.config.tie_word_embeddings:
+        if not isinstance(inputs, QuantizedEmbedding):
+            model.tie_weights()
+        if isinstance(outputs, nn.Linear) and tied is not None and getattr(outputs, QUANT, None) is None:
+            kind, blocks, is_packed = tied
+            setattr(outputs, QUANT, blocks if is_packed else quant_pack(blocks, kind))  # one copy where packed
+            done.native[kind] += 1
+    quantized = {id(m.weight) for m in linears.values() if getattr(m, QUANT, None) is not None}
+    return not any(p.device.type == "meta" and id(p) not in quantized for p in model.parameters())
+
+
+def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] | None:
+    """The GGUF file ``path`` as a model whose quantized linear layers hold the file's blocks, built without
+    dequantizing the file whole (see the module docstring), and its tokenizer (what was attached: `quantized_weights`
+    of the model); None where transformers reshapes this architecture's tensors beyond a row permutation, or a
+    parameter is not in the file (then load it dequantized and `attach`)."""
+    import gguf
+    import numpy as np
+
+    from lattice_inference.targets import native_ops
+
+    skeleton = _skeleton(path := Path(path))
+    if skeleton is None:
+        return None
+    reader, model, tokenizer, processor, names = skeleton
     linears = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
     done = QuantizedWeights()
@@ -267,8 +302,8 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
         kind, rows = tensor.tensor_type.name, int(tensor.shape[-1])
         native = kind in FORMATS and len(tensor.shape) == 2
         if native:  # the row order transformers gives this tensor, from its processor run over the row indices
-            index = np.arange(rows, dtype=np.int64).reshape(rows, 1)
-            result = processor.process(weights=index, name=tensor.name, tensor_key_mapping=names, parsed_parameters={})
+            result = processor.process(weights=np.arange(rows, dtype=np.int64).reshape(rows, 1), name=tensor.name,
+                                       tensor_key_mapping=names, parsed_parameters={})  # fmt: skip
             perm = torch.from_numpy(np.ascontiguousarray(result.weights).reshape(-1))
         else:
             try:
@@ -316,15 +351,7 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
                 return None
             dense = dense.reshape(target.shape)
         _set_parameter(model, hf_name, dense)
-    if model.config.tie_word_embeddings:
-        if not isinstance(inputs, QuantizedEmbedding):
-            model.tie_weights()
-        if isinstance(outputs, nn.Linear) and tied is not None and getattr(outputs, QUANT, None) is None:
-            kind, blocks, is_packed = tied
-            setattr(outputs, QUANT, blocks if is_packed else quant_pack(blocks, kind))  # one copy where packed
-            done.native[kind] += 1
-    quantized = {id(m.weight) for m in linears.values() if getattr(m, QUANT, None) is not None}
-    if any(p.device.type == "meta" and id(p) not in quantized for p in model.parameters()):
+    if not _tied_and_complete(model, inputs, outputs, tied, linears, done):
         return None  # a parameter the file does not hold
     release_freed_memory()
     _count_costs(done, reader)

@@ -22,6 +22,7 @@ from lattice_inference.flags import add_placement_arguments
 
 if TYPE_CHECKING:  # the parser is built on every `lattice` call: torch and transformers load only to train
     from lattice_inference.models.load import LoadedModel
+    from lattice_inference.train.loop import LoopConfig
 
 
 def add_parser(sub: argparse._SubParsersAction, positive_int: Callable[[str], int], model_help: str) -> None:
@@ -134,6 +135,31 @@ def _init_head(args: argparse.Namespace, source: str, config: Any, cfg: Any) -> 
     return read_head_tensors(path, config, cfg)
 
 
+def _check_run(args: argparse.Namespace, out: Path, work: Path) -> None:
+    """Refuse a soft-target weight outside [0, 1], and an ``--out`` holding a run unless ``--resume``."""
+    if not 0.0 <= args.soft_weight <= 1.0:
+        raise ConfigError(f"--soft-weight must lie in [0, 1], got {args.soft_weight}")
+    if work.exists() and not args.resume and (work / "checkpoint.pt").exists():
+        raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+
+
+def _loop_config(args: argparse.Namespace) -> LoopConfig:
+    """The training loop's settings from ``lattice train-mtp``'s arguments."""
+    from lattice_inference.train.loop import LoopConfig
+
+    return LoopConfig(
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        draft_vocab=args.draft_vocab,
+        probe_every_s=args.checkpoint_minutes * 60,
+        checkpoint_every_s=args.checkpoint_minutes * 60,
+        seed=args.seed,
+        soft_weight=args.soft_weight,
+        depth=args.draft_steps,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``lattice train-mtp``; returns the exit code."""
     import torch
@@ -142,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     from lattice_inference.mtp.head_file import config_for_target
     from lattice_inference.train import data as datamod
     from lattice_inference.train.export import export_head
-    from lattice_inference.train.loop import LoopConfig, LoopState, train
+    from lattice_inference.train.loop import LoopState, train
     from lattice_inference.train.model import TrainableHead
 
     if args.threads:
@@ -150,10 +176,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     work = out / "work"
-    if not 0.0 <= args.soft_weight <= 1.0:
-        raise ConfigError(f"--soft-weight must lie in [0, 1], got {args.soft_weight}")
-    if work.exists() and not args.resume and (work / "checkpoint.pt").exists():
-        raise ConfigError(f"{out} already holds a run: pass --resume to continue it, or choose another --out")
+    _check_run(args, out, work)
     work.mkdir(parents=True, exist_ok=True)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model = loaded.model.eval()
@@ -201,17 +224,7 @@ def run(args: argparse.Namespace) -> int:
         export_head(head, model.config, out, draft_vocab=args.draft_vocab, training=report)
         (out / "training_log.json").write_text(json.dumps({**report, "history": state.history}, indent=1) + "\n")
 
-    loop = LoopConfig(
-        steps=args.steps,
-        batch=args.batch,
-        lr=args.lr,
-        draft_vocab=args.draft_vocab,
-        probe_every_s=args.checkpoint_minutes * 60,
-        checkpoint_every_s=args.checkpoint_minutes * 60,
-        seed=args.seed,
-        soft_weight=args.soft_weight,
-        depth=args.draft_steps,
-    )
+    loop = _loop_config(args)
     state = train(
         head,
         cache,

@@ -158,6 +158,41 @@ def save_checkpoint(path: Path, head: TrainableHead, opt: torch.optim.Optimizer,
     write_atomic(path, lambda tmp: torch.save(blob, tmp))
 
 
+def _resumed(
+    head: TrainableHead, opt: torch.optim.Optimizer, checkpoint: Path, device: torch.device, log: Callable[[str], None]
+) -> LoopState:
+    """The state a checkpoint holds, its head's and optimizer's states loaded."""
+    blob = torch.load(checkpoint, weights_only=False, map_location=device)
+    head.load_state_dict(blob["head"])
+    opt.load_state_dict(blob["opt"])
+    state = LoopState(**blob["state"])
+    log(f"resumed at step {state.step} ({state.tokens / 1e6:.2f}M tokens)")
+    return state
+
+
+def _step(
+    head: TrainableHead,
+    opt: torch.optim.Optimizer,
+    rows: dict[str, torch.Tensor],
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    vocab: int,
+    cfg: LoopConfig,
+    lr: float,
+) -> tuple[float, int]:
+    """One optimizer step at learning rate ``lr`` on a batch of cached trunk ``rows``: its loss and the tokens it
+    trained on."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    step_losses, _, valid = head_loss(head, rows, embed, lm_head, vocab, cfg.soft_weight, cfg.depth)
+    loss = torch.stack(step_losses).sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+    opt.step()
+    return loss.item(), int(valid.numel())
+
+
 def train(
     head: TrainableHead,
     cache: ShardCache,
@@ -174,13 +209,7 @@ def train(
     """Train ``head`` for ``cfg.steps`` steps (continuing a checkpoint when ``resume``); returns the final state."""
     vocab = cfg.draft_vocab or int(lm_head.shape[0])
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    state = LoopState()
-    if resume and checkpoint.is_file():
-        blob = torch.load(checkpoint, weights_only=False, map_location=embed.device)
-        head.load_state_dict(blob["head"])
-        opt.load_state_dict(blob["opt"])
-        state = LoopState(**blob["state"])
-        log(f"resumed at step {state.step} ({state.tokens / 1e6:.2f}M tokens)")
+    state = _resumed(head, opt, checkpoint, embed.device, log) if resume and checkpoint.is_file() else LoopState()
     rng = random.Random(cfg.seed * 1_000_003 + state.step)
     built = len(cache.ready())
     if built == 0:
@@ -213,20 +242,12 @@ def train(
             ready = cache.ready()
             if len(ready) < cache.count and state.step % cfg.build_every == 0:
                 cache.ensure(len(ready))
-            rows = cache.sample(rng, cfg.batch)
             lr = lr_at(cfg, state.step)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            step_losses, _, valid = head_loss(head, rows, embed, lm_head, vocab, cfg.soft_weight, cfg.depth)
-            loss = torch.stack(step_losses).sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            opt.step()
+            loss, tokens = _step(head, opt, cache.sample(rng, cfg.batch), embed, lm_head, vocab, cfg, lr)
             state.step += 1
-            state.tokens += int(valid.numel())
-            win_tokens += int(valid.numel())
-            win_loss, win_n = win_loss + loss.item(), win_n + 1
+            state.tokens += tokens
+            win_tokens += tokens
+            win_loss, win_n = win_loss + loss, win_n + 1
             now = time.monotonic()
             if now - last_log >= cfg.log_every_s or state.step == cfg.steps:
                 acc = state.history[-1]["acceptance"] if state.history else float("nan")

@@ -5,7 +5,7 @@ byte-level BPE with no merges (one token per byte) plus a few special tokens. Wi
 random models fall into short loops, which prompt lookup drafts well; with a large init they produce diverse
 tokens that never copy. Neither says anything about real acceptance; they exercise the mechanics.
 
-Run ``python -m lattice_inference.testing.toy DIR [--arch qwen3]`` to write one to ``DIR``.
+Run ``python -m lattice_testing.toy DIR [--arch qwen3]`` to write one to ``DIR``.
 """
 
 from __future__ import annotations

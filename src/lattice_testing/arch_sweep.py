@@ -15,7 +15,7 @@ download would be. Each architecture ends in exactly one list:
 ``fast`` checks greedy against ``ngram`` on one prompt; the full form adds ``suffix``, a seeded sample (plain and
 ``ngram``) and a batch of three through ``generate_many``, on grounded-style prompts.
 
-Run ``python -m lattice_inference.testing.arch_sweep [--full] [--only llama,gpt2]`` to print the three lists with
+Run ``python -m lattice_testing.arch_sweep [--full] [--only llama,gpt2]`` to print the three lists with
 their counts.
 """
 
@@ -256,7 +256,7 @@ def save_tiny_model(model_type: str, path: Path, *, seed: int = 0) -> Path:
     small init loops, which prompt lookup drafts) and write it with the byte tokenizer to ``path``."""
     from transformers import AutoModelForCausalLM
 
-    from lattice_inference.testing.toy import byte_tokenizer
+    from lattice_testing.toy import byte_tokenizer
 
     config = tiny_config(model_type)
     if hasattr(config, "initializer_range"):
@@ -455,7 +455,7 @@ REFUSAL_KINDS = (
 
 def markdown(results: Sequence[SweepResult]) -> str:
     """The README's sweep block: each list's count and names, refusals grouped by reason, each unbuildable's reason
-    (``python -m lattice_inference.testing.arch_sweep --markdown`` prints it; a test compares it with README)."""
+    (``python -m lattice_testing.arch_sweep --markdown`` prints it; a test compares it with README)."""
     lines = ["<!-- sweep:start -->"]
     for status in ("runs", "refused", "unbuildable"):
         names = sorted(r.model_type for r in results if r.status == status)
