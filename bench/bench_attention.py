@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from lattice_inference.targets import native_ops
+from lattice_inference.kernels import native_ops
 
 
 def timed(run, reps: int) -> float:

@@ -33,8 +33,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.cpu_features import has_native_bf16, isa_ceiling
+from lattice_inference.kernels import native_ops
 from lattice_inference.models.load import load_model
-from lattice_inference.targets import native_ops
 from lattice_inference.targets.base import TargetSequence
 from lattice_inference.targets.lean import LeanTarget
 

@@ -21,10 +21,11 @@ import torch
 from lattice_inference.api import Generator
 from lattice_inference.benchmark import default_prompts_path, encode_prompt, first_per_kind, load_prompts
 from lattice_inference.cli import quiet_transformers
+from lattice_inference.kernels import native_ops
 from lattice_inference.models.load import load_model
 from lattice_inference.models.source import resolve_model
 from lattice_inference.options import DecodeOptions
-from lattice_inference.targets import make_target, native_ops
+from lattice_inference.targets import make_target
 
 METHODS = ("greedy", "ngram")
 

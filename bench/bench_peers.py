@@ -5,7 +5,7 @@ Engines (each request timed whole, prompt processing included, batch 1, greedy):
 - ours (`Generator`): greedy, ``ngram`` with its defaults (adaptive draft lengths up to 10), ``ngram`` with
   ``--max-draft 4``, and ``ngram`` with ``--fixed-draft`` (every proposed token verified, up to 10: the loop
   without the planner); ours runs on its own copy of the model (our target packs its linear weights, see
-  ``targets/packed_linear.py``), transformers on an untouched one;
+  ``kernels/packed_linear.py``), transformers on an untouched one;
 - ours ``mtp`` with the head shipped for the model (SmolLM2), where there is one;
 - llama.cpp through ``llama-cpp-python`` (plain and ``LlamaPromptLookupDecoding`` 10 / 4), run by the Python of
   a venv that has it (``--peers-python`` or ``$LATTICE_PEERS_PYTHON``; ``peer_llamacpp.py`` says how to build

@@ -31,10 +31,11 @@ import torch
 from bench_attention import timed
 
 from lattice_inference.cli import quiet_transformers
+from lattice_inference.kernels import native_ops
+from lattice_inference.kernels.packed_linear import packed_operands
 from lattice_inference.models.load import load_model
-from lattice_inference.targets import LeanTarget, make_target, native_ops
+from lattice_inference.targets import LeanTarget, make_target
 from lattice_inference.targets.lean_forward import Layer, product
-from lattice_inference.targets.packed_linear import packed_operands
 
 FORMAT_OF_BYTES = {
     544: "Q8_0",

@@ -251,8 +251,9 @@ def ours_worker(args: argparse.Namespace) -> None:
     from lattice_inference import Generator
     from lattice_inference.cli import quiet_transformers
     from lattice_inference.cpu_features import isa_ceiling
+    from lattice_inference.kernels import native_ops
     from lattice_inference.models.load import load_model
-    from lattice_inference.targets import make_target, native_ops
+    from lattice_inference.targets import make_target
 
     torch.set_num_threads(args.threads)
     quiet_transformers()

@@ -21,8 +21,8 @@ import time
 import torch
 from bench_serve_concurrency import cpu_line
 
-from lattice_inference.targets import native_ops
-from lattice_inference.targets.quant_linear import quant_pack
+from lattice_inference.kernels import native_ops
+from lattice_inference.kernels.quant_linear import quant_pack
 from lattice_testing.gguf_blocks import quantize
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))

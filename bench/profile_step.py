@@ -1,8 +1,8 @@
 """Where one decode step of the real model spends its time, and what verifying k tokens costs, per configuration.
 
 Configurations: ``dense``: the model's own ``F.linear`` and attention over all rows at once; ``packed``: oneDNN-
-packed weights with fused q/k/v and gate/up (``targets/packed_linear.py``), rows at once (``--batched-verify``);
-``matched``: packed and decode-matched (``targets/decode_matched.py``: every row of a k-token forward computed bit
+packed weights with fused q/k/v and gate/up (``kernels/packed_linear.py``), rows at once (``--batched-verify``);
+``matched``: packed and decode-matched (``kernels/decode_matched.py``: every row of a k-token forward computed bit
 for bit as the 1-token step computes it) through transformers' forward (``--forward transformers``); ``lean``: the
 default, the same through the lean decoder loop (``targets/lean.py``). For each it prints:
 - the wall time of a forward of 1..16 tokens through our target after a grounded prompt (median of ``--reps``),
@@ -37,11 +37,12 @@ from bench_attention import timed
 from lattice_inference.benchmark import GROUNDED_TASKS, load_prompts
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.devices import placement
+from lattice_inference.kernels import native_ops
+from lattice_inference.kernels.packed_linear import packed_linear, packed_operands, quant_inputs, quant_packed
 from lattice_inference.models.load import LoadedModel, load_model
-from lattice_inference.targets import LeanTarget, TransformersTarget, native_ops
+from lattice_inference.targets import LeanTarget, TransformersTarget
 from lattice_inference.targets.base import TargetSequence
 from lattice_inference.targets.exactness import check_exactness
-from lattice_inference.targets.packed_linear import packed_linear, packed_operands, quant_inputs, quant_packed
 
 WIDTHS = tuple(range(1, 17))
 

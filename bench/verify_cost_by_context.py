@@ -19,8 +19,9 @@ import torch
 from profile_step import lean_parts
 
 from lattice_inference.cli import quiet_transformers
+from lattice_inference.kernels import native_ops
 from lattice_inference.models.load import load_model
-from lattice_inference.targets import LeanTarget, make_target, native_ops
+from lattice_inference.targets import LeanTarget, make_target
 from lattice_inference.targets.forward_cost import measure_forward_costs
 
 

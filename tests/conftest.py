@@ -31,7 +31,7 @@ def reference(loaded):
 @pytest.fixture(scope="module")
 def quant_ops():
     """The native build's quantized products (`native_ops.quant`); the test skips where they do not run here."""
-    from lattice_inference.targets import native_ops
+    from lattice_inference.kernels import native_ops
 
     built = native_ops.quant()
     if built is None:
@@ -123,7 +123,7 @@ def other_builds():
     ``rows_linear_kernel`` where built)."""
     from torch.utils import cpp_extension
 
-    from lattice_inference.targets import native_ops
+    from lattice_inference.kernels import native_ops
 
     binds = {
         "quant_linear": 'm.def("quant_linear", &quant_linear); m.def("quant_linear_kernel", &quant_linear_kernel);',

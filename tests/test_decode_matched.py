@@ -22,19 +22,20 @@ from lattice_inference.api import mtp_head_for
 from lattice_inference.cpu_features import has_native_bf16
 from lattice_inference.decode import SpeculativeDecoder
 from lattice_inference.drafters.ngram import NgramDrafter
-from lattice_inference.models.load import load_model
-from lattice_inference.sampling import SamplingOptions
-from lattice_inference.targets import decode_matched, make_target
-from lattice_inference.targets.decode_matched import (
+from lattice_inference.kernels import decode_matched
+from lattice_inference.kernels.decode_matched import (
     CALIBRATED_ROWS,
     decode_matched_sdpa,
     linear_key,
     matched_product,
     matching,
 )
+from lattice_inference.kernels.packed_linear import pack_weight, packed_linear, packing_supported
+from lattice_inference.models.load import load_model
+from lattice_inference.sampling import SamplingOptions
+from lattice_inference.targets import make_target
 from lattice_inference.targets.exactness import check_exactness, exactness
 from lattice_inference.targets.facts import ForwardCosts
-from lattice_inference.targets.packed_linear import pack_weight, packed_linear, packing_supported
 from lattice_testing.toy import TOY_VOCAB, toy_config, toy_model
 
 from .helpers import OracleDrafter, TreeOracleDrafter
@@ -313,7 +314,7 @@ def test_our_own_kernels_are_planned_without_calibration(monkeypatch):
     """Our product kernels (`ROW_EXACT_KINDS`: tiles, rows, every quantized format) are row-exact by construction
     and planned at base 1 at once (calibrating a 1.5B model's output layer cost its first decode step 4.8 s);
     oneDNN's and dense products are still calibrated."""
-    from lattice_inference.targets import decode_matched
+    from lattice_inference.kernels import decode_matched
 
     def fail(*args, **kwargs):
         raise AssertionError("calibrated")

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lattice_inference.kernels.packed_linear import QUANT, packed_kind
+from lattice_inference.kernels.quant_linear import dequantize, quant_pack
 from lattice_inference.models.gguf_quantized import QuantizedEmbedding, attach_tensors
-from lattice_inference.targets.packed_linear import QUANT, packed_kind
-from lattice_inference.targets.quant_linear import dequantize, quant_pack
 from lattice_testing.gguf_blocks import quantize
 
 from .test_quant_linear import _rand

@@ -1,5 +1,6 @@
-"""The package's import graph has no cycle: every module imports only modules below it; and the core package
-imports nothing of the packages built on it (`lattice_testing`, `lattice_reference`).
+"""The package's import graph has no cycle, between modules or between packages: every module imports only modules
+below it, `kernels` below `targets` and `models`; and the core package imports nothing of the packages built on it
+(`lattice_testing`, `lattice_reference`).
 
 Imports are read from the source with `ast` (module-level and function-level ones alike, since a lazy import
 closes a circle too). Those under ``if TYPE_CHECKING:`` do not run, but a circle through them still knots the
@@ -168,3 +169,28 @@ def test_no_function_runs_over_80_lines():
         and (node.end_lineno or node.lineno) - node.lineno + 1 > LONGEST_FUNCTION
     ]
     assert not long, "; ".join(long)
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between the core's packages and top-level modules (``lattice_inference.targets.lean`` ->
+    ``targets``; ``lattice_inference.options`` -> ``options``): an edge where any module of one imports the other."""
+
+    def part(name: str) -> str:
+        return name.split(".")[1] if "." in name else name
+
+    out: dict[str, set[str]] = {part(m): set() for m in graph}
+    for module, imported in graph.items():
+        out[part(module)] |= {part(i) for i in imported if part(i) != part(module)}
+    return out
+
+
+@pytest.mark.parametrize("type_only", [False, True])
+def test_no_package_cycle(type_only: bool):
+    found = cycles(package_graph(import_graph(type_only)))
+    assert found == [], "package cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_kernels_sit_below_targets_models_and_options():
+    """`kernels` (the products and native ops) imports no package above it: the layers run one way."""
+    above = {"targets", "models", "mtp", "options", "drafters", "serve", "engines", "api", "decode", "batching"}
+    assert not package_graph(import_graph(type_only=True))["kernels"] & above

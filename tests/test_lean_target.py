@@ -18,9 +18,10 @@ import torch
 
 from lattice_inference import Generator
 from lattice_inference.errors import ConfigError
+from lattice_inference.kernels import native_ops
 from lattice_inference.options import DecodeOptions
 from lattice_inference.sampling import SamplingOptions
-from lattice_inference.targets import LeanTarget, TransformersTarget, make_target, native_ops
+from lattice_inference.targets import LeanTarget, TransformersTarget, make_target
 from lattice_testing.toy import byte_tokenizer, toy_config, toy_model
 
 from .helpers import hf_generate, hf_sampled

@@ -116,8 +116,8 @@ def test_gguf_auto_dtype_follows_where_bfloat16_products_run(monkeypatch: pytest
     float32 where only torch's emulation would run it; bfloat16 on a GPU."""
     import torch
 
+    from lattice_inference.kernels import native_ops
     from lattice_inference.models import load as loading
-    from lattice_inference.targets import native_ops
 
     gguf = model_source.ModelSource("gguf", "m.gguf", "m.gguf")
     monkeypatch.setattr(loading, "has_native_bf16", lambda: False)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from lattice_inference.kernels.decode_matched import ATTENTION
+from lattice_inference.kernels.packed_linear import _PACKED, QUANT
 from lattice_inference.targets import make_target
-from lattice_inference.targets.decode_matched import ATTENTION
 from lattice_inference.targets.model_view import runner_view
-from lattice_inference.targets.packed_linear import _PACKED, QUANT
 from lattice_testing.toy import toy_config, toy_model
 
 
@@ -77,8 +77,8 @@ def test_the_view_has_its_own_modules_hooks_and_config() -> None:
 
 
 def test_a_quantized_model_runs_as_loaded_and_every_target_reads_its_blocks(quant_ops) -> None:
+    from lattice_inference.kernels.quant_linear import dequantize
     from lattice_inference.models.gguf_quantized import attach_tensors
-    from lattice_inference.targets.quant_linear import dequantize
     from lattice_testing.gguf_blocks import quantize
 
     shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)

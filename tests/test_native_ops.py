@@ -1,4 +1,4 @@
-"""The lean forward's native row-wise ops (`targets/native_ops.py`, ``csrc/lean_ops.cpp``).
+"""The lean forward's native row-wise ops (`kernels/native_ops.py`, ``csrc/lean_ops.cpp``).
 
 Each op against transformers' own modules (Llama/Qwen3 RMSNorm, rotary embedding with q/k norms, the SiLU gate)
 or a float64 attention reference, in float32 and bfloat16; and each op's rows (and each row's heads) equal to
@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from lattice_inference.targets import native_ops
+from lattice_inference.kernels import native_ops
 
 DTYPES = [torch.float32, torch.bfloat16]
 

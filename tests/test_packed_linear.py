@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from lattice_inference.kernels.packed_linear import _PACKED, pack_linears, packing_supported, unpack_linears
 from lattice_inference.targets import TransformersTarget
-from lattice_inference.targets.packed_linear import _PACKED, pack_linears, packing_supported, unpack_linears
 from lattice_testing.toy import toy_config, toy_model
 
 pytestmark = pytest.mark.skipif(not packing_supported(torch.float32), reason="oneDNN cannot pack float32 here")

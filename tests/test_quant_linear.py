@@ -15,9 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lattice_inference.models.gguf_quantized import attach_tensors, quantized_weights
-from lattice_inference.targets.packed_linear import QUANT, pack_linears, packed_kind, quant_packed
-from lattice_inference.targets.quant_linear import (
+from lattice_inference.kernels.packed_linear import QUANT, pack_linears, packed_kind, quant_packed
+from lattice_inference.kernels.quant_linear import (
     FORMATS,
     concat_packed,
     dequantize,
@@ -26,6 +25,7 @@ from lattice_inference.targets.quant_linear import (
     quant_pack,
     unpack,
 )
+from lattice_inference.models.gguf_quantized import attach_tensors, quantized_weights
 from lattice_testing.gguf_blocks import quantize
 
 gguf = pytest.importorskip("gguf")

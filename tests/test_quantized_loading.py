@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from lattice_inference.kernels import native_ops
+from lattice_inference.kernels.packed_linear import QUANT
 from lattice_inference.models.gguf_dequantized import load_gguf
 from lattice_inference.models.gguf_quantized import (
     QuantizedEmbedding,
@@ -23,8 +25,7 @@ from lattice_inference.models.gguf_quantized import (
 )
 from lattice_inference.models.load import load_model
 from lattice_inference.models.source import smollm2_gguf
-from lattice_inference.targets import make_target, native_ops
-from lattice_inference.targets.packed_linear import QUANT
+from lattice_inference.targets import make_target
 
 from .helpers import assert_same_tokenizer, skip_without_real_model
 

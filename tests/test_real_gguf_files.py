@@ -12,9 +12,9 @@ import pytest
 
 from lattice_inference import Generator
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prompts
+from lattice_inference.kernels import native_ops
 from lattice_inference.models.gguf_quantized import QuantizedEmbedding, quantized_weights
 from lattice_inference.models.load import load_model
-from lattice_inference.targets import native_ops
 from lattice_inference.targets.exactness import check_exactness
 from lattice_testing.real_files import missing, real_file
 

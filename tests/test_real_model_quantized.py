@@ -17,10 +17,10 @@ from lattice_inference import Generator
 from lattice_inference.api import mtp_head_for
 from lattice_inference.benchmark import GROUNDED_TASKS, encode_prompt, load_prompts
 from lattice_inference.devices import placement
+from lattice_inference.kernels import native_ops
 from lattice_inference.models.gguf_quantized import QuantizedEmbedding, quantized_weights
 from lattice_inference.models.load import load_model
 from lattice_inference.options import DecodeOptions
-from lattice_inference.targets import native_ops
 
 from .helpers import skip_without_real_model
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from lattice_inference.cpu_features import isa_ceiling
-from lattice_inference.targets import native_ops
-from lattice_inference.targets.packed_linear import pack_weight, packed_linear, packing_supported, rows_packed
+from lattice_inference.kernels import native_ops
+from lattice_inference.kernels.packed_linear import pack_weight, packed_linear, packing_supported, rows_packed
 
 
 @pytest.fixture(scope="module")

@@ -267,7 +267,7 @@ def test_a_template_with_a_tools_section_gets_the_tools_and_a_lossless_constrain
     """Qwen2.5's own template (a real GGUF file) renders the tools; its added ``<tool_call>`` token is text to the
     grammar (llguidance once allowed it in a mask and refused it when consumed); prompt lookup emits plain
     constrained decoding's call."""
-    from lattice_inference.targets import native_ops
+    from lattice_inference.kernels import native_ops
     from lattice_inference.tool_calls import template_has_tools
     from lattice_testing.real_files import missing, real_file
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lattice_inference.targets import native_ops
-from lattice_inference.targets.packed_linear import pack_weight, packed_linear, tile_packed
+from lattice_inference.kernels import native_ops
+from lattice_inference.kernels.packed_linear import pack_weight, packed_linear, tile_packed
 
 
 def _kernels() -> list[str]:

@@ -15,8 +15,15 @@ from typing import Any
 
 from lattice_inference.devices import DEVICE_HELP
 from lattice_inference.errors import ConfigError
-from lattice_inference.mtp.config import MAX_DRAFT_LENGTH, MIN_DRAFT_LENGTH
-from lattice_inference.options import DTYPE_NAMES, FORWARDS, KV_CACHES, MATCH_POLICIES, DecodeOptions
+from lattice_inference.options import (
+    DTYPE_NAMES,
+    FORWARDS,
+    KV_CACHES,
+    MATCH_POLICIES,
+    MAX_DRAFT_LENGTH,
+    MIN_DRAFT_LENGTH,
+    DecodeOptions,
+)
 from lattice_inference.sampling import SamplingOptions
 
 

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from lattice_inference.errors import ConfigError
-from lattice_inference.mtp.config import MAX_DRAFT_LENGTH, MIN_DRAFT_LENGTH
 from lattice_inference.sampling import SamplingOptions
 
+#: Reference limit: ``draft_length`` counts the target's own token, so 8 means at most 7 MTP drafts.
+MAX_DRAFT_LENGTH = 8
+MIN_DRAFT_LENGTH = 2
 #: Each method and the drafters it asks, in order of preference.
 METHOD_DRAFTERS: dict[str, tuple[str, ...]] = {
     "greedy": (),
@@ -277,7 +279,7 @@ class DecodeOptions(TargetFields):
     without sliding windows; 0: never). ``batched_verify`` runs each verification forward over all its rows at
     once with the model's own kernels instead of decode-matched (each row bit for bit the 1-token step's): faster
     where those kernels change their rounding with the row count, but then not guaranteed identical to plain
-    decoding (see `lattice_inference.targets.decode_matched`). ``forward``: ``lean`` runs the decoder loop from the
+    decoding (see `lattice_inference.kernels.decode_matched`). ``forward``: ``lean`` runs the decoder loop from the
     model's own modules without transformers' per-call plumbing (Llama, Qwen2, Qwen3; same logits, bit for bit),
     ``transformers`` the model's own forward, ``auto`` (default) lean where it applies. ``prefix_cache`` (default
     on) lets a prefill keep the cached rows of its prompt's longest prefix that the previous generation on the same

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lattice_inference.models.cache import cache_root
+from lattice_inference.cache_dir import cache_root
 
 
 @dataclass(frozen=True)

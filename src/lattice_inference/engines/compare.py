@@ -211,8 +211,7 @@ def compare(args: argparse.Namespace) -> int:
     is installed."""
     from lattice_inference.engines.vllm.mapping import check_mtp_head, check_sampling, refuse_unsupported
     from lattice_inference.engines.vllm.runtime import find_runtime
-    from lattice_inference.models.source import resolve_model
-    from lattice_inference.serve.command import served_name
+    from lattice_inference.models.source import resolve_model, served_name
 
     engines = parse_engines(args.engine, several=True)
     traces = _load_traces(args)

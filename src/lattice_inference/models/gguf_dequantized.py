@@ -28,9 +28,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from lattice_inference.cache_dir import cache_root
 from lattice_inference.devices import device_map
 from lattice_inference.errors import ModelLoadError
-from lattice_inference.models.cache import cache_root
 from lattice_inference.process import release_freed_memory
 
 GGUF_MAGIC = b"GGUF"

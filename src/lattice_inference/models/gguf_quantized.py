@@ -3,7 +3,7 @@ of a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file) kept in their blocks, computed natively.
 
 How: the model loads as before, dequantized to float32 through transformers (`gguf_dequantized.load_gguf`), which gives
 its structure, tokenizer, norms and embedding. Then every 2-d tensor of the file in a format our products compute
-(`targets.quant_linear.FORMATS`) is matched to the ``nn.Linear`` whose float32 weight it dequantizes to, bit for
+(`kernels.quant_linear.FORMATS`) is matched to the ``nn.Linear`` whose float32 weight it dequantizes to, bit for
 bit, and attached to it (`packed_linear.QUANT`, laid out by `quant_pack`); the module's dense copy is dropped
 (kept where it is also the input embedding: a tied ``lm_head``). Those layers then run on integer dot products
 over the file's blocks (``csrc/quant_linear.cpp``, inputs rounded to 8 bits as llama.cpp rounds them for each
@@ -48,10 +48,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lattice_inference.devices import WEIGHTS
 from lattice_inference.errors import ModelLoadError
+from lattice_inference.kernels.packed_linear import QUANT, pack_linears
+from lattice_inference.kernels.quant_linear import FORMATS, columns, dequantize, quant_pack
 from lattice_inference.models.gguf_index import GGUFIndex, StoredTensor, read_index
 from lattice_inference.process import release_freed_memory
-from lattice_inference.targets.packed_linear import QUANT, pack_linears
-from lattice_inference.targets.quant_linear import FORMATS, columns, dequantize, quant_pack
 
 _HASH_SEED = 0x5EED
 _ATTACHED = "_lattice_quantized"
@@ -286,7 +286,7 @@ def load_as_stored(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeniz
     import gguf
     import numpy as np
 
-    from lattice_inference.targets import native_ops
+    from lattice_inference.kernels import native_ops
 
     skeleton = _skeleton(path := Path(path))
     if skeleton is None:

@@ -109,7 +109,7 @@ def _causal_lm_class(source: ModelSource) -> Any:
 def bf16_products_run_here() -> bool:
     """Whether this CPU computes bfloat16 linear layers without torch's emulation: natively (AVX512_BF16, AMX) or
     on our row kernel from the bfloat16 bytes (AVX2 with FMA, AVX512F; `native_ops.rows`), half float32's reads."""
-    from lattice_inference.targets import native_ops
+    from lattice_inference.kernels import native_ops
 
     return has_native_bf16() or native_ops.rows() is not None
 
@@ -135,7 +135,7 @@ def keeps_quantized(dtype: str, source: ModelSource, device: str | torch.device 
     """Whether ``source`` loads with its quantized weights kept as stored (`gguf_quantized`): a GGUF
     file under ``--dtype auto`` on the CPU where our quantized products run (`native_ops.quant`: AVX2 with FMA, or
     AVX512BW); its other layers and its activations are float32. Elsewhere `torch_dtype` dequantizes it."""
-    from lattice_inference.targets import native_ops
+    from lattice_inference.kernels import native_ops
 
     return (
         dtype == "auto"

@@ -98,3 +98,10 @@ def resolve_model(model: str | Path | None) -> ModelSource:
             f"model '{name}' does not exist (expected a Hugging Face folder, a .gguf file, '{SMOLLM2}' or '{BUNDLED}')"
         )
     return ModelSource("hub", name, name)
+
+
+def served_name(model: str | None) -> str:
+    """The model id a server of ``--model`` answers to: ``smollm2``, ``bundled``, a hub id, or the last part of
+    a folder or file path."""
+    source = resolve_model(model)
+    return source.name if source.kind == "hub" else Path(source.name).name

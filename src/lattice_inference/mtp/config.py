@@ -18,16 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from lattice_inference.errors import ConfigError
-from lattice_inference.models.hybrid_families import (
+from lattice_inference.hybrid_families import (
     HYBRID_MODEL_TYPES,
     HYBRID_TEXT_MODEL_TYPES,
     is_hybrid_model_type,
     text_config_is_nested,
 )
-
-#: Reference limit: ``draft_length`` counts the target's own token, so 8 means at most 7 MTP drafts.
-MAX_DRAFT_LENGTH = 8
-MIN_DRAFT_LENGTH = 2
+from lattice_inference.options import MAX_DRAFT_LENGTH, MIN_DRAFT_LENGTH
 
 #: Key holding the number of MTP layers, per text model type (vLLM ``hf_config_override``).
 _MTP_LAYERS_KEY = {

@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from lattice_inference.errors import ConfigError, TokenError
+from lattice_inference.kernels.packed_linear import pack_weight, packable, packed_linear
 from lattice_inference.mtp.config import MtpConfig
 from lattice_inference.mtp.layer import LayerTensors, Linear, gqa_attention, mtp_layer, rope_inv_freq, swiglu
 from lattice_inference.mtp.weights import MtpWeights
 from lattice_inference.sampling import top_tokens
-from lattice_inference.targets.packed_linear import pack_weight, packable, packed_linear
 
 _INITIAL_CAPACITY = 256
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lattice_inference.flags import (
@@ -14,6 +13,7 @@ from lattice_inference.flags import (
     decode_options,
     positive_int,
 )
+from lattice_inference.models.source import served_name
 from lattice_inference.options import (
     MAX_BATCH,
     SHUTDOWN_TIMEOUT,
@@ -85,15 +85,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from lattice_inference.engines import add_engine_arguments
 
     add_engine_arguments(serve)
-
-
-def served_name(model: str | None) -> str:
-    """The model id a server of ``--model`` answers to: ``smollm2``, ``bundled``, a hub id, or the last part of
-    a folder or file path."""
-    from lattice_inference.models.source import resolve_model
-
-    source = resolve_model(model)
-    return source.name if source.kind == "hub" else Path(source.name).name
 
 
 def default_options(args: argparse.Namespace) -> DecodeOptions:

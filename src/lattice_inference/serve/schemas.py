@@ -13,8 +13,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lattice_inference.errors import ConfigError
-from lattice_inference.mtp.config import MAX_DRAFT_LENGTH, MIN_DRAFT_LENGTH
-from lattice_inference.options import METHODS, REQUEST_LENGTH_LIMIT, MatchPolicy
+from lattice_inference.options import MAX_DRAFT_LENGTH, METHODS, MIN_DRAFT_LENGTH, REQUEST_LENGTH_LIMIT, MatchPolicy
 from lattice_inference.sampling import SamplingOptions
 from lattice_inference.serve.errors import APIError, bad_request
 from lattice_inference.tool_calls import Tool, chosen_tools

@@ -1,7 +1,7 @@
 """The self-check of decode-matched verification: is a w-token forward's every row the 1-token step's, bitwise?
 
 A decode-matched target (`Target.decode_matched`) is built so that it should be (see
-`lattice_inference.targets.decode_matched`), but kernels differ between CPUs, GPUs and library versions, so the
+`lattice_inference.kernels.decode_matched`), but kernels differ between CPUs, GPUs and library versions, so the
 identity is checked on this machine, not assumed: over a scratch context, the logits of one forward of ``w``
 tokens are compared with those of ``w`` one-token forwards for every width the planner may use (and one draft
 tree where the target verifies trees). Where a width differs, `locate` names the first module whose output rows

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lattice_inference.targets.decode_matched import RowPlan
+    from lattice_inference.kernels.decode_matched import RowPlan
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from lattice_inference.targets import decode_matched
+from lattice_inference.kernels import decode_matched
 
 KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 """The delta-rule kernels of a GDN modeling module (chunked for prefill, recurrent for one-token decoding)."""

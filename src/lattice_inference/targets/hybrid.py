@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from lattice_inference.errors import ConfigError, UnsupportedModelError
-from lattice_inference.models.hybrid_families import HYBRID_MODEL_TYPES
+from lattice_inference.hybrid_families import HYBRID_MODEL_TYPES
 from lattice_inference.targets import gdn_dispatch
 from lattice_inference.targets.base import Target, TargetSequence
 from lattice_inference.targets.gated_deltanet import (

@@ -45,6 +45,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from lattice_inference.errors import ConfigError, TokenError
+from lattice_inference.kernels import decode_matched, native_ops
+from lattice_inference.kernels.packed_linear import packed_operands, quant_packed
 from lattice_inference.options import (
     PREFIX_BUDGET,
     PREFIX_BUDGET_FALLBACK,
@@ -52,7 +54,7 @@ from lattice_inference.options import (
     check_kv_cache,
     check_kv_slots,
 )
-from lattice_inference.targets import decode_matched, memory, native_ops, prompt_store
+from lattice_inference.targets import memory, prompt_store
 from lattice_inference.targets.base import Segment, SegmentOutput, Target, TargetSequence
 from lattice_inference.targets.kv_cache import CacheSlots, GrowableLayer
 from lattice_inference.targets.lean_forward import (
@@ -65,7 +67,6 @@ from lattice_inference.targets.lean_forward import (
     head_dim_of,
     visible_keys,
 )
-from lattice_inference.targets.packed_linear import packed_operands, quant_packed
 from lattice_inference.targets.prefix_reuse import CachedRows, KeptSequences, RowKey
 from lattice_inference.targets.prompt_store import PromptStore
 from lattice_inference.targets.transformers import FedRows, TransformersTarget, tree_depths, tree_mask

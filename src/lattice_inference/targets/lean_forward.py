@@ -18,10 +18,10 @@ import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from lattice_inference.targets import decode_matched
+from lattice_inference.kernels import decode_matched
+from lattice_inference.kernels.decode_matched import Product, RowPlan
+from lattice_inference.kernels.packed_linear import packed_operands, products
 from lattice_inference.targets.block_attention import block_attention, plan_blocks
-from lattice_inference.targets.decode_matched import Product, RowPlan
-from lattice_inference.targets.packed_linear import packed_operands, products
 
 if TYPE_CHECKING:
     from lattice_inference.targets.transformers import FedRows

@@ -25,11 +25,11 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 
 from lattice_inference.devices import first_weight
 from lattice_inference.errors import TokenError, UnsupportedModelError
-from lattice_inference.targets import decode_matched as decode_matched_module
+from lattice_inference.kernels import decode_matched as decode_matched_module
+from lattice_inference.kernels.packed_linear import pack_linears
 from lattice_inference.targets.base import Target, TargetSequence
 from lattice_inference.targets.kv_cache import GrowableLayer, record_past, use_growable_layers
 from lattice_inference.targets.model_view import runner_view
-from lattice_inference.targets.packed_linear import pack_linears
 
 
 def recurrent_layer_count(model: PreTrainedModel) -> int:
@@ -189,7 +189,7 @@ class CausalLMTarget(Target):
     per weight however many targets share the model).
 
     ``decode_matched`` (default on) computes every row of a `forward` of several tokens bit for bit as a 1-token
-    `forward` computes it (`lattice_inference.targets.decode_matched`: row-planned linear layers, per-row
+    `forward` computes it (`lattice_inference.kernels.decode_matched`: row-planned linear layers, per-row
     attention), so verification scores drafted tokens exactly as plain decoding would, in every dtype. Off, a
     forward runs the model's kernels over all its rows at once (faster where those kernels round differently).
     """

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lattice_inference.errors import ModelLoadError
-from lattice_inference.models.hybrid_families import is_hybrid_model_type
+from lattice_inference.hybrid_families import is_hybrid_model_type
 from lattice_inference.mtp.config import MtpConfig
 from lattice_inference.mtp.layer import LayerTensors, gqa_attention, mtp_layer, rope_inv_freq, swiglu
 

@@ -1,6 +1,6 @@
 """Where this package keeps what it makes once per machine and reuses: dequantized GGUF folders
-(`gguf_dequantized`), the native ops' builds (`targets.native_ops`), the real test files joined from their parts
-(`testing.real_files`)."""
+(`gguf_dequantized`), the native ops' builds (`kernels.native_ops`), the real test files joined from their parts
+(`lattice_testing.real_files`)."""
 
 from __future__ import annotations
 

@@ -201,7 +201,7 @@ def quant_pack(raw: torch.Tensor, kind: str) -> torch.Tensor:
     uint8 ``[out / 16, in / inputs, superblock]`` (see the module docstring and ``csrc/quant_linear.cpp``): in one
     native pass where the native ops are built (a load packs every matrix of the file: 0.05 s against 1.2 s for a
     0.5B Q4_K_M file), else by `pack_reference`, whose bytes it equals."""
-    from lattice_inference.targets import native_ops
+    from lattice_inference.kernels import native_ops
 
     _blocks(raw, kind)  # the format and the shape, checked as the reference checks them
     if raw.shape[0] % 16:

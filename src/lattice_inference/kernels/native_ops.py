@@ -40,8 +40,8 @@ from types import ModuleType
 
 import torch
 
+from lattice_inference.cache_dir import cache_root
 from lattice_inference.cpu_features import cpu_flags, native_compiler_flags
-from lattice_inference.models.cache import cache_root
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "lean_ops.cpp", CSRC / "tile_linear.cpp", CSRC / "rows_linear.cpp", CSRC / "quant_linear.cpp")

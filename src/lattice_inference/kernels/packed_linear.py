@@ -43,7 +43,7 @@ from a GGUF file runs as loaded, and the views of it keep that routing, one copy
 Only CPU modules whose weight a kernel here takes are touched (`packable`: ours, float32 and bfloat16 with out a
 multiple of 16, or oneDNN's: float32 everywhere, bfloat16 only with AVX512-BF16/AMX-class support). The results
 equal ``F.linear``'s up to float rounding (a different summation order), as any other kernel choice would. Inside a
-decode-matched forward each product runs under its row plan (`lattice_inference.targets.decode_matched`), so that
+decode-matched forward each product runs under its row plan (`lattice_inference.kernels.decode_matched`), so that
 its rows do not depend on how many there are.
 """
 
@@ -58,9 +58,8 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lattice_inference.process import release_freed_memory
-from lattice_inference.targets import native_ops
-from lattice_inference.targets.decode_matched import (
+from lattice_inference.kernels import native_ops
+from lattice_inference.kernels.decode_matched import (
     PRODUCT,
     Product,
     linear_key,
@@ -68,7 +67,8 @@ from lattice_inference.targets.decode_matched import (
     module_product,
     plain_linear,
 )
-from lattice_inference.targets.quant_linear import FORMATS, concat_packed, quant_format
+from lattice_inference.kernels.quant_linear import FORMATS, concat_packed, quant_format
+from lattice_inference.process import release_freed_memory
 
 _PACKED = "_lattice_packed_weight"
 QUANT = "_lattice_quant_weight"
