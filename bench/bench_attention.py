@@ -51,14 +51,25 @@ def main() -> None:
         measure(ops, total, args)
 
 
+def causal_chunk(
+    heads: int, kv_heads: int, head_dim: int, n: int, total: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The native attention op's operands for the last ``n`` rows of a ``total``-key cache attending causally
+    (random queries, keys and values; the key list; each row's span), and the multiply-adds of its scores and value
+    sums."""
+    start = total - n
+    q = torch.randn(heads, n, head_dim)
+    k_cache, v_cache = torch.randn(kv_heads, total, head_dim), torch.randn(kv_heads, total, head_dim)
+    spans = torch.tensor([[0, start + r + 1] for r in range(n)])
+    macs = 2 * heads * head_dim * sum(start + r + 1 for r in range(n))
+    return q, k_cache, v_cache, torch.arange(total), spans, macs
+
+
 def measure(ops: ModuleType, total: int, args: argparse.Namespace) -> None:
     """One ``--keys`` length: a chunk of ``--rows`` rows both ways and one decode row, printed as a table row."""
     h, kv, d, n = args.heads, args.kv_heads, args.head_dim, args.rows
     scale, start = d**-0.5, total - n
-    q = torch.randn(h, n, d)
-    k_cache, v_cache = torch.randn(kv, total, d), torch.randn(kv, total, d)
-    keys = torch.arange(total)
-    spans = torch.tensor([[0, start + r + 1] for r in range(n)])
+    q, k_cache, v_cache, keys, spans, macs = causal_chunk(h, kv, d, n, total)
     k_all, v_all = k_cache[None].repeat_interleave(h // kv, 1), v_cache[None].repeat_interleave(h // kv, 1)
     mask = torch.ones(n, total, dtype=torch.bool).tril(start)
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -66,7 +77,6 @@ def measure(ops: ModuleType, total: int, args: argparse.Namespace) -> None:
     sdpa_s = timed(lambda: sdpa(q[None], k_all, v_all, attn_mask=mask, scale=scale), args.reps)
     last = q[:, -1:].contiguous()
     one_s = timed(lambda: ops.attention(last, k_cache, v_cache, keys, spans[-1:], scale), 20)
-    macs = 2 * h * d * sum(start + r + 1 for r in range(n))
     print(
         f"{total:>6} {native_s * 1e3:>10.1f} {sdpa_s * 1e3:>8.1f} {native_s / sdpa_s:>11.2f}x "
         f"{macs / native_s / 1e9:>7.1f} {one_s * 1e6:>9.0f}",

@@ -22,44 +22,21 @@ through the target (the layer loop), so what the table misses shows as the diffe
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import time
 from types import ModuleType
 
 import torch
-from bench_attention import timed
+from bench_attention import causal_chunk, timed
+from bench_prefill import prefill_seconds
+from bench_serve_concurrency import cpu_line
 
 from lattice_inference.cli import quiet_transformers
 from lattice_inference.kernels import native_ops
 from lattice_inference.kernels.packed_linear import packed_operands
+from lattice_inference.kernels.quant_linear import quant_format
 from lattice_inference.models.load import load_model
 from lattice_inference.targets import LeanTarget, make_target
 from lattice_inference.targets.lean_forward import Layer, product
-
-FORMAT_OF_BYTES = {
-    544: "Q8_0",
-    288: "Q4_0",
-    320: "Q4_1",
-    352: "Q5_0",
-    384: "Q5_1",
-    2368: "Q4_K",
-    2880: "Q5_K",
-    3360: "Q6_K",
-}
-"""`quant_pack`'s superblock bytes (16 outputs) per format (``csrc/quant_linear.cpp``'s table)."""
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), for the printed header."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def packed_parts(group: list) -> list[torch.Tensor]:
@@ -76,7 +53,7 @@ def fmt_of(parts: list[torch.Tensor]) -> str:
     """The formats of a product's packed parts (``Q5_0`` or ``Q5_0+Q8_0``), or the dtype where not quantized."""
     names = []
     for part in parts:
-        name = FORMAT_OF_BYTES.get(part.shape[-1]) if part.dtype == torch.uint8 and part.dim() == 3 else None
+        name = quant_format(part) if part.dtype == torch.uint8 and part.dim() == 3 else None
         names.append(name or str(part.dtype).replace("torch.", ""))
     return "+".join(dict.fromkeys(names)) or "?"
 
@@ -123,7 +100,7 @@ def main() -> None:
     kernel = ops.quant_linear_tiles() or ops.quant_linear_kernel()
     int8_peak = INT8_MACS_PER_CYCLE.get(kernel, 64) * clock * args.threads
     print(
-        f"# {cpu_name()} at {clock:.2f} GHz; {args.threads} threads; quant kernel {ops.quant_linear_kernel()}"
+        f"# {cpu_line()}; {clock:.2f} GHz; {args.threads} threads; quant kernel {ops.quant_linear_kernel()}"
         f"{' + ' + ops.quant_linear_tiles() if ops.quant_linear_tiles() else ''}; model {args.model}; "
         f"{layers} layers; {n} rows a chunk"
     )
@@ -177,7 +154,7 @@ def main() -> None:
             f"attention {seconds / layer_s:.0%}; {n / (layer_s * layers):.0f} prompt rows/s from kernels alone"
         )
     prompt = torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
-    whole = whole_prefill(target, prompt, args.reps)
+    whole = statistics.median(prefill_seconds(target, prompt) for _ in range(args.reps))
     first = fixed + rows[-len(args.contexts.split(","))][1]
     print(
         f"whole prefill of {n} tokens: {whole * 1e3:.1f} ms ({n / whole:.0f} rows/s); kernels x {layers} layers at "
@@ -201,26 +178,8 @@ def attention_at(
 ) -> tuple[float, int]:
     """Seconds of one chunk of ``n`` rows attending causally to a cache of ``context`` keys (the chunk its last
     ``n``), and the multiply-adds of its scores and value sums."""
-    context = max(context, n)
-    start = context - n
-    q = torch.randn(heads, n, head_dim)
-    k_cache, v_cache = torch.randn(kv_heads, context, head_dim), torch.randn(kv_heads, context, head_dim)
-    keys = torch.arange(context)
-    spans = torch.tensor([[0, start + r + 1] for r in range(n)])
-    seconds = timed(lambda: ops.attention(q, k_cache, v_cache, keys, spans, head_dim**-0.5), reps)
-    return seconds, 2 * heads * head_dim * sum(start + r + 1 for r in range(n))
-
-
-def whole_prefill(target: LeanTarget, prompt: list[int], reps: int) -> float:
-    """Median seconds of a cold prefill of ``prompt`` on a new sequence (released after)."""
-    times = []
-    for _ in range(reps):
-        seq = target.new_sequence()
-        start = time.perf_counter()
-        target.prefill(seq, prompt)
-        times.append(time.perf_counter() - start)
-        target.release(seq)
-    return statistics.median(times)
+    q, k_cache, v_cache, keys, spans, macs = causal_chunk(heads, kv_heads, head_dim, n, max(context, n))
+    return timed(lambda: ops.attention(q, k_cache, v_cache, keys, spans, head_dim**-0.5), reps), macs
 
 
 def clock_ghz() -> float:

@@ -91,7 +91,7 @@ inline VI dot4_pair(VI acc, VI w0, VI x0, VI w1, VI x1) {
 // Whether `dot4_pair_scaled` costs less than `dot4_pair` and a multiply after (without VNNI: the scale takes the
 // place of the widening's ones).
 #if defined(__AVX512VNNI__)
-constexpr bool SCALE_IN_DOTS = false;
+constexpr bool SCALE_IN_DOTS = false;  // the two below are then never called (named only in discarded branches)
 inline VI scale_pairs(VI s) { return s; }
 inline VI dot4_pair_scaled(VI acc, VI w0, VI x0, VI w1, VI x1, VI s) {
   return {_mm512_add_epi32(acc.v, _mm512_mullo_epi32(dot4_pair({_mm512_setzero_si512()}, w0, x0, w1, x1).v, s.v))};
@@ -211,7 +211,9 @@ inline VI dot4_pair(VI acc, VI w0, VI x0, VI w1, VI x1) {
 }
 // `dot4_pair_scaled` of the AVX-512 build: each lane's scale (as two int16, `scale_pairs`) widens the pair sums.
 constexpr bool SCALE_IN_DOTS = true;
-inline VI scale_pairs(VI s) { return {_mm256_or_si256(s.lo, _mm256_slli_epi32(s.lo, 16)), _mm256_or_si256(s.hi, _mm256_slli_epi32(s.hi, 16))}; }
+inline VI scale_pairs(VI s) {
+  return {_mm256_or_si256(s.lo, _mm256_slli_epi32(s.lo, 16)), _mm256_or_si256(s.hi, _mm256_slli_epi32(s.hi, 16))};
+}
 inline __m256i dot4_pair_scaled_half(__m256i acc, __m256i w0, __m256i x0, __m256i w1, __m256i x1, __m256i s) {
   const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
